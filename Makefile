@@ -1,0 +1,43 @@
+# Two commands do everything on a fresh machine: `make run` and `make test`.
+# Both run `make setup` first; setup is idempotent and a no-op once done.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: help setup run test test-unit test-integration test-e2e lint format bench clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
+
+setup:  ## create .venv, install the CPU or GPU extra, prepare the embedded model (idempotent)
+	@VENV=$(VENV) scripts/setup.sh
+
+run: setup  ## serve the embedded model with n-gram speculative decoding on :8000
+	@PATH=$(CURDIR)/$(VENV)/bin:$$PATH launch/agg_spec_decoding.sh
+
+test: setup  ## run the whole test suite (unit, integration with nats-server, e2e with vLLM)
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-unit: setup  ## fast subset: pure logic only
+	$(PY) -m pytest tests -m unit $(PYTEST_ARGS)
+
+test-integration: setup  ## tests against a real nats-server (no engine)
+	$(PY) -m pytest tests -m integration $(PYTEST_ARGS)
+
+test-e2e: setup  ## tests with real vLLM engines on the embedded model
+	$(PY) -m pytest tests -m e2e $(PYTEST_ARGS)
+
+lint: setup  ## ruff
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup  ## apply ruff formatting and safe fixes
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: setup  ## run the benchmarks and print their ratios (see docs/benchmarks.md)
+	@PATH=$(CURDIR)/$(VENV)/bin:$$PATH benchmarks/run_all.sh
+
+clean:  ## remove the virtualenv and caches (the model cache in ~/.cache/dynamo stays)
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP frontend: `python -m dynamo.frontend`."""

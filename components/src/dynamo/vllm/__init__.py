@@ -1,0 +1,1 @@
+"""The vLLM worker: `python -m dynamo.vllm`."""

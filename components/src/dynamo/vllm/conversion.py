@@ -1,0 +1,174 @@
+"""Translation between the wire types and vLLM's request/response objects.
+
+Pure functions (no engine, no NATS) so the mapping is unit-testable. The engine runs with
+`detokenize=False` and `RequestOutputKind.DELTA`: the worker streams token ids only and the
+frontend owns detokenization and stop strings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind
+
+from dynamo.llm.protocols import (
+    CompletionUsage,
+    FinishReason,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    PromptTokensDetails,
+    SpecDecodeStats,
+    TokenLogprob,
+    TopLogprob,
+)
+
+# Sampling fields copied one-to-one when the request sets them.
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+def to_sampling_params(
+    request: PreprocessedRequest,
+    *,
+    model_defaults: dict[str, Any] | None = None,
+    max_model_len: int | None = None,
+    force_max_tokens: int | None = None,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> SamplingParams:
+    """Build vLLM `SamplingParams` for a request.
+
+    `model_defaults` are the model's generation-config defaults (vLLM's
+    `model_config.get_diff_sampling_param()`), applied where the request is silent, exactly
+    as `vllm serve` does. `force_max_tokens` overrides max_tokens (prefill legs use 1).
+    """
+    kwargs: dict[str, Any] = {}
+    for key, value in (model_defaults or {}).items():
+        if key in _SAMPLING_FIELDS or key == "max_tokens":
+            kwargs[key] = value
+    opts = request.sampling_options
+    for name in _SAMPLING_FIELDS:
+        value = getattr(opts, name)
+        if value is not None:
+            kwargs[name] = value
+
+    stop = request.stop_conditions
+    max_tokens = stop.max_tokens
+    if max_tokens is None and max_model_len is not None:
+        max_tokens = max(1, max_model_len - len(request.token_ids))
+    if force_max_tokens is not None:
+        max_tokens = force_max_tokens
+    if max_tokens is not None:
+        kwargs["max_tokens"] = max_tokens
+    if stop.min_tokens is not None:
+        kwargs["min_tokens"] = stop.min_tokens
+    if stop.stop_token_ids:
+        kwargs["stop_token_ids"] = list(stop.stop_token_ids)
+    kwargs["ignore_eos"] = bool(stop.ignore_eos)
+    if request.output_options.logprobs is not None:
+        kwargs["logprobs"] = request.output_options.logprobs
+
+    extra: dict[str, Any] = {}
+    if kv_transfer_params:
+        extra["kv_transfer_params"] = kv_transfer_params
+    return SamplingParams(
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=False,
+        skip_special_tokens=False,
+        extra_args=extra or None,
+        **kwargs,
+    )
+
+
+def to_prompt(request: PreprocessedRequest) -> TokensPrompt:
+    return TokensPrompt(prompt_token_ids=list(request.token_ids))
+
+
+def map_finish_reason(reason: str | None, stop_reason: int | str | None) -> FinishReason | None:
+    """vLLM's finish reasons → wire enum. vLLM says "stop" both for EOS (stop_reason None)
+    and for a stop token (stop_reason = the id); the distinction matters to clients."""
+    if reason is None:
+        return None
+    if reason == "stop":
+        return FinishReason.EOS if stop_reason is None else FinishReason.STOP
+    if reason == "length":
+        return FinishReason.LENGTH
+    if reason == "abort":
+        return FinishReason.CANCELLED
+    return FinishReason.ERROR
+
+
+def _logprobs(output: Any, token_ids: list[int]) -> list[TokenLogprob] | None:
+    if not output.logprobs:
+        return None
+    result: list[TokenLogprob] = []
+    for token_id, position in zip(token_ids, output.logprobs, strict=False):
+        chosen = position.get(token_id)
+        top = [TopLogprob(tid, float(lp.logprob)) for tid, lp in position.items()]
+        top.sort(key=lambda t: -t.logprob)
+        result.append(
+            TokenLogprob(
+                token_id=token_id,
+                logprob=float(chosen.logprob) if chosen is not None else float("-inf"),
+                top=top,
+            )
+        )
+    return result
+
+
+def spec_stats_from(output: Any) -> SpecDecodeStats | None:
+    """Per-request speculative statistics from vLLM's `RequestSpecDecodeMetrics`
+    (present on the final output when `per_request_spec_decode_metrics` is enabled)."""
+    metrics = getattr(output, "spec_decode_metrics", None)
+    if metrics is None:
+        return None
+    histogram = list(metrics.histogram)
+    steps = sum(histogram)
+    accepted = sum(j * count for j, count in enumerate(histogram))
+    return SpecDecodeStats(
+        num_drafts=steps,
+        num_draft_tokens=int(metrics.num_draft_tokens),
+        num_accepted_tokens=accepted,
+        acceptance_histogram=histogram,
+    )
+
+
+class OutputTracker:
+    """Turns one request's stream of DELTA `RequestOutput`s into `LLMEngineOutput`s,
+    counting completion tokens for the usage block of the final output."""
+
+    def __init__(self, prompt_len: int) -> None:
+        self.prompt_len = prompt_len
+        self.completion_tokens = 0
+
+    def convert(self, ro: RequestOutput) -> LLMEngineOutput:
+        out = ro.outputs[0]
+        token_ids = list(out.token_ids)
+        self.completion_tokens += len(token_ids)
+        result = LLMEngineOutput(token_ids=token_ids, log_probs=_logprobs(out, token_ids))
+        if out.finish_reason is not None or ro.finished:
+            result.finish_reason = map_finish_reason(out.finish_reason or "abort", out.stop_reason)
+            result.stop_reason = out.stop_reason
+            result.completion_usage = self.usage(ro.num_cached_tokens or 0)
+            result.spec_decode_stats = spec_stats_from(out)
+            if ro.kv_transfer_params:
+                result.disaggregated_params = dict(ro.kv_transfer_params)
+        return result
+
+    def usage(self, cached_tokens: int) -> CompletionUsage:
+        return CompletionUsage(
+            prompt_tokens=self.prompt_len,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_len + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )

@@ -1,0 +1,109 @@
+"""The worker's vLLM engine: an `AsyncLLM` plus the facts the model card advertises.
+
+Kept free of NATS: the handlers and `main` combine this with the runtime.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.usage.usage_lib import UsageContext
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from dynamo.llm.protocols import SpeculativeInfo
+from dynamo.vllm.engine_stats import EngineStats, make_stat_logger_factory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What a started engine can tell the router and frontend about itself."""
+
+    max_model_len: int
+    block_size: int
+    num_gpu_blocks: int
+    max_num_seqs: int
+    speculative: SpeculativeInfo | None
+    sampling_defaults: dict[str, Any]
+
+
+def speculative_info(spec_config: Any) -> SpeculativeInfo | None:
+    """Summarise vLLM's resolved `SpeculativeConfig` for the model card."""
+    if spec_config is None:
+        return None
+    method = str(getattr(spec_config, "method", None) or "unknown")
+    k = int(getattr(spec_config, "num_speculative_tokens", 0) or 0)
+    draft = getattr(spec_config, "model", None)
+    schedule = getattr(spec_config, "num_speculative_tokens_per_batch_size", None)
+    return SpeculativeInfo(
+        method=method,
+        num_speculative_tokens=k,
+        draft_model=str(draft) if draft else None,
+        schedule=[list(map(int, row)) for row in schedule] if schedule else None,
+    )
+
+
+class VllmEngine:
+    """Owns one `AsyncLLM`. `start()` blocks while vLLM loads weights and profiles memory
+    (tens of seconds on CPU); nothing is registered anywhere until it returns."""
+
+    def __init__(self, engine_args: AsyncEngineArgs) -> None:
+        self.engine_args = engine_args
+        self.stats = EngineStats()
+        self.llm: AsyncLLM | None = None
+        self.facts: EngineFacts | None = None
+
+    def start(self) -> EngineFacts:
+        args = self.engine_args
+        if args.speculative_config and getattr(args, "per_request_spec_decode_metrics", "none") == "none":
+            # Per-request acceptance statistics travel back in the final output.
+            args.per_request_spec_decode_metrics = "summary"
+        args.disable_log_stats = False  # the Prometheus and load metrics depend on stats
+        t0 = time.monotonic()
+        self.llm = AsyncLLM.from_engine_args(
+            args,
+            usage_context=UsageContext.OPENAI_API_SERVER,
+            stat_loggers=[make_stat_logger_factory(self.stats)],
+        )
+        cfg = self.llm.vllm_config
+        self.facts = EngineFacts(
+            max_model_len=int(cfg.model_config.max_model_len),
+            block_size=int(cfg.cache_config.block_size),
+            num_gpu_blocks=int(cfg.cache_config.num_gpu_blocks or 0),
+            max_num_seqs=int(cfg.scheduler_config.max_num_seqs),
+            speculative=speculative_info(cfg.speculative_config),
+            sampling_defaults=dict(cfg.model_config.get_diff_sampling_param()),
+        )
+        log.info(
+            "engine ready in %.1fs: max_model_len=%d block_size=%d kv_blocks=%d speculative=%s",
+            time.monotonic() - t0,
+            self.facts.max_model_len,
+            self.facts.block_size,
+            self.facts.num_gpu_blocks,
+            self.facts.speculative,
+        )
+        return self.facts
+
+    @property
+    def engine(self) -> AsyncLLM:
+        if self.llm is None:
+            raise RuntimeError("engine not started")
+        return self.llm
+
+    @property
+    def is_ready(self) -> bool:
+        return self.llm is not None and not self.llm.errored
+
+    async def clear_kv_blocks(self) -> bool:
+        """Drop every cached prefix block (running requests keep theirs)."""
+        return bool(await self.engine.reset_prefix_cache())
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None

@@ -1,0 +1,149 @@
+"""Endpoint handlers of the vLLM worker: `generate` (aggregated / decode / prefill) and
+`clear_kv_blocks`. Each handler is an async generator served by the runtime.
+
+Cancellation: when the client goes away the runtime closes the handler's generator and
+sets `ctx.is_stopped()`; both paths abort the request in vLLM so its KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from dynamo.llm.protocols import (
+    ClearKvBlocksResult,
+    FinishReason,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    WorkerType,
+)
+from dynamo.vllm.conversion import OutputTracker, to_prompt, to_sampling_params
+from dynamo.vllm.engine import VllmEngine
+
+log = logging.getLogger(__name__)
+
+
+class RequestCounters:
+    """Worker-level request counters exposed on /metrics."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.finished: dict[str, int] = {}
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
+        self.remote_prefill_used = 0
+
+    def finish(self, reason: str) -> None:
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+
+
+class GenerateHandler:
+    """Serves `generate` for one worker type.
+
+    - aggregated / decode: streams every step's accepted tokens (1..K+1 with speculation);
+      a decode worker passes the prefill worker's `kv_transfer_params` to the connector.
+    - prefill: runs the prompt with max_tokens=1 and `do_remote_decode`, returning the
+      connector's `kv_transfer_params` as `disaggregated_params`.
+    """
+
+    def __init__(
+        self,
+        engine: VllmEngine,
+        worker_type: WorkerType,
+        *,
+        on_engine_dead: Callable[[BaseException], None],
+        counters: RequestCounters | None = None,
+    ) -> None:
+        self.engine = engine
+        self.worker_type = worker_type
+        self.on_engine_dead = on_engine_dead
+        self.counters = counters or RequestCounters()
+
+    def _kv_transfer_params(self, request: PreprocessedRequest) -> dict[str, Any] | None:
+        if self.worker_type is WorkerType.PREFILL:
+            params = dict(request.kv_transfer_params or {})
+            params.setdefault("do_remote_decode", True)
+            return params
+        if request.prefill_result is not None and request.prefill_result.disaggregated_params:
+            self.counters.remote_prefill_used += 1
+            return dict(request.prefill_result.disaggregated_params)
+        return request.kv_transfer_params
+
+    async def generate(self, request: PreprocessedRequest, ctx: Any) -> AsyncIterator[LLMEngineOutput]:
+        facts = self.engine.facts
+        assert facts is not None, "handler served before the engine started"
+        prefill = self.worker_type is WorkerType.PREFILL
+        params = to_sampling_params(
+            request,
+            model_defaults=facts.sampling_defaults,
+            max_model_len=facts.max_model_len,
+            force_max_tokens=1 if prefill else None,
+            kv_transfer_params=self._kv_transfer_params(request),
+        )
+        request_id = ctx.id if getattr(ctx, "id", None) else request.request_id
+        tracker = OutputTracker(len(request.token_ids))
+        llm = self.engine.engine
+        finished = False
+        self.counters.in_flight += 1
+        self.counters.prompt_tokens += len(request.token_ids)
+        try:
+            async for ro in llm.generate(to_prompt(request), params, request_id):
+                out = tracker.convert(ro)
+                if out.finish_reason is not None:
+                    finished = True
+                    self.counters.finish(out.finish_reason.value)
+                    if out.completion_usage and out.completion_usage.prompt_tokens_details:
+                        self.counters.cached_prompt_tokens += (
+                            out.completion_usage.prompt_tokens_details.cached_tokens
+                        )
+                    if prefill:
+                        out.token_ids = []  # the decode worker produces the first token
+                yield out
+                if finished:
+                    return
+                if ctx.is_stopped():
+                    break
+            if not finished:
+                # The client cancelled (or vLLM ended the stream without a finish reason).
+                await self._abort(request_id)
+                self.counters.finish(FinishReason.CANCELLED.value)
+                yield LLMEngineOutput(
+                    finish_reason=FinishReason.CANCELLED,
+                    completion_usage=tracker.usage(0),
+                )
+                finished = True
+        except EngineDeadError as exc:
+            finished = True
+            log.error("vLLM engine died while serving %s: %s", request_id, exc)
+            self.counters.finish(FinishReason.ERROR.value)
+            self.on_engine_dead(exc)
+            yield LLMEngineOutput(finish_reason=FinishReason.ERROR, error=f"engine dead: {exc}")
+        finally:
+            self.counters.in_flight -= 1
+            if not finished:
+                await self._abort(request_id)
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await asyncio.shield(self.engine.engine.abort(request_id))
+        except Exception as exc:  # the engine may be gone during shutdown
+            log.debug("abort of %s failed: %s", request_id, exc)
+
+
+class ClearKvBlocksHandler:
+    """`clear_kv_blocks`: drop this worker's cached prefix blocks (used by tests, benchmarks
+    and operators after a weight update). The KV-event relay then reports the removals."""
+
+    def __init__(self, engine: VllmEngine, worker_id: int) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+
+    async def clear(self, request: Any, ctx: Any) -> AsyncIterator[ClearKvBlocksResult]:
+        ok = await self.engine.clear_kv_blocks()
+        message = "prefix cache cleared" if ok else "prefix cache not cleared (requests running?)"
+        log.info("clear_kv_blocks: %s", message)
+        yield ClearKvBlocksResult(worker_id=self.worker_id, cleared=ok, message=message)

@@ -1,0 +1,119 @@
+"""The worker's system HTTP server (`--system-port`): `/metrics`, `/health`, `/live`.
+
+`/metrics` re-exposes vLLM's own Prometheus metrics (they live in the process-global
+registry, including `vllm:spec_decode_*`) and adds `dynamo_worker_*` series derived from
+the engine's stat logger, read at scrape time so nothing is updated on the hot path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+from aiohttp import web
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from dynamo.vllm.engine_stats import EngineStats
+from dynamo.vllm.handlers import RequestCounters
+
+log = logging.getLogger(__name__)
+
+
+class WorkerCollector(Collector):
+    """Worker-level series; `labels` identify the worker (model, worker type, instance)."""
+
+    def __init__(self, stats: EngineStats, counters: RequestCounters, labels: dict[str, str]) -> None:
+        self.stats = stats
+        self.counters = counters
+        self.labels = labels
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=list(self.labels))
+        g.add_metric(list(self.labels.values()), value)
+        return g
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        snap = self.stats.snapshot
+        spec = self.stats.spec
+        lv = list(self.labels.values())
+        yield self._gauge("dynamo_worker_requests_in_flight", "Requests being generated", self.counters.in_flight)
+        yield self._gauge("dynamo_worker_running_requests", "Requests running in the engine", snap.running)
+        yield self._gauge("dynamo_worker_waiting_requests", "Requests waiting in the engine", snap.waiting)
+        yield self._gauge("dynamo_worker_kv_cache_usage", "Fraction of KV blocks in use", snap.kv_usage)
+        finished = CounterMetricFamily(
+            "dynamo_worker_requests", "Finished requests by finish reason", labels=[*self.labels, "reason"]
+        )
+        for reason, n in sorted(self.counters.finished.items()):
+            finished.add_metric([*lv, reason], n)
+        yield finished
+        cached = CounterMetricFamily(
+            "dynamo_worker_cached_prompt_tokens", "Prompt tokens served from the prefix cache or a KV connector",
+            labels=list(self.labels),
+        )
+        cached.add_metric(lv, self.counters.cached_prompt_tokens)
+        yield cached
+        yield self._gauge(
+            "dynamo_worker_spec_decode_acceptance_rate",
+            "Accepted draft tokens / proposed draft tokens since start",
+            spec.acceptance_rate,
+        )
+        yield self._gauge(
+            "dynamo_worker_spec_decode_mean_acceptance_length",
+            "Tokens produced per verification step (bonus token included) since start",
+            spec.mean_acceptance_length,
+        )
+        per_pos = GaugeMetricFamily(
+            "dynamo_worker_spec_decode_acceptance_per_position",
+            "Fraction of drafts whose token at this position was accepted",
+            labels=[*self.labels, "position"],
+        )
+        for i, rate in enumerate(spec.per_position_rate()):
+            per_pos.add_metric([*lv, str(i)], rate)
+        yield per_pos
+
+
+class SystemServer:
+    """Small aiohttp app; `is_healthy` is evaluated per request."""
+
+    def __init__(self, host: str, port: int, is_healthy: Callable[[], tuple[bool, str]]) -> None:
+        self.host = host
+        self.port = port
+        self.is_healthy = is_healthy
+        self.registry: CollectorRegistry = REGISTRY
+        self._runner: web.AppRunner | None = None
+
+    def add_collector(self, collector: Collector) -> None:
+        self.registry.register(collector)
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def _health(self, _: web.Request) -> web.Response:
+        ok, detail = self.is_healthy()
+        return web.json_response({"status": "healthy" if ok else "unhealthy", "detail": detail}, status=200 if ok else 503)
+
+    async def _live(self, _: web.Request) -> web.Response:
+        return web.json_response({"status": "alive"})
+
+    async def start(self) -> int:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/live", self._live)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        sockets = site._server.sockets if site._server else []  # noqa: SLF001 - aiohttp exposes no public getter
+        if sockets:
+            self.port = sockets[0].getsockname()[1]
+        log.info("system server on http://%s:%d (/metrics /health /live)", self.host, self.port)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

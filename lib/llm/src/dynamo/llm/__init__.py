@@ -1,0 +1,1 @@
+"""LLM layer: wire protocols, model card, embedded models, KV-aware routing."""

@@ -1,0 +1,263 @@
+"""Wire types of the LLM layer: the one place that defines what crosses NATS.
+
+Every message between frontend, router and workers is one of these `msgspec.Struct`s,
+encoded with msgpack (`encode` / `decode_*` below). Unknown fields are ignored on decode
+(msgspec's default for structs), so old and new components can talk during a rollout.
+The runtime layer (`dynamo.runtime.wire`) owns only its own framing; it never looks inside.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence ended, as carried on the wire (mapped to OpenAI's names by the frontend)."""
+
+    EOS = "eos"  # the model produced an end-of-sequence token
+    LENGTH = "length"  # max_tokens or the context length was reached
+    STOP = "stop"  # a stop token id or stop string matched
+    ERROR = "error"  # the engine failed this request
+    CANCELLED = "cancelled"  # the client went away / the request was aborted
+
+
+class WorkerType(str, enum.Enum):
+    """What a worker instance does in the serving graph."""
+
+    AGGREGATED = "agg"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class SamplingOptions(msgspec.Struct, omit_defaults=True):
+    """Sampling knobs; `None` means "the engine's default"."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+
+class StopConditions(msgspec.Struct, omit_defaults=True):
+    """When the engine must stop. Stop *strings* are applied by the frontend (it detokenizes);
+    they travel here only so a worker can log them."""
+
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+
+class OutputOptions(msgspec.Struct, omit_defaults=True):
+    """What extra output the client asked for."""
+
+    logprobs: int | None = None  # number of top logprobs per generated token
+    prompt_logprobs: int | None = None
+
+
+class RoutingHints(msgspec.Struct, omit_defaults=True):
+    """Routing decisions made by the frontend, passed along for logging and metrics."""
+
+    backend_instance_id: int | None = None
+    prefill_instance_id: int | None = None
+    overlap_blocks: int | None = None
+
+
+class PrefillResult(msgspec.Struct, omit_defaults=True):
+    """What a prefill worker handed back, forwarded to the decode worker."""
+
+    disaggregated_params: dict[str, Any] = msgspec.field(default_factory=dict)
+    prompt_tokens_details: dict[str, Any] | None = None
+
+
+class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
+    """A tokenized, validated request ready for a worker's `generate` endpoint."""
+
+    request_id: str
+    model: str
+    token_ids: list[int]
+    sampling_options: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
+    stop_conditions: StopConditions = msgspec.field(default_factory=StopConditions)
+    output_options: OutputOptions = msgspec.field(default_factory=OutputOptions)
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    routing: RoutingHints | None = None
+    prefill_result: PrefillResult | None = None
+    # Extra engine parameters for special legs, e.g. {"do_remote_decode": True} on a prefill.
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(msgspec.Struct, omit_defaults=True):
+    cached_tokens: int = 0
+
+
+class CompletionUsage(msgspec.Struct, omit_defaults=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class SpecDecodeStats(msgspec.Struct, omit_defaults=True):
+    """Per-request speculative decoding statistics, sent in the final output."""
+
+    num_drafts: int = 0  # verification steps that carried draft tokens
+    num_draft_tokens: int = 0  # draft tokens proposed
+    num_accepted_tokens: int = 0  # draft tokens accepted by the target
+    # acceptance_histogram[j] = verification steps that accepted exactly j draft tokens
+    acceptance_histogram: list[int] | None = None
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens produced per verification step, bonus token included."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+class TopLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, omit_defaults=True):
+    token_id: int
+    logprob: float
+    top: list[TopLogprob] | None = None
+
+
+class LLMEngineOutput(msgspec.Struct, omit_defaults=True):
+    """One step of a worker's response stream.
+
+    `token_ids` are the tokens produced this step: 1..K+1 with speculation (DELTA mode).
+    The last output of a stream carries `finish_reason` and `completion_usage`.
+    """
+
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    log_probs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    completion_usage: CompletionUsage | None = None
+    disaggregated_params: dict[str, Any] | None = None
+    spec_decode_stats: SpecDecodeStats | None = None
+    error: str | None = None
+
+
+# --------------------------------------------------------------------------- model card
+
+
+class SpeculativeInfo(msgspec.Struct, omit_defaults=True):
+    """What speculation a worker runs, advertised so the router can count speculative slots."""
+
+    method: str
+    num_speculative_tokens: int
+    draft_model: str | None = None
+    # Dynamic speculation: [[batch_lo, batch_hi, K], ...]
+    schedule: list[list[int]] | None = None
+
+
+class ModelCard(msgspec.Struct, omit_defaults=True):
+    """Everything a frontend needs to serve a model a worker registered."""
+
+    name: str  # the served model name clients use
+    namespace: str
+    component: str
+    endpoint: str
+    instance_id: int
+    worker_type: WorkerType = WorkerType.AGGREGATED
+    source_path: str | None = None  # model path on the worker (informational)
+    context_length: int = 0
+    kv_block_size: int = 0
+    total_kv_blocks: int = 0
+    max_num_seqs: int = 0
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    # Object store bucket/prefix holding tokenizer files (tokenizer.json, config, template).
+    tokenizer_bucket: str | None = None
+    tokenizer_files: list[str] = msgspec.field(default_factory=list)
+    tokenizer_digest: str | None = None
+    speculative: SpeculativeInfo | None = None
+    system_port: int | None = None
+
+
+# --------------------------------------------------------------------------- KV events
+
+
+class KvBlockStored(msgspec.Struct, tag="stored", omit_defaults=True):
+    """Blocks that became immutable on a worker. Hashes are content hashes
+    (`dynamo.llm.kv_router.hashing`), chained from `parent_hash` (None = first block)."""
+
+    block_hashes: list[int]
+    parent_hash: int | None = None
+
+
+class KvBlockRemoved(msgspec.Struct, tag="removed"):
+    block_hashes: list[int]
+
+
+class KvAllCleared(msgspec.Struct, tag="cleared"):
+    pass
+
+
+KvEventData = KvBlockStored | KvBlockRemoved | KvAllCleared
+
+
+class RouterEvent(msgspec.Struct):
+    """A KV-cache event of one worker, as published on its JetStream subject."""
+
+    worker_id: int
+    event_id: int
+    data: KvEventData
+
+
+class LoadMetrics(msgspec.Struct, omit_defaults=True):
+    """Load snapshot a worker publishes on its core-NATS metrics subject."""
+
+    worker_id: int
+    active_requests: int = 0
+    waiting_requests: int = 0
+    active_blocks: int = 0  # includes speculative slots
+    total_blocks: int = 0
+    kv_usage: float = 0.0
+
+
+class ClearKvBlocksResult(msgspec.Struct):
+    worker_id: int
+    cleared: bool
+    message: str = ""
+
+
+# --------------------------------------------------------------------------- codec
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(obj: Any) -> bytes:
+    """Encode any wire struct (or plain msgpack-able value) to bytes."""
+    return _encoder.encode(obj)
+
+
+def decode(data: bytes, type_: type[T]) -> T:
+    """Decode bytes to a wire struct; raises `msgspec.ValidationError` on a bad shape."""
+    return msgspec.msgpack.decode(data, type=type_)
+
+
+def convert(obj: Any, type_: type[T]) -> T:
+    """Convert an already-decoded msgpack value (dicts/lists) into a wire struct."""
+    return msgspec.convert(obj, type=type_)
+
+
+def to_builtins(obj: Any) -> Any:
+    return msgspec.to_builtins(obj)

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One-command, idempotent setup: virtualenv, the right vLLM build, the embedded model.
+# Called by `make setup` (and so by `make run` / `make test`). A second run is a no-op.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+STAMP="$VENV/.dynamo-setup"
+MODEL=${DYN_DEFAULT_MODEL:-smollm2-135m-instruct}
+
+step_start=$(date +%s)
+say() { printf '[setup %4ss] %s\n' "$(( $(date +%s) - step_start ))" "$*"; }
+
+# The extra follows the hardware: the CUDA build where an NVIDIA GPU is visible, else CPU.
+if [[ -n "${DYN_EXTRA:-}" ]]; then
+  extra=$DYN_EXTRA
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  extra=gpu
+else
+  extra=cpu
+fi
+
+# What the installed environment must match: dependency spec + extra + interpreter.
+want="$(sha256sum pyproject.toml | cut -c1-16) extra=$extra py=$($PYTHON -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]] \
+   && "$VENV/bin/python" -m dynamo.llm.models path "$MODEL" >/dev/null 2>&1; then
+  say "ready: $VENV ($extra build) and model $MODEL already prepared; nothing to do"
+  exit 0
+fi
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+  say "creating virtualenv $VENV with $($PYTHON --version)"
+  $PYTHON -m venv "$VENV"
+fi
+
+if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$want" ]]; then
+  say "installing the project with extras [$extra,dev] (vLLM, torch, NATS, ...): this takes a few minutes"
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip 'setuptools>=70' wheel
+  "$VENV/bin/python" -m pip install --progress-bar off -e ".[$extra,dev]" 2>&1 \
+    | grep -Ev '^(WARNING: Location|  Downloading|Requirement already satisfied)' || true
+  if ! "$VENV/bin/python" -c 'import vllm, nats, msgspec' 2>/dev/null; then
+    say "error: the install did not complete (import vllm/nats/msgspec failed); see the pip output above" >&2
+    exit 1
+  fi
+  if [[ "$extra" == cpu ]]; then
+    # PyPI's torchvision/torchaudio/torchcodec are built against the CUDA torch and break
+    # `import transformers` beside a +cpu torch ("operator torchvision::nms does not exist").
+    say "removing torchvision/torchaudio/torchcodec (incompatible with the +cpu torch)"
+    "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+  "$VENV/bin/python" -c 'import dynamo.runtime, dynamo.llm, dynamo.vllm, dynamo.frontend' \
+    || { say "error: project packages do not import" >&2; exit 1; }
+  say "installed"
+fi
+
+say "preparing the embedded model $MODEL"
+"$VENV/bin/python" -m dynamo.llm.models prepare "$MODEL"
+
+echo "$want" > "$STAMP"
+say "setup complete"
