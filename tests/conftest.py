@@ -12,7 +12,19 @@ from pathlib import Path
 
 import pytest
 
-_FOLDER_MARKS = {"unit": pytest.mark.unit, "integration": pytest.mark.integration, "e2e": pytest.mark.e2e}
+from dynamo.runtime.nats_server import NatsServer
+
+_FOLDER_MARKS = {
+    "unit": pytest.mark.unit,
+    "integration": pytest.mark.integration,
+    "e2e": pytest.mark.e2e,
+}
+
+# Small, CPU-friendly defaults for every vLLM engine a test starts (inherited by children).
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -24,19 +36,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def nats_server() -> Iterator["object"]:
+def nats_server() -> Iterator[NatsServer]:
     """A real nats-server with JetStream on an ephemeral port, for the whole session."""
-    from dynamo.runtime.nats_server import NatsServer
-
     server = NatsServer().start()
     try:
         yield server
     finally:
-        server.stop()
+        server.close()
 
 
 @pytest.fixture(scope="session")
-def nats_url(nats_server) -> str:
+def nats_url(nats_server: NatsServer) -> str:
     return nats_server.url
 
 
@@ -46,13 +56,3 @@ def embedded_model() -> Path:
     from dynamo.llm.models import DEFAULT_MODEL, prepare_model
 
     return prepare_model(DEFAULT_MODEL)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _engine_env() -> None:
-    """Small, CPU-friendly defaults for any vLLM engine a test starts."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

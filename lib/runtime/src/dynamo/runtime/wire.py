@@ -1,0 +1,131 @@
+"""The runtime's own framing: request envelopes, response frames, control messages and
+instance records. Payloads inside are opaque here (the LLM layer defines them in
+`dynamo.llm.protocols`); they are embedded as already-encoded msgpack (`msgspec.Raw`),
+so nothing is encoded twice.
+
+Response stream, one NATS message per frame, published to the request's reply inbox:
+
+    [seq, DATA,  payload]          one response item
+    [seq, BATCH, [payload, ...]]   several items that were ready at once
+    [seq, END,   nil]              the handler finished
+    [seq, ERROR, [type, message]]  the handler raised (terminal)
+
+`seq` counts frames from 0 so a receiver detects a lost frame.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+import msgspec
+
+
+class FrameKind(enum.IntEnum):
+    DATA = 0
+    BATCH = 1
+    END = 2
+    ERROR = 3
+
+
+class ControlAction(enum.IntEnum):
+    STOP = 0  # the client went away: stop generating, close the handler
+
+
+class InstanceStatus(str, enum.Enum):
+    READY = "ready"  # routable
+    DRAINING = "draining"  # alive, finishing in-flight work, takes no new requests
+
+
+class InstanceInfo(msgspec.Struct, omit_defaults=True):
+    """The value of an instance key in the discovery bucket."""
+
+    namespace: str
+    component: str
+    endpoint: str
+    instance_id: int
+    subject: str
+    status: InstanceStatus = InstanceStatus.READY
+    hostname: str = ""
+    pid: int = 0
+    started_at: float = msgspec.field(default_factory=time.time)
+    metadata: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
+_frame_decoder = msgspec.msgpack.Decoder(tuple[int, FrameKind, msgspec.Raw])
+_batch_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_error_decoder = msgspec.msgpack.Decoder(tuple[str, str])
+_control_decoder = msgspec.msgpack.Decoder(tuple[str, ControlAction])
+_instance_decoder = msgspec.msgpack.Decoder(InstanceInfo)
+
+
+def encode(obj: Any) -> bytes:
+    """msgpack-encode any payload (msgspec Structs, builtins)."""
+    return _encoder.encode(obj)
+
+
+def encode_request(request_id: str, payload: Any) -> bytes:
+    return _encoder.encode((request_id, payload))
+
+
+def decode_request(data: bytes) -> tuple[str, msgspec.Raw]:
+    return _request_decoder.decode(data)
+
+
+def encode_data(seq: int, item: bytes) -> bytes:
+    return _encoder.encode((seq, FrameKind.DATA, msgspec.Raw(item)))
+
+
+def encode_batch(seq: int, items: list[bytes]) -> bytes:
+    return _encoder.encode((seq, FrameKind.BATCH, [msgspec.Raw(i) for i in items]))
+
+
+def encode_end(seq: int) -> bytes:
+    return _encoder.encode((seq, FrameKind.END, None))
+
+
+def encode_error(seq: int, error_type: str, message: str) -> bytes:
+    return _encoder.encode((seq, FrameKind.ERROR, (error_type, message)))
+
+
+def decode_frame(data: bytes) -> tuple[int, FrameKind, msgspec.Raw]:
+    return _frame_decoder.decode(data)
+
+
+def decode_batch(body: msgspec.Raw) -> list[msgspec.Raw]:
+    return _batch_decoder.decode(body)
+
+
+def decode_error(body: msgspec.Raw) -> tuple[str, str]:
+    return _error_decoder.decode(body)
+
+
+def encode_control(reply_subject: str, action: ControlAction) -> bytes:
+    return _encoder.encode((reply_subject, action))
+
+
+def decode_control(data: bytes) -> tuple[str, ControlAction]:
+    return _control_decoder.decode(data)
+
+
+def encode_instance(info: InstanceInfo) -> bytes:
+    return _encoder.encode(info)
+
+
+def decode_instance(data: bytes) -> InstanceInfo:
+    return _instance_decoder.decode(data)
+
+
+_typed_decoders: dict[Any, msgspec.msgpack.Decoder] = {}
+
+
+def decoder_for(type_: Any) -> msgspec.msgpack.Decoder:
+    """A cached msgpack decoder for `type_` (None = plain builtins)."""
+    decoder = _typed_decoders.get(type_)
+    if decoder is None:
+        decoder = msgspec.msgpack.Decoder(type_) if type_ is not None else msgspec.msgpack.Decoder()
+        _typed_decoders[type_] = decoder
+    return decoder
