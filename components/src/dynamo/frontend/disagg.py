@@ -1,0 +1,103 @@
+"""Disaggregated serving as an `EngineClient`: prefill on one worker, decode on another.
+
+The prefill leg is the request with `max_tokens=1` and
+`kv_transfer_params={"do_remote_decode": true}`; the prefill worker computes the prompt's
+KV cache, hands it to its KV connector and answers with `disaggregated_params`. Those go
+into `prefill_result` of the same request sent to a decode worker, whose connector loads
+the cache instead of recomputing it. When no prefill worker is up or the prefill leg fails,
+the decode worker prefills itself: slower, but the request still succeeds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+
+from dynamo.frontend.engine_client import EngineClient, EngineFailedError, EngineUnavailableError
+from dynamo.llm.protocols import (
+    FinishReason,
+    LLMEngineOutput,
+    PrefillResult,
+    PreprocessedRequest,
+)
+
+log = logging.getLogger(__name__)
+
+# Called with (model, reason) when decode has to prefill by itself.
+FallbackHook = Callable[[str, str], None]
+
+
+class DisaggregatedEngineClient:
+    """Runs the prefill leg, then streams the decode leg."""
+
+    def __init__(
+        self,
+        prefill: EngineClient,
+        decode: EngineClient,
+        on_fallback: FallbackHook | None = None,
+    ) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self._on_fallback = on_fallback
+        self.remote_prefills = 0
+        self.local_prefills = 0
+
+    def instance_ids(self) -> list[int]:
+        return self.decode.instance_ids()
+
+    async def generate(self, request: PreprocessedRequest) -> AsyncIterator[LLMEngineOutput]:
+        result = await self._prefill(request)
+        decode_request = msgspec.structs.replace(request, prefill_result=result)
+        stream = self.decode.generate(decode_request)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    async def close(self) -> None:
+        """Nothing to release: both legs' clients belong to the model registry."""
+
+    async def _prefill(self, request: PreprocessedRequest) -> PrefillResult | None:
+        if not self.prefill.instance_ids():
+            return self._fallback(request, "no prefill worker")
+        leg = prefill_leg(request)
+        params = None
+        details = None
+        stream = self.prefill.generate(leg)
+        try:
+            async for output in stream:
+                if output.error is not None or output.finish_reason is FinishReason.ERROR:
+                    return self._fallback(request, output.error or "prefill failed")
+                if output.disaggregated_params:
+                    params = output.disaggregated_params
+                if output.completion_usage and output.completion_usage.prompt_tokens_details:
+                    details = msgspec.to_builtins(output.completion_usage.prompt_tokens_details)
+        except (EngineUnavailableError, EngineFailedError) as exc:
+            return self._fallback(request, str(exc))
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        if not params:
+            return self._fallback(request, "prefill worker returned no transfer parameters")
+        self.remote_prefills += 1
+        return PrefillResult(disaggregated_params=params, prompt_tokens_details=details)
+
+    def _fallback(self, request: PreprocessedRequest, reason: str) -> None:
+        self.local_prefills += 1
+        log.warning("request %s: decode worker prefills locally (%s)", request.request_id, reason)
+        if self._on_fallback is not None:
+            self._on_fallback(request.model, reason)
+        return None
+
+
+def prefill_leg(request: PreprocessedRequest) -> PreprocessedRequest:
+    """The request as sent to a prefill worker: one token, KV handed off for remote decode."""
+    stop = msgspec.structs.replace(request.stop_conditions, max_tokens=1, min_tokens=None)
+    return msgspec.structs.replace(
+        request,
+        stop_conditions=stop,
+        kv_transfer_params={"do_remote_decode": True},
+        prefill_result=None,
+    )

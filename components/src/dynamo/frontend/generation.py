@@ -1,0 +1,172 @@
+"""Runs one prepared request on an engine and writes the HTTP response.
+
+The flow is the same for both OpenAI endpoints; only the `ResponseFormatter` differs:
+
+1. open the engine stream and wait for its first batch, so that "no worker" (503) or an
+   engine failure (500) can still be reported with a proper status code;
+2. stream: one SSE write per batch of engine outputs (outputs that queued up are
+   coalesced by `EngineStream`), then the usage chunk and `[DONE]`;
+   unary: accumulate and send one JSON body;
+3. always close the engine stream: after a stop string, an error, or a client that went
+   away, this cancels the request on the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from dynamo.frontend.engine_client import EngineClient, EngineFailedError, EngineUnavailableError
+from dynamo.frontend.engine_stream import EngineStream
+from dynamo.frontend.errors import OpenAIError, engine_error, error_event, no_workers
+from dynamo.frontend.metrics import RequestMetrics
+from dynamo.frontend.postprocessor import Postprocessor, TextDelta
+from dynamo.frontend.preprocessor import Prepared
+from dynamo.frontend.responses import SSE_DONE, ResponseFormatter
+from dynamo.llm.protocols import LLMEngineOutput
+
+log = logging.getLogger(__name__)
+
+# Status recorded for requests whose client disconnected (nginx's convention).
+CLIENT_CLOSED = 499
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # proxies must not buffer the stream
+}
+
+
+@dataclass
+class Generation:
+    """Everything needed to serve one request."""
+
+    model: str
+    prepared: Prepared
+    engine: EngineClient
+    postprocessor: Postprocessor
+    formatter: ResponseFormatter
+    metrics: RequestMetrics
+
+
+async def serve(http_request: web.Request, gen: Generation) -> web.StreamResponse:
+    """Run `gen` and return its HTTP response. Never leaves the engine stream open."""
+    status = 500
+    stream = EngineStream(gen.engine.generate(gen.prepared.request))
+    try:
+        first = await _next_batch(stream, gen.model)
+        if gen.prepared.plan.stream:
+            response, status = await _stream(http_request, gen, stream, first)
+        else:
+            response = await _unary(gen, stream, first)
+            status = response.status
+        return response
+    except OpenAIError as exc:
+        status = exc.status
+        raise
+    except asyncio.CancelledError:  # the client went away (aiohttp cancels the handler)
+        status = CLIENT_CLOSED
+        gen.metrics.disconnected()
+        raise
+    finally:
+        await stream.aclose()
+        gen.metrics.spec_decode(gen.postprocessor.spec_stats)
+        gen.metrics.finish(status)
+
+
+async def _next_batch(stream: EngineStream, model: str) -> list[LLMEngineOutput]:
+    try:
+        return await stream.next_batch()
+    except EngineUnavailableError as exc:
+        log.warning("no worker for %s: %s", model, exc)
+        raise no_workers(model) from exc
+    except EngineFailedError as exc:
+        raise engine_error(str(exc)) from exc
+    except Exception as exc:  # a transport bug must still end as an OpenAI error
+        log.exception("engine stream for %s failed unexpectedly", model)
+        raise engine_error(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _process(gen: Generation, batch: list[LLMEngineOutput]) -> TextDelta:
+    delta = gen.postprocessor.process(batch) if batch else gen.postprocessor.end_of_stream()
+    gen.metrics.tokens(delta.token_count)
+    return delta
+
+
+async def _unary(
+    gen: Generation, stream: EngineStream, batch: list[LLMEngineOutput]
+) -> web.Response:
+    while True:
+        delta = _process(gen, batch)
+        if delta.error is not None:
+            raise engine_error(delta.error)
+        gen.formatter.add(delta)
+        if gen.postprocessor.finished:
+            break
+        batch = await _next_batch(stream, gen.model)
+    body = gen.formatter.body(gen.postprocessor.usage())
+    return web.Response(
+        body=body,
+        content_type="application/json",
+        headers={"X-Request-Id": gen.prepared.request.request_id},
+    )
+
+
+async def _stream(
+    http_request: web.Request,
+    gen: Generation,
+    stream: EngineStream,
+    batch: list[LLMEngineOutput],
+) -> tuple[web.StreamResponse, int]:
+    """Write SSE events until the response ends; returns (response, status for metrics)."""
+    response = web.StreamResponse(
+        headers={**SSE_HEADERS, "X-Request-Id": gen.prepared.request.request_id}
+    )
+    await response.prepare(http_request)
+    try:
+        status = await _write_events(response, gen, stream, batch)
+        await response.write_eof()
+    except ConnectionResetError:  # the client closed the connection under a write
+        gen.metrics.disconnected()
+        status = CLIENT_CLOSED
+    return response, status
+
+
+async def _write_events(
+    response: web.StreamResponse,
+    gen: Generation,
+    stream: EngineStream,
+    batch: list[LLMEngineOutput],
+) -> int:
+    status = 200
+    while True:
+        delta = _process(gen, batch)
+        payload = gen.formatter.events(delta)
+        if delta.error is not None:
+            status = 500
+            payload += error_event(engine_error(delta.error))
+        if gen.postprocessor.finished:
+            payload += _trailer(gen, delta)
+        if payload:
+            await response.write(payload)
+        if gen.postprocessor.finished:
+            break
+        try:
+            batch = await _next_batch(stream, gen.model)
+        except OpenAIError as exc:
+            # Headers are out: report in-band, as OpenAI does, and end the stream.
+            log.warning("engine failed mid-stream for %s: %s", gen.model, exc.message)
+            await response.write(error_event(exc) + SSE_DONE)
+            status = exc.status
+            break
+    return status
+
+
+def _trailer(gen: Generation, delta: TextDelta) -> bytes:
+    """Usage chunk (when asked for and the response did not fail) and `[DONE]`."""
+    if delta.error is None and gen.prepared.plan.include_usage:
+        return gen.formatter.usage_event(gen.postprocessor.usage()) + SSE_DONE
+    return SSE_DONE

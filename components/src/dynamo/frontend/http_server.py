@@ -1,0 +1,296 @@
+"""The OpenAI-compatible HTTP server (aiohttp).
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`
+(and `/v1/models/{model}`), `GET /health`, `GET /live`, `GET /metrics`.
+
+Every failure leaves as OpenAI's error shape `{"error": {message, type, param, code}}`,
+including aiohttp's own (unknown route, wrong method) via one middleware; bad input is
+always a 4xx, never a 5xx or a connection left hanging. The server runs with
+`handler_cancellation=True`, so a client that disconnects cancels its handler and with it
+the request on the engine. aiohttp enables TCP_NODELAY on every accepted connection
+(`BaseProtocol.connection_made`); streamed tokens are therefore not held back by Nagle's
+algorithm (a test checks the socket option).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from dynamo.frontend.engine_client import EngineClient
+from dynamo.frontend.errors import (
+    OpenAIError,
+    from_validation_error,
+    http_error,
+    internal_error,
+    model_not_found,
+    no_workers,
+    payload_too_large,
+    request_timeout,
+)
+from dynamo.frontend.generation import Generation, serve
+from dynamo.frontend.metrics import METRICS_CONTENT_TYPE, FrontendMetrics
+from dynamo.frontend.model_registry import ModelManager, ServedModel
+from dynamo.frontend.openai_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelInfo,
+    ModelList,
+)
+from dynamo.frontend.postprocessor import Postprocessor
+from dynamo.frontend.preprocessor import OutputPlan, Prepared, Preprocessor
+from dynamo.frontend.responses import (
+    ChatFormatter,
+    CompletionFormatter,
+    ResponseFormatter,
+    encode_json,
+)
+
+log = logging.getLogger(__name__)
+
+# Large enough for a prompt at the full context of any current model; a bigger body is
+# rejected with 413 before it is parsed. (aiohttp then reads and drops the rest of the
+# body for a few seconds, "lingering", so the client gets to read the 413.)
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+_READ_CHUNK = 256 * 1024
+# Longest wait for a request body to arrive completely.
+BODY_READ_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class OpenAIEndpoint:
+    """What differs between /v1/completions and /v1/chat/completions."""
+
+    name: str  # the `endpoint` metrics label
+    decoder: msgspec.json.Decoder
+    id_prefix: str
+    prepare: Callable[[Preprocessor, Any, str], Awaitable[Prepared]]
+    formatter: Callable[[str, str, OutputPlan], ResponseFormatter]
+
+
+COMPLETIONS = OpenAIEndpoint(
+    name="completions",
+    decoder=msgspec.json.Decoder(CompletionRequest),
+    id_prefix="cmpl",
+    prepare=Preprocessor.prepare_completion,
+    formatter=CompletionFormatter,
+)
+CHAT_COMPLETIONS = OpenAIEndpoint(
+    name="chat_completions",
+    decoder=msgspec.json.Decoder(ChatCompletionRequest),
+    id_prefix="chatcmpl",
+    prepare=Preprocessor.prepare_chat,
+    formatter=ChatFormatter,
+)
+
+
+def json_response(body: bytes, status: int = 200) -> web.Response:
+    return web.Response(body=body, status=status, content_type="application/json")
+
+
+def error_response(error: OpenAIError) -> web.Response:
+    return json_response(error.body(), error.status)
+
+
+@web.middleware
+async def openai_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Turn every failure into OpenAI's error JSON with the right status."""
+    try:
+        return await handler(request)
+    except OpenAIError as exc:
+        return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(http_error(exc.status, exc.reason))
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unhandled error serving %s %s", request.method, request.path)
+        return error_response(internal_error())
+
+
+class HttpService:
+    """The frontend's HTTP server over a `ModelManager`."""
+
+    def __init__(
+        self,
+        manager: ModelManager,
+        *,
+        metrics: FrontendMetrics | None = None,
+        host: str = "0.0.0.0",
+        port: int = 8000,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    ) -> None:
+        self.manager = manager
+        self.metrics = metrics or FrontendMetrics()
+        self.host = host
+        self.port = port
+        self.max_request_bytes = max_request_bytes
+        self._runner: web.AppRunner | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def build_app(self) -> web.Application:
+        app = web.Application(middlewares=[openai_errors], client_max_size=self.max_request_bytes)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{model:.+}", self.get_model)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/live", self.live)
+        app.router.add_get("/metrics", self.render_metrics)
+        return app
+
+    async def start(self) -> None:
+        """Listen on host:port (port 0 picks a free one; `self.port` then tells which)."""
+        runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port)
+        await site.start()
+        self._runner = runner
+        if runner.addresses:  # the port actually bound (matters for port 0)
+            self.port = runner.addresses[0][1]
+        log.info("frontend listening on http://%s:%d", self.host, self.port)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def connections(self) -> list[Any]:
+        """Open client connections (aiohttp request handlers); for diagnostics and tests."""
+        server = self._runner.server if self._runner is not None else None
+        return list(server.connections) if server is not None else []
+
+    # ------------------------------------------------------------------ OpenAI endpoints
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, COMPLETIONS)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, CHAT_COMPLETIONS)
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        data = [_model_info(m) for m in sorted(self.manager.models(), key=lambda m: m.name)]
+        return json_response(encode_json(ModelList(data=data)))
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        model = self.manager.get(name)
+        if model is None:
+            raise model_not_found(name)
+        return json_response(encode_json(_model_info(model)))
+
+    # ------------------------------------------------------------------ operational endpoints
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 when at least one model has a worker to serve it, else 503 (not ready)."""
+        models = {
+            m.name: {"instances": sorted(m.engine.instance_ids()) if m.engine else []}
+            for m in self.manager.models()
+        }
+        ready = any(m.has_workers() for m in self.manager.models())
+        body = {"status": "healthy" if ready else "unhealthy", "models": models}
+        return json_response(msgspec.json.encode(body), 200 if ready else 503)
+
+    async def live(self, request: web.Request) -> web.Response:
+        """200 while the process serves HTTP at all (liveness, not readiness)."""
+        return json_response(b'{"status":"live"}')
+
+    async def render_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE}
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The request body, at most `max_request_bytes` (413 beyond). A client that
+        stops sending mid-body gets a 408 instead of holding the handler forever."""
+        try:
+            return await asyncio.wait_for(self._read_limited(request), BODY_READ_TIMEOUT_S)
+        except asyncio.TimeoutError as exc:
+            raise request_timeout() from exc
+
+    async def _read_limited(self, request: web.Request) -> bytes:
+        limit = self.max_request_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise payload_too_large(limit)
+        chunks: list[bytes] = []
+        size = 0
+        while True:  # also bounds chunked bodies, which declare no length
+            chunk = await request.content.read(_READ_CHUNK)
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > limit:
+                raise payload_too_large(limit)
+            chunks.append(chunk)
+
+    async def _generate(self, request: web.Request, kind: OpenAIEndpoint) -> web.StreamResponse:
+        """Decode → look up the model → preprocess → run on its engine."""
+        req = _decode(kind.decoder, await self._read_body(request))
+        stream = bool(req.stream)
+        model = self.manager.get(req.model)
+        if model is None:
+            self.metrics.count_rejected("", kind.name, stream, 404)
+            raise model_not_found(req.model)
+        request_id = f"{kind.id_prefix}-{uuid.uuid4().hex}"
+        try:
+            prepared = await kind.prepare(model.preprocessor, req, request_id)
+            if not model.has_workers() or model.engine is None:
+                raise no_workers(model.name)
+        except OpenAIError as exc:
+            self.metrics.count_rejected(model.name, kind.name, stream, exc.status)
+            raise
+        formatter = kind.formatter(request_id, model.name, prepared.plan)
+        return await serve(
+            request, self._generation(model, model.engine, kind, prepared, formatter)
+        )
+
+    def _generation(
+        self,
+        model: ServedModel,
+        engine: EngineClient,
+        kind: OpenAIEndpoint,
+        prepared: Prepared,
+        formatter: ResponseFormatter,
+    ) -> Generation:
+        pre = model.preprocessor
+        plan = prepared.plan
+        metrics = self.metrics.request(model.name, kind.name, plan.stream)
+        metrics.prompt(len(prepared.request.token_ids))
+        postprocessor = Postprocessor(
+            plan,
+            prepared.request.token_ids,
+            pre.decode_fn(plan.skip_special_tokens),
+            pre.token_texts,
+        )
+        return Generation(model.name, prepared, engine, postprocessor, formatter, metrics)
+
+
+def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
+    try:
+        return decoder.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise from_validation_error(exc) from exc
+
+
+def _model_info(model: ServedModel) -> ModelInfo:
+    return ModelInfo(id=model.name, created=model.created)

@@ -1,0 +1,193 @@
+"""Prometheus metrics of the HTTP frontend, in a registry of its own.
+
+An own `CollectorRegistry` (not the process-global one) keeps `/metrics` to exactly the
+frontend's series and lets tests build independent frontends in one process. Every series
+carries the served model name, so one frontend serving several models stays readable.
+
+`RequestMetrics` follows one request: in-flight gauge, time to first token, inter-token
+latency (per token: a speculative step that yields K+1 tokens counts as K+1 tokens sharing
+the step's gap), duration, output tokens and the final status.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from dynamo.llm.protocols import SpecDecodeStats
+
+PREFIX = "dynamo_frontend"
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TOKEN_BUCKETS = (1, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
+
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class FrontendMetrics:
+    """All frontend series; one instance per HTTP service."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            f"{PREFIX}_requests",
+            "Requests by model, endpoint, request type (stream/unary) and HTTP status",
+            ["model", "endpoint", "request_type", "status"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            f"{PREFIX}_inflight_requests", "Requests being served", ["model"], registry=r
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "From request arrival to the first generated token",
+            ["model"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "Time between generated tokens, per token",
+            ["model"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            f"{PREFIX}_request_duration_seconds",
+            "From request arrival to the end of the response",
+            ["model"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.input_tokens = Histogram(
+            f"{PREFIX}_input_sequence_tokens",
+            "Prompt length in tokens",
+            ["model"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.output_tokens = Counter(
+            f"{PREFIX}_output_tokens", "Generated tokens", ["model"], registry=r
+        )
+        self.disconnects = Counter(
+            f"{PREFIX}_client_disconnects",
+            "Requests whose client went away before the response ended",
+            ["model"],
+            registry=r,
+        )
+        self.prefill_fallbacks = Counter(
+            f"{PREFIX}_prefill_fallbacks",
+            "Disaggregated requests the decode worker had to prefill itself",
+            ["model"],
+            registry=r,
+        )
+        self.spec_drafts = Counter(
+            f"{PREFIX}_spec_decode_drafts",
+            "Speculative verification steps reported by workers",
+            ["model"],
+            registry=r,
+        )
+        self.spec_draft_tokens = Counter(
+            f"{PREFIX}_spec_decode_draft_tokens",
+            "Draft tokens proposed",
+            ["model"],
+            registry=r,
+        )
+        self.spec_accepted_tokens = Counter(
+            f"{PREFIX}_spec_decode_accepted_tokens",
+            "Draft tokens accepted",
+            ["model"],
+            registry=r,
+        )
+
+    def prefill_fallback(self, model: str, reason: str) -> None:
+        """Disaggregated serving fell back to prefill on the decode worker."""
+        self.prefill_fallbacks.labels(model).inc()
+
+    def request(self, model: str, endpoint: str, stream: bool) -> RequestMetrics:
+        return RequestMetrics(self, model, endpoint, stream)
+
+    def count_rejected(self, model: str, endpoint: str, stream: bool, status: int) -> None:
+        """A request that failed before it reached an engine."""
+        self.requests.labels(model, endpoint, _request_type(stream), str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _request_type(stream: bool) -> str:
+    return "stream" if stream else "unary"
+
+
+class RequestMetrics:
+    """Observations of one request; `finish(status)` must be called exactly once."""
+
+    __slots__ = (
+        "_endpoint",
+        "_finished",
+        "_last_token_at",
+        "_m",
+        "_model",
+        "_start",
+        "_stream",
+        "output_tokens",
+    )
+
+    def __init__(self, metrics: FrontendMetrics, model: str, endpoint: str, stream: bool) -> None:
+        self._m = metrics
+        self._model = model
+        self._endpoint = endpoint
+        self._stream = stream
+        self._start = time.monotonic()
+        self._last_token_at: float | None = None
+        self._finished = False
+        self.output_tokens = 0
+        metrics.inflight.labels(model).inc()
+
+    def tokens(self, count: int) -> None:
+        """`count` tokens arrived now (one engine batch)."""
+        if count <= 0:
+            return
+        now = time.monotonic()
+        m = self._m
+        if self._last_token_at is None:
+            # The first batch defines TTFT; tokens arriving with it have no gap to measure.
+            m.ttft.labels(self._model).observe(now - self._start)
+        else:
+            gap = (now - self._last_token_at) / count
+            itl = m.itl.labels(self._model)
+            for _ in range(count):
+                itl.observe(gap)
+        self._last_token_at = now
+        self.output_tokens += count
+
+    def prompt(self, tokens: int) -> None:
+        self._m.input_tokens.labels(self._model).observe(tokens)
+
+    def spec_decode(self, stats: SpecDecodeStats | None) -> None:
+        if stats is None:
+            return
+        m = self._m
+        m.spec_drafts.labels(self._model).inc(stats.num_drafts)
+        m.spec_draft_tokens.labels(self._model).inc(stats.num_draft_tokens)
+        m.spec_accepted_tokens.labels(self._model).inc(stats.num_accepted_tokens)
+
+    def disconnected(self) -> None:
+        self._m.disconnects.labels(self._model).inc()
+
+    def finish(self, status: int) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        m = self._m
+        m.inflight.labels(self._model).dec()
+        m.duration.labels(self._model).observe(time.monotonic() - self._start)
+        m.output_tokens.labels(self._model).inc(self.output_tokens)
+        m.requests.labels(
+            self._model, self._endpoint, _request_type(self._stream), str(status)
+        ).inc()

@@ -1,0 +1,213 @@
+"""From the engine's token stream to text deltas: the inverse of the preprocessor.
+
+One `Postprocessor` per request consumes `LLMEngineOutput`s (1..K+1 token ids per step
+with speculation, possibly several steps at once when they queued up) and produces
+`TextDelta`s that are independent of the OpenAI endpoint: incremental detokenization,
+stop strings (never leaked), hidden stop tokens, logprobs, finish reason and usage.
+`responses.py` then shapes them into completion or chat objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dynamo.frontend.detokenizer import DecodeFn, IncrementalDetokenizer, TokenTexts
+from dynamo.frontend.openai_types import PromptTokensDetails, Usage
+from dynamo.frontend.preprocessor import OutputPlan
+from dynamo.frontend.stop_strings import StopStringMatcher
+from dynamo.llm.protocols import FinishReason, LLMEngineOutput, SpecDecodeStats, TokenLogprob
+
+# Wire finish reasons as OpenAI names them. `error` is not here: it becomes an error.
+_OPENAI_FINISH = {
+    FinishReason.EOS: "stop",
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CANCELLED: "abort",  # aborted by the engine (vLLM's name for it)
+}
+
+
+def openai_finish_reason(reason: FinishReason) -> str | None:
+    """OpenAI's name for a wire finish reason; None for `error`."""
+    return _OPENAI_FINISH.get(reason)
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One candidate token at a position: its text, raw bytes and log-probability."""
+
+    token: str
+    bytes: list[int]
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The sampled token at one position and the top alternatives there."""
+
+    sampled: Alternative
+    top: list[Alternative]
+
+
+@dataclass
+class TextDelta:
+    """What one batch of engine outputs adds to the response."""
+
+    text: str = ""
+    token_count: int = 0  # tokens the engine produced in this batch (hidden ones included)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # OpenAI name, set on the last delta
+    error: str | None = None  # the engine failed the request
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass
+class _Counts:
+    completion_tokens: int = 0
+    engine_usage: Usage | None = None
+    spec_stats: SpecDecodeStats | None = None
+    stop_reason: str | int | None = None
+
+
+class Postprocessor:
+    """Per-request state from engine outputs to text deltas."""
+
+    def __init__(
+        self,
+        plan: OutputPlan,
+        prompt_ids: Sequence[int],
+        decode: DecodeFn,
+        token_texts: TokenTexts | None = None,
+    ) -> None:
+        self._plan = plan
+        self._prompt_tokens = len(prompt_ids)
+        self._detok = IncrementalDetokenizer(decode, prompt_ids)
+        self._stops = StopStringMatcher(plan.stop_strings)
+        self._texts = token_texts
+        self._counts = _Counts()
+        self.finished = False
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats | None:
+        return self._counts.spec_stats
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """The stop string or stop token id that ended the response, if any."""
+        return self._counts.stop_reason
+
+    def usage(self) -> Usage:
+        """Token counts. The prompt count is the frontend's own (it tokenized the prompt);
+        the completion count is the engine's when it sent one (it also counts tokens the
+        frontend never saw, e.g. after a stop string), else the tokens received."""
+        counts = self._counts
+        completion = counts.completion_tokens
+        details = None
+        if counts.engine_usage is not None:
+            completion = max(completion, counts.engine_usage.completion_tokens)
+            details = counts.engine_usage.prompt_tokens_details
+        return Usage(
+            prompt_tokens=self._prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=self._prompt_tokens + completion,
+            prompt_tokens_details=details,
+        )
+
+    def process(self, outputs: Sequence[LLMEngineOutput]) -> TextDelta:
+        """Fold a batch of engine outputs into one delta. Outputs after the end of the
+        response (a stop string matched, or a finish reason arrived) are ignored."""
+        delta = TextDelta()
+        parts: list[str] = []
+        for output in outputs:
+            if self.finished:
+                break
+            self._step(output, delta, parts)
+        delta.text = "".join(parts)
+        return delta
+
+    def end_of_stream(self) -> TextDelta:
+        """The engine's stream ended without a finish reason (it should not): release
+        held text and report the response as aborted."""
+        if self.finished:
+            return TextDelta()
+        self.finished = True
+        text, _ = self._stops.feed(self._detok.flush())
+        return TextDelta(text=text + self._stops.flush(), finish_reason="abort")
+
+    # ------------------------------------------------------------------ internals
+
+    def _step(self, output: LLMEngineOutput, delta: TextDelta, parts: list[str]) -> None:
+        ids = output.token_ids
+        self._counts.completion_tokens += len(ids)
+        delta.token_count += len(ids)
+        visible = self._visible_ids(output)
+        if self._plan.logprobs is not None and output.log_probs:
+            self._add_logprobs(delta, output.log_probs[: len(visible)])
+        if output.error is not None or output.finish_reason is FinishReason.ERROR:
+            self.finished = True
+            delta.error = output.error or "the engine failed the request"
+            return
+        text = self._detok.add(visible)
+        if output.finish_reason is not None:
+            text += self._detok.flush()
+        emitted, matched = self._stops.feed(text)
+        parts.append(emitted)
+        if matched is not None:
+            self._finish(delta, "stop", matched)
+        elif output.finish_reason is not None:
+            parts.append(self._stops.flush())
+            self._record_final(output)
+            reason = openai_finish_reason(output.finish_reason) or "stop"
+            self._finish(delta, reason, output.stop_reason)
+
+    def _visible_ids(self, output: LLMEngineOutput) -> list[int]:
+        """Token ids whose text belongs in the response: a final EOS or stop token is
+        dropped, as OpenAI and vLLM leave it out of the text."""
+        ids = output.token_ids
+        if (
+            ids
+            and output.finish_reason in (FinishReason.EOS, FinishReason.STOP)
+            and ids[-1] in self._plan.hidden_stop_ids
+        ):
+            return ids[:-1]
+        return ids
+
+    def _record_final(self, output: LLMEngineOutput) -> None:
+        usage = output.completion_usage
+        if usage is not None:
+            details = usage.prompt_tokens_details
+            self._counts.engine_usage = Usage(
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                total_tokens=usage.total_tokens,
+                prompt_tokens_details=(
+                    PromptTokensDetails(cached_tokens=details.cached_tokens) if details else None
+                ),
+            )
+        self._counts.spec_stats = output.spec_decode_stats
+
+    def _finish(self, delta: TextDelta, reason: str, stop_reason: str | int | None) -> None:
+        self.finished = True
+        delta.finish_reason = reason
+        self._counts.stop_reason = stop_reason
+
+    def _add_logprobs(self, delta: TextDelta, entries: Sequence[TokenLogprob]) -> None:
+        if self._texts is None:
+            return
+        wanted = self._plan.logprobs or 0
+        items = delta.logprobs if delta.logprobs is not None else []
+        for entry in entries:
+            sampled = self._alternative(entry.token_id, entry.logprob)
+            top = sorted(entry.top or (), key=lambda t: -t.logprob)[:wanted]
+            items.append(
+                TokenLogprobs(sampled, [self._alternative(t.token_id, t.logprob) for t in top])
+            )
+        delta.logprobs = items
+
+    def _alternative(self, token_id: int, logprob: float) -> Alternative:
+        assert self._texts is not None
+        text, data = self._texts.get(token_id)
+        return Alternative(text, data, logprob)

@@ -1,0 +1,427 @@
+"""Turns an OpenAI request into a `PreprocessedRequest` for a worker, plus the plan the
+frontend follows to turn the worker's token stream back into a response.
+
+The frontend owns tokenization, the chat template and validation, so workers only ever
+see token ids, and a bad request is rejected here with a 400 naming the field before any
+worker is touched. Everything the worker does not need (stop strings, echo, logprobs
+formatting, usage in the stream) stays in the `OutputPlan`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from dynamo.frontend.detokenizer import DecodeFn, TokenTexts, make_decode_fn
+from dynamo.frontend.errors import OpenAIError, bad_request
+from dynamo.frontend.openai_types import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+)
+from dynamo.llm.protocols import (
+    ModelCard,
+    OutputOptions,
+    PreprocessedRequest,
+    SamplingOptions,
+    StopConditions,
+)
+
+T = TypeVar("T")
+
+# Inputs longer than this (in characters) are templated and tokenized in a worker thread:
+# below it the thread hop costs more than the work, above it a single request could stall
+# every other stream on the event loop for milliseconds.
+LARGE_INPUT_CHARS = 8192
+
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    """What the frontend itself must do with the engine's output for one request."""
+
+    stream: bool
+    include_usage: bool
+    stop_strings: tuple[str, ...]
+    # Token ids whose text is hidden when they end the sequence (EOS, stop_token_ids).
+    hidden_stop_ids: frozenset[int]
+    skip_special_tokens: bool
+    logprobs: int | None  # None: not requested; N: N top alternatives per token
+    echo_text: str | None = None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request: what goes to the worker and what stays in the frontend."""
+
+    request: PreprocessedRequest
+    plan: OutputPlan
+
+
+def load_tokenizer(tokenizer_dir: str | Path) -> Any:
+    """Load a Hugging Face tokenizer from a local directory (never from a hub).
+
+    Slow (imports transformers, parses tokenizer.json): call it from a thread.
+    """
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+
+
+class Preprocessor:
+    """Validation, chat templating and tokenization for one served model.
+
+    Built once per model from its card (context length, EOS ids) and its own tokenizer;
+    shared by all requests for that model. All methods are safe to call from worker
+    threads: templating renders text and encoding goes through the Rust tokenizer, which
+    holds no per-call state.
+    """
+
+    def __init__(self, card: ModelCard, tokenizer: Any) -> None:
+        self.card = card
+        self.tokenizer = tokenizer
+        self.context_length = card.context_length
+        self.eos_token_ids = _eos_ids(card, tokenizer)
+        self.vocab_size = len(tokenizer)
+        _disable_truncation(tokenizer)
+        self._encode = _make_encode_fn(tokenizer)
+        self._decode_skip = make_decode_fn(tokenizer, skip_special_tokens=True)
+        self._decode_keep = make_decode_fn(tokenizer, skip_special_tokens=False)
+        self.token_texts = TokenTexts(tokenizer)
+
+    @classmethod
+    def from_dir(cls, card: ModelCard, tokenizer_dir: str | Path) -> Preprocessor:
+        return cls(card, load_tokenizer(tokenizer_dir))
+
+    def decode_fn(self, skip_special_tokens: bool) -> DecodeFn:
+        return self._decode_skip if skip_special_tokens else self._decode_keep
+
+    # ------------------------------------------------------------------ public entry points
+
+    async def prepare_completion(self, req: CompletionRequest, request_id: str) -> Prepared:
+        """Validate and tokenize a /v1/completions request (off-loop when large)."""
+        size = _prompt_size(req.prompt)
+        return await _maybe_in_thread(size, self.prepare_completion_sync, req, request_id)
+
+    async def prepare_chat(self, req: ChatCompletionRequest, request_id: str) -> Prepared:
+        """Validate, template and tokenize a /v1/chat/completions request."""
+        size = sum(_content_size(m.content) for m in req.messages)
+        return await _maybe_in_thread(size, self.prepare_chat_sync, req, request_id)
+
+    def prepare_completion_sync(self, req: CompletionRequest, request_id: str) -> Prepared:
+        _check_common(req)
+        token_ids, prompt_text = self._completion_prompt(req.prompt)
+        echo_text = None
+        if req.echo:
+            echo_text = prompt_text if prompt_text is not None else self._decode_keep(token_ids)
+        return self._build(
+            req,
+            request_id,
+            token_ids,
+            max_tokens=req.max_tokens,
+            max_tokens_param="max_tokens",
+            prompt_param="prompt",
+            logprobs=req.logprobs,
+            echo_text=echo_text,
+        )
+
+    def prepare_chat_sync(self, req: ChatCompletionRequest, request_id: str) -> Prepared:
+        _check_common(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("`top_logprobs` requires `logprobs` to be true", "top_logprobs")
+        text = self.render_chat(req)
+        token_ids = self._encode(text, False)
+        max_tokens, param = req.max_tokens, "max_tokens"
+        if req.max_completion_tokens is not None:
+            max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
+        return self._build(
+            req,
+            request_id,
+            token_ids,
+            max_tokens=max_tokens,
+            max_tokens_param=param,
+            prompt_param="messages",
+            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+            echo_text=None,
+        )
+
+    def render_chat(self, req: ChatCompletionRequest) -> str:
+        """The prompt text from the model's own chat template."""
+        if not req.messages:
+            raise bad_request("`messages` must contain at least one message", "messages")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise bad_request(
+                f"Model `{self.card.name}` has no chat template; use /v1/completions",
+                "messages",
+            )
+        continue_final = bool(req.continue_final_message)
+        add_generation = req.add_generation_prompt
+        if continue_final and add_generation:
+            raise bad_request(
+                "`continue_final_message` and `add_generation_prompt` cannot both be true",
+                "continue_final_message",
+            )
+        if add_generation is None:
+            add_generation = not continue_final
+        messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation,
+                continue_final_message=continue_final,
+                **(req.chat_template_kwargs or {}),
+            )
+        except OpenAIError:
+            raise
+        except Exception as exc:  # jinja raises for messages the template refuses
+            raise bad_request(
+                f"The chat template rejected the messages: {exc}", "messages"
+            ) from exc
+        return rendered if isinstance(rendered, str) else str(rendered)
+
+    # ------------------------------------------------------------------ internals
+
+    def _completion_prompt(self, prompt: Any) -> tuple[list[int], str | None]:
+        """Token ids of a completions prompt, plus its text when it was given as text."""
+        if isinstance(prompt, str):
+            return self._checked_text_prompt(prompt), prompt
+        if not prompt:
+            raise bad_request("`prompt` must not be empty", "prompt")
+        if all(isinstance(t, int) for t in prompt):
+            return self._checked_ids(prompt), None
+        if len(prompt) > 1:
+            raise bad_request(
+                "Only one prompt per request is supported (a string or a list of token ids)",
+                "prompt",
+            )
+        only = prompt[0]
+        if isinstance(only, str):
+            return self._checked_text_prompt(only), only
+        return self._checked_ids(only), None
+
+    def _checked_text_prompt(self, text: str) -> list[int]:
+        ids = self._encode(text, True)
+        if not ids:
+            raise bad_request("`prompt` must not be empty", "prompt")
+        return ids
+
+    def _checked_ids(self, ids: Sequence[Any]) -> list[int]:
+        if not ids:
+            raise bad_request("`prompt` must not be empty", "prompt")
+        if not all(isinstance(t, int) for t in ids):
+            raise bad_request("`prompt` token list must contain only integers", "prompt")
+        bad = next((t for t in ids if t < 0 or t >= self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(
+                f"Token id {bad} in `prompt` is outside the vocabulary (size {self.vocab_size})",
+                "prompt",
+            )
+        return list(ids)
+
+    def _build(
+        self,
+        req: SamplingFields,
+        request_id: str,
+        token_ids: list[int],
+        *,
+        max_tokens: int | None,
+        max_tokens_param: str,
+        prompt_param: str,
+        logprobs: int | None,
+        echo_text: str | None,
+    ) -> Prepared:
+        max_tokens = self._checked_max_tokens(
+            len(token_ids), max_tokens, max_tokens_param, prompt_param
+        )
+        if req.min_tokens is not None and max_tokens is not None and req.min_tokens > max_tokens:
+            raise bad_request("`min_tokens` must not exceed the maximum tokens", "min_tokens")
+        stops = _stop_strings(req.stop)
+        stop_token_ids = list(req.stop_token_ids or [])
+        bad = next((t for t in stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(
+                f"Token id {bad} in `stop_token_ids` is outside the vocabulary", "stop_token_ids"
+            )
+        request = PreprocessedRequest(
+            request_id=request_id,
+            model=self.card.name,
+            token_ids=token_ids,
+            sampling_options=_sampling_options(req),
+            stop_conditions=StopConditions(
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                stop=list(stops) or None,
+                stop_token_ids=stop_token_ids or None,
+                ignore_eos=bool(req.ignore_eos),
+            ),
+            output_options=OutputOptions(logprobs=logprobs),
+            eos_token_ids=list(self.eos_token_ids),
+        )
+        hidden = set(stop_token_ids)
+        if not req.ignore_eos:
+            hidden.update(self.eos_token_ids)
+        plan = OutputPlan(
+            stream=bool(req.stream),
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            stop_strings=stops,
+            hidden_stop_ids=frozenset(hidden),
+            skip_special_tokens=req.skip_special_tokens is not False,
+            logprobs=logprobs,
+            echo_text=echo_text,
+        )
+        return Prepared(request=request, plan=plan)
+
+    def _checked_max_tokens(
+        self, prompt_len: int, max_tokens: int | None, param: str, prompt_param: str
+    ) -> int | None:
+        """Enforce prompt + max_tokens <= context length; default to the rest of it."""
+        ctx = self.context_length
+        if ctx <= 0:  # the worker did not advertise one: let it decide
+            return max_tokens
+        if prompt_len >= ctx:
+            raise bad_request(
+                f"This model's maximum context length is {ctx} tokens, but the prompt has "
+                f"{prompt_len} tokens, leaving no room for the completion.",
+                prompt_param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            return ctx - prompt_len
+        if prompt_len + max_tokens > ctx:
+            raise bad_request(
+                f"This model's maximum context length is {ctx} tokens, but {prompt_len + max_tokens} "
+                f"were requested ({prompt_len} in the prompt, {max_tokens} for the completion). "
+                f"Reduce `{param}` to at most {ctx - prompt_len}.",
+                param,
+                code="context_length_exceeded",
+            )
+        return max_tokens
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _check_common(req: SamplingFields) -> None:
+    if req.n is not None and req.n != 1:
+        raise bad_request("Only `n` = 1 is supported", "n")
+    if req.top_k is not None and req.top_k < -1:
+        raise bad_request("`top_k` must be -1 (disabled), 0 (disabled) or positive", "top_k")
+
+
+def _sampling_options(req: SamplingFields) -> SamplingOptions:
+    values = {name: getattr(req, name) for name in _SAMPLING_FIELDS}
+    return SamplingOptions(**{k: v for k, v in values.items() if v is not None})
+
+
+def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    return tuple(dict.fromkeys(s for s in items if s))
+
+
+def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
+    """A message as the chat template expects it: content flattened to one string."""
+    out: dict[str, Any] = {
+        "role": message.role,
+        "content": _flatten_content(index, message.content),
+    }
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_calls is not None:
+        out["tool_calls"] = message.tool_calls
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _flatten_content(index: int, content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise bad_request(
+                f"Unsupported content part `{part.type}` in `messages[{index}].content[{j}]`: "
+                "only text parts are supported",
+                "messages",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _content_size(content: Any) -> int:
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(p.text or "") for p in content)
+
+
+def _prompt_size(prompt: Any) -> int:
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) if isinstance(p, str) else 1 for p in prompt)
+
+
+def _eos_ids(card: ModelCard, tokenizer: Any) -> tuple[int, ...]:
+    """EOS ids from the card (the worker knows the generation config); the tokenizer's
+    own EOS only when the card has none."""
+    if card.eos_token_ids:
+        return tuple(card.eos_token_ids)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return (eos,) if isinstance(eos, int) else ()
+
+
+def _disable_truncation(tokenizer: Any) -> None:
+    """A tokenizer.json may carry truncation/padding settings for training; a prompt must
+    never be cut silently (the context check reports it instead). Done once, before the
+    tokenizer is shared between threads."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return
+    if getattr(backend, "truncation", None) is not None:
+        backend.no_truncation()
+    if getattr(backend, "padding", None) is not None:
+        backend.no_padding()
+
+
+def _make_encode_fn(tokenizer: Any) -> Callable[[str, bool], list[int]]:
+    """`(text, add_special_tokens) -> ids` through the Rust tokenizer when available: it is
+    faster and, unlike the Python wrapper, mutates no truncation state, so concurrent
+    calls from threads are safe."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "encode"):
+
+        def fast(text: str, add_special_tokens: bool) -> list[int]:
+            return backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+        return fast
+
+    def slow(text: str, add_special_tokens: bool) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    return slow
+
+
+async def _maybe_in_thread(size: int, fn: Callable[..., T], *args: Any) -> T:
+    if size > LARGE_INPUT_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)

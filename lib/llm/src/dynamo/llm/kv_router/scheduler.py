@@ -1,0 +1,405 @@
+"""The KV-aware router: pick the worker that makes a request cheapest to serve.
+
+Cost of sending a request to worker w (lower is better, DESIGN.md "KV events and the KV
+router"):
+
+    cost(w) = overlap_score_weight * blocks_to_prefill(w) + active_blocks(w)
+
+* ``blocks_to_prefill(w)`` = the request's blocks (``ceil(prompt_len / B)``) minus the
+  leading blocks w already caches (`KvIndexer.find_matches`): the prefill work w would do.
+* ``active_blocks(w)`` = the blocks w would hold with this request added, from the
+  router's own books (`MultiWorkerSequences`), speculative slots included: a worker
+  speculating K tokens holds ``ceil((ctx + K) / B)`` blocks per request, so deep
+  speculation makes a worker look fuller. Prompt blocks already pinned by a request in
+  flight on w are not counted twice. When the worker's own `LoadMetrics` are recent and
+  report more blocks than the books (other frontends route to it too), they win.
+
+``overlap_score_weight`` trades time-to-first-token (high: chase cache hits) against
+load balance (low: spread decode load). ``router_temperature`` 0 picks the lowest cost
+(ties broken at random, so equal workers share load); above 0 the choice is sampled from
+``softmax(-normalised_cost / temperature)``, which spreads bursts of identical requests.
+
+`KvScheduler` is the NATS-free core; `KvRouter` adapts it to the frontend's `Router`
+protocol and is fed cache events, worker cards and load metrics by whoever owns the
+subscriptions (injected async iterables or direct calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from collections.abc import AsyncIterable, Callable, Sequence
+from dataclasses import dataclass
+
+from dynamo.llm.kv_router.active_sequences import MultiWorkerSequences, speculative_depth
+from dynamo.llm.kv_router.hashing import compute_block_hashes, num_blocks_spanned
+from dynamo.llm.kv_router.indexer import KvIndexer
+from dynamo.llm.protocols import (
+    LLMEngineOutput,
+    LoadMetrics,
+    ModelCard,
+    PreprocessedRequest,
+    RouterEvent,
+    RoutingHints,
+    SpeculativeInfo,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LOAD_METRICS_TTL_S = 5.0
+"""Worker-reported load older than this is ignored (the worker may be gone or stalled)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """What the router must know about a worker: its block size and its speculation."""
+
+    worker_id: int
+    block_size: int
+    speculative: SpeculativeInfo | None = None
+
+    @classmethod
+    def from_card(cls, card: ModelCard, default_block_size: int) -> WorkerConfig:
+        """Read the card a worker registered; a card without a block size gets the
+        model's (the first card's) block size."""
+        return cls(card.instance_id, card.kv_block_size or default_block_size, card.speculative)
+
+    def num_speculative_tokens(self, batch_size: int) -> int:
+        """K at `batch_size` requests (dynamic speculation changes K with the batch)."""
+        return speculative_depth(self.speculative, batch_size)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerScore:
+    """The terms of one worker's cost, kept for logging, metrics and tests."""
+
+    worker_id: int
+    overlap_blocks: int
+    prefill_blocks: int
+    active_blocks: int  # with the request added, speculative slots included
+    num_speculative_tokens: int
+    cost: float
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingDecision:
+    """The chosen worker and why."""
+
+    worker_id: int
+    overlap_blocks: int
+    request_blocks: int
+    scores: tuple[WorkerScore, ...]
+
+
+def choose(scores: Sequence[WorkerScore], temperature: float, rng: random.Random) -> WorkerScore:
+    """Lowest cost at temperature 0 (random among ties), otherwise softmax sampling over
+    negative costs normalised to [0, 1] so the temperature means the same at any load."""
+    if not scores:
+        raise ValueError("no worker to choose from")
+    if temperature <= 0:
+        best = min(score.cost for score in scores)
+        return rng.choice([score for score in scores if score.cost == best])
+    weights = softmax_weights([score.cost for score in scores], temperature)
+    return rng.choices(scores, weights=weights, k=1)[0]
+
+
+def softmax_weights(costs: Sequence[float], temperature: float) -> list[float]:
+    """Selection probabilities ``softmax(-(c - min) / (max - min) / temperature)``.
+
+    Costs are min-max normalised first: raw costs grow with load, and without the
+    normalisation the same temperature would mean "nearly argmin" on a busy cluster and
+    "nearly uniform" on an idle one. Equal costs give a uniform distribution.
+    """
+    if temperature <= 0:
+        raise ValueError("temperature must be positive")
+    low, high = min(costs), max(costs)
+    span = high - low
+    if span <= 0:
+        return [1.0 / len(costs)] * len(costs)
+    exps = [math.exp(-((cost - low) / span) / temperature) for cost in costs]
+    total = sum(exps)
+    return [value / total for value in exps]
+
+
+class KvScheduler:
+    """Scores workers for a request and keeps the books of requests in flight."""
+
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        indexer: KvIndexer | None = None,
+        overlap_score_weight: float = 1.0,
+        temperature: float = 0.0,
+        rng: random.Random | None = None,
+        load_metrics_ttl_s: float = DEFAULT_LOAD_METRICS_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if overlap_score_weight < 0:
+            raise ValueError("overlap_score_weight must be >= 0")
+        if temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        self.block_size = block_size
+        self.indexer = indexer if indexer is not None else KvIndexer(block_size)
+        if self.indexer.block_size != block_size:
+            raise ValueError("indexer block size differs from the scheduler's")
+        self.overlap_score_weight = overlap_score_weight
+        self.temperature = temperature
+        self.sequences = MultiWorkerSequences()
+        self._rng = rng or random.Random()
+        self._workers: dict[int, WorkerConfig] = {}
+        self._metrics: dict[int, tuple[float, LoadMetrics]] = {}
+        self._metrics_ttl = load_metrics_ttl_s
+        self._clock = clock
+
+    # ------------------------------------------------------------------ inputs
+
+    def update_worker(self, config: WorkerConfig) -> None:
+        """A worker registered or changed its card."""
+        if config.block_size != self.block_size:
+            log.warning(
+                "worker %d uses block size %d, router %d: its cache cannot be matched",
+                config.worker_id,
+                config.block_size,
+                self.block_size,
+            )
+        self._workers[config.worker_id] = config
+
+    def remove_worker(self, worker_id: int) -> None:
+        """A worker's lease expired: forget its cache, its books and its metrics."""
+        self._workers.pop(worker_id, None)
+        self._metrics.pop(worker_id, None)
+        self.indexer.remove_worker(worker_id)
+        self.sequences.remove_worker(worker_id)
+
+    def apply_event(self, event: RouterEvent) -> None:
+        """A worker's KV cache event (from its relay)."""
+        self.indexer.apply(event)
+
+    def update_load(self, metrics: LoadMetrics) -> None:
+        """A worker's own load report; used while younger than the TTL."""
+        self._metrics[metrics.worker_id] = (self._clock(), metrics)
+
+    # ------------------------------------------------------------------ decisions
+
+    def score(self, token_ids: Sequence[int], worker_ids: Sequence[int]) -> list[WorkerScore]:
+        """Every candidate's cost for a request, without booking anything."""
+        if not token_ids:
+            raise ValueError("a request needs at least one token")
+        return self._score_all(
+            token_ids, compute_block_hashes(token_ids, self.block_size), worker_ids
+        )
+
+    def schedule(
+        self, request_id: str, token_ids: Sequence[int], worker_ids: Sequence[int]
+    ) -> RoutingDecision:
+        """Choose a worker for the request and book it there until `free`."""
+        if not worker_ids:
+            raise ValueError("no worker to choose from")
+        if not token_ids:
+            raise ValueError("a request needs at least one token")
+        self.sequences.free(request_id)  # a retried request is re-booked, not counted twice
+        hashes = compute_block_hashes(token_ids, self.block_size)
+        scores = self._score_all(token_ids, hashes, worker_ids)
+        best = choose(scores, self.temperature, self._rng)
+        self._book(request_id, best, token_ids, hashes)
+        return RoutingDecision(
+            worker_id=best.worker_id,
+            overlap_blocks=best.overlap_blocks,
+            request_blocks=num_blocks_spanned(len(token_ids), self.block_size),
+            scores=tuple(scores),
+        )
+
+    def mark_prefill_completed(self, request_id: str, num_new_tokens: int = 0) -> None:
+        """The request's first output arrived: its prefill is no longer pending, and the
+        `num_new_tokens` it produced grow its context."""
+        self.sequences.mark_prefill_completed(request_id)
+        self.sequences.append_tokens(request_id, num_new_tokens)
+
+    def free(self, request_id: str) -> bool:
+        """The request ended (finished, failed or cancelled): release its blocks."""
+        return self.sequences.free(request_id)
+
+    def worker_config(self, worker_id: int) -> WorkerConfig:
+        """The worker's config; an unknown worker (no card yet) has no speculation."""
+        config = self._workers.get(worker_id)
+        return config if config is not None else WorkerConfig(worker_id, self.block_size)
+
+    # ------------------------------------------------------------------ internals
+
+    def _score_all(
+        self, token_ids: Sequence[int], hashes: list[int], worker_ids: Sequence[int]
+    ) -> list[WorkerScore]:
+        overlaps = self.indexer.find_matches(hashes)
+        return [
+            self._score_worker(worker_id, token_ids, hashes, overlaps.get(worker_id))
+            for worker_id in worker_ids
+        ]
+
+    def _score_worker(
+        self, worker_id: int, token_ids: Sequence[int], hashes: list[int], overlap: int
+    ) -> WorkerScore:
+        config = self.worker_config(worker_id)
+        seqs = self.sequences.ensure_worker(
+            worker_id, config.block_size, speculative_depth(config.speculative)
+        )
+        k = config.num_speculative_tokens(seqs.active_requests + 1)
+        if config.block_size != self.block_size:
+            overlap = 0
+            hashes = compute_block_hashes(token_ids, config.block_size)
+        request_blocks = num_blocks_spanned(len(token_ids), config.block_size)
+        prefill_blocks = request_blocks - overlap
+        active = seqs.potential_blocks(hashes, len(token_ids), k)
+        active += self._unbooked_load(worker_id, seqs.active_blocks)
+        cost = self.overlap_score_weight * prefill_blocks + active
+        return WorkerScore(worker_id, overlap, prefill_blocks, active, k, cost)
+
+    def _unbooked_load(self, worker_id: int, booked_blocks: int) -> int:
+        """Blocks the worker reports beyond what this router booked there (requests
+        from other frontends), or 0 without a recent report."""
+        entry = self._metrics.get(worker_id)
+        if entry is None:
+            return 0
+        received, metrics = entry
+        if self._clock() - received > self._metrics_ttl:
+            return 0
+        return max(0, metrics.active_blocks - booked_blocks)
+
+    def _book(
+        self, request_id: str, best: WorkerScore, token_ids: Sequence[int], hashes: list[int]
+    ) -> None:
+        config = self.worker_config(best.worker_id)
+        if config.block_size != self.block_size:
+            hashes = compute_block_hashes(token_ids, config.block_size)
+        self.sequences.add_request(
+            best.worker_id,
+            request_id,
+            len(token_ids),
+            block_hashes=hashes,
+            overlap_blocks=best.overlap_blocks,
+            num_speculative_tokens=best.num_speculative_tokens,
+        )
+
+
+RouterInput = RouterEvent | LoadMetrics | ModelCard
+"""What a feed may carry: cache events, load reports, and worker cards (add/update)."""
+
+
+class KvRouter:
+    """The frontend's `Router` over a `KvScheduler`.
+
+    Event plumbing is injected: call `apply_event` / `update_load` / `update_card` /
+    `remove_worker` from subscriptions, or hand async iterables to `feed`, whose
+    consuming tasks `close` cancels.
+    """
+
+    def __init__(self, scheduler: KvScheduler) -> None:
+        self.scheduler = scheduler
+        self._feeds: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    # ------------------------------------------------------------------ Router protocol
+
+    async def select(self, request: PreprocessedRequest, instance_ids: list[int]) -> int | None:
+        """Score the live instances, book the request on the cheapest, and record the
+        choice in `request.routing`."""
+        if not instance_ids or not request.token_ids:
+            return None
+        decision = self.scheduler.schedule(request.request_id, request.token_ids, instance_ids)
+        routing = request.routing if request.routing is not None else RoutingHints()
+        routing.backend_instance_id = decision.worker_id
+        routing.overlap_blocks = decision.overlap_blocks
+        request.routing = routing
+        log.debug(
+            "request %s -> worker %d (overlap %d/%d blocks)",
+            request.request_id,
+            decision.worker_id,
+            decision.overlap_blocks,
+            decision.request_blocks,
+        )
+        return decision.worker_id
+
+    def on_first_output(self, request_id: str, output: LLMEngineOutput) -> None:
+        self.scheduler.mark_prefill_completed(request_id, len(output.token_ids))
+
+    def on_finished(self, request_id: str) -> None:
+        self.scheduler.free(request_id)
+
+    async def close(self) -> None:
+        self._closed = True
+        feeds = list(self._feeds)
+        for task in feeds:
+            task.cancel()
+        await asyncio.gather(*feeds, return_exceptions=True)
+        self._feeds.clear()
+
+    # ------------------------------------------------------------------ inputs
+
+    def apply_event(self, event: RouterEvent) -> None:
+        self.scheduler.apply_event(event)
+
+    def update_load(self, metrics: LoadMetrics) -> None:
+        self.scheduler.update_load(metrics)
+
+    def update_card(self, card: ModelCard) -> None:
+        self.scheduler.update_worker(WorkerConfig.from_card(card, self.scheduler.block_size))
+
+    def remove_worker(self, worker_id: int) -> None:
+        self.scheduler.remove_worker(worker_id)
+
+    def handle(self, item: RouterInput) -> None:
+        """Dispatch one input by type (what a feed delivers)."""
+        if isinstance(item, RouterEvent):
+            self.apply_event(item)
+        elif isinstance(item, LoadMetrics):
+            self.update_load(item)
+        elif isinstance(item, ModelCard):
+            self.update_card(item)
+        else:
+            raise TypeError(f"unsupported router input {type(item).__name__}")
+
+    def feed(self, source: AsyncIterable[RouterInput]) -> asyncio.Task[None]:
+        """Consume `source` in the background until it ends or `close` is called."""
+        if self._closed:
+            raise RuntimeError("router is closed")
+        task = asyncio.create_task(self._consume(source), name="kv-router-feed")
+        self._feeds.add(task)
+        task.add_done_callback(self._feeds.discard)
+        return task
+
+    async def _consume(self, source: AsyncIterable[RouterInput]) -> None:
+        """Apply items in order; one bad item is logged and skipped so a single
+        malformed event cannot stop the router learning about caches."""
+        async for item in source:
+            try:
+                self.handle(item)
+            except Exception:
+                log.exception("kv router: dropping input %r", type(item).__name__)
+
+
+def build_kv_router(
+    card: ModelCard,
+    *,
+    overlap_score_weight: float = 1.0,
+    temperature: float = 0.0,
+    sources: Sequence[AsyncIterable[RouterInput]] = (),
+    rng: random.Random | None = None,
+) -> KvRouter:
+    """A `KvRouter` for the model of `card` (its block size; the card's worker is known
+    at once). Must run inside an event loop when `sources` are given."""
+    if card.kv_block_size <= 0:
+        raise ValueError(f"model card of {card.name!r} has no kv_block_size")
+    scheduler = KvScheduler(
+        card.kv_block_size,
+        overlap_score_weight=overlap_score_weight,
+        temperature=temperature,
+        rng=rng,
+    )
+    router = KvRouter(scheduler)
+    router.update_card(card)
+    for source in sources:
+        router.feed(source)
+    return router

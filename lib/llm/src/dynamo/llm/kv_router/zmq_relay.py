@@ -1,0 +1,248 @@
+"""Worker-side relay: vLLM's ZMQ KV-event stream in, content-keyed `RouterEvent`s out.
+
+vLLM's ``ZmqEventPublisher`` sends each batch on a PUB socket as three frames,
+``[topic, seq, payload]``: ``seq`` is an 8-byte big-endian counter starting at 0 and
+``payload`` a msgpack ``EventBatch`` (`vllm_events`). It keeps the last ``buffer_steps``
+batches for a ROUTER *replay* socket: a client sends ``[b"", start_seq (8-byte BE)]``
+(the empty delimiter a REQ socket would add) and receives every buffered batch with
+``seq >= start_seq`` as ``[b"", topic, seq, payload]``, then an end marker
+``[b"", b"", -1 as signed 8-byte BE, b""]``. Several replies per request rule out REQ,
+so the relay talks to it with a DEALER socket.
+
+PUB/SUB drops messages when the subscriber is slow or not yet connected, so the relay
+tracks the next expected ``seq``:
+
+* ``seq`` below it: a duplicate (already applied via replay), skipped;
+* ``seq`` above it: a gap; the missing range is fetched from the replay endpoint first,
+  so events are always applied in publisher order;
+* a gap the replay cannot fill (no replay endpoint, no answer, or the buffer already
+  dropped those batches): the relay *resynchronises*: it announces ``AllBlocksCleared``
+  and continues from what it has. Forgetting the worker's cache only costs cache hits;
+  keeping blocks whose removal was lost would send requests to a cache that is gone.
+
+The relay starts with an ``AllBlocksCleared`` of its own (a restarted worker's engine
+has an empty cache, and it tells the indexer a new event sequence starts) and expects
+``seq`` 0, so batches published before it connected are replayed.
+
+Publishing is injected (`on_event`): the worker wires it to NATS; tests collect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from dynamo.llm.kv_router.vllm_events import (
+    KvEventConverter,
+    KvEventDecodeError,
+    decode_event_batch,
+)
+from dynamo.llm.protocols import RouterEvent
+
+log = logging.getLogger(__name__)
+
+EventCallback = Callable[[RouterEvent], Awaitable[None]]
+
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+"""The sequence frame vLLM sends after the last replayed batch."""
+
+
+@dataclass(slots=True)
+class RelayStats:
+    """Counters of what the relay saw (for logs, metrics and tests)."""
+
+    batches: int = 0  # batches applied, live or replayed
+    events_out: int = 0  # RouterEvents handed to the callback
+    duplicates: int = 0  # batches skipped because already applied
+    gaps: int = 0  # times a sequence gap was detected
+    replayed_batches: int = 0  # batches applied from the replay endpoint
+    resyncs: int = 0  # gaps that could not be filled (cache announced cleared)
+    malformed: int = 0  # messages or batches that could not be decoded
+    callback_errors: int = 0  # events the callback failed to take
+
+
+def connect_address(endpoint: str) -> str:
+    """The address a subscriber connects to for a vLLM bind endpoint: vLLM binds
+    ``tcp://*:5557``; one connects to ``tcp://127.0.0.1:5557``."""
+    return endpoint.replace("://*:", "://127.0.0.1:", 1)
+
+
+class KvEventRelay:
+    """Subscribes to one engine's KV events and forwards them re-keyed by content."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        converter: KvEventConverter,
+        on_event: EventCallback,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        replay_timeout_s: float = 2.0,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.endpoint = connect_address(endpoint)
+        self.replay_endpoint = connect_address(replay_endpoint) if replay_endpoint else None
+        self.converter = converter
+        self.stats = RelayStats()
+        self._on_event = on_event
+        self._topic = topic.encode()
+        self._replay_timeout = replay_timeout_s
+        # Not `Context.instance()`: once a plain zmq context singleton exists in the
+        # process (vLLM's publisher makes one), the asyncio subclass would return it.
+        self._own_ctx = context is None
+        self._ctx = context if context is not None else zmq.asyncio.Context()
+        self._sub: zmq.asyncio.Socket | None = None
+        self._replay: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._expected_seq = 0
+
+    @property
+    def next_seq(self) -> int:
+        """The publisher sequence number the relay expects next."""
+        return self._expected_seq
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Announce an empty cache, connect, and start forwarding in the background."""
+        if self._task is not None:
+            raise RuntimeError("relay already started")
+        await self._deliver(self.converter.clear())
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        sub.connect(self.endpoint)
+        self._sub = sub
+        self._task = asyncio.create_task(self._run(), name="kv-event-relay")
+
+    async def stop(self) -> None:
+        """Stop forwarding and close the sockets (idempotent)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for sock in (self._sub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._sub = self._replay = None
+        if self._own_ctx and not self._ctx.closed:
+            self._ctx.term()
+
+    async def __aenter__(self) -> KvEventRelay:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ------------------------------------------------------------------ live stream
+
+    async def _run(self) -> None:
+        assert self._sub is not None
+        while True:
+            frames = await self._sub.recv_multipart()
+            try:
+                await self.handle_message(frames)
+            except Exception:  # one bad message must not stop the relay
+                log.exception("kv relay: failed to handle a message")
+
+    async def handle_message(self, frames: list[bytes]) -> None:
+        """Apply one live ``[topic, seq, payload]`` message, filling a gap first."""
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.stats.malformed += 1
+            log.warning("kv relay: unexpected message with %d frames", len(frames))
+            return
+        seq = int.from_bytes(frames[1], "big")
+        if seq < self._expected_seq:
+            self.stats.duplicates += 1
+            return
+        if seq > self._expected_seq:
+            self.stats.gaps += 1
+            log.info("kv relay: gap, expected seq %d got %d", self._expected_seq, seq)
+            await self._fill_gap()
+            if seq < self._expected_seq:
+                self.stats.duplicates += 1
+                return
+            if seq > self._expected_seq:
+                await self._resync(seq)
+        await self._apply(seq, frames[2])
+
+    # ------------------------------------------------------------------ gaps
+
+    async def _fill_gap(self) -> None:
+        """Replay from the expected seq; applies what the publisher still buffers and
+        resynchronises where its buffer has holes. Returns quietly on no answer."""
+        if self.replay_endpoint is None:
+            return
+        sock = self._replay_socket()
+        await sock.send_multipart([b"", self._expected_seq.to_bytes(8, "big")])
+        while True:
+            if not await sock.poll(int(self._replay_timeout * 1000)):
+                log.warning("kv relay: replay endpoint %s did not answer", self.replay_endpoint)
+                self._drop_replay_socket()  # a late answer must not leak into the next request
+                return
+            frames = await sock.recv_multipart()
+            if len(frames) != 4 or frames[2] == END_OF_REPLAY:
+                return
+            seq = int.from_bytes(frames[2], "big")
+            if seq < self._expected_seq:
+                continue
+            if seq > self._expected_seq:
+                await self._resync(seq)
+            await self._apply(seq, frames[3])
+            self.stats.replayed_batches += 1
+
+    async def _resync(self, seq: int) -> None:
+        """Batches before `seq` are lost for good: announce an empty cache, go on at `seq`."""
+        log.warning("kv relay: batches %d..%d lost, resynchronising", self._expected_seq, seq - 1)
+        self.stats.resyncs += 1
+        self._expected_seq = seq
+        await self._deliver(self.converter.clear())
+
+    def _replay_socket(self) -> zmq.asyncio.Socket:
+        if self._replay is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            assert self.replay_endpoint is not None
+            sock.connect(self.replay_endpoint)
+            self._replay = sock
+        return self._replay
+
+    def _drop_replay_socket(self) -> None:
+        if self._replay is not None:
+            self._replay.close(linger=0)
+            self._replay = None
+
+    # ------------------------------------------------------------------ delivery
+
+    async def _apply(self, seq: int, payload: bytes) -> None:
+        """Decode, convert and deliver one batch; `seq` counts as consumed either way."""
+        self._expected_seq = seq + 1
+        try:
+            batch = decode_event_batch(payload)
+        except KvEventDecodeError as exc:
+            self.stats.malformed += 1
+            log.warning("kv relay: undecodable batch %d: %s", seq, exc)
+            return
+        self.stats.batches += 1
+        for event in self.converter.convert_batch(batch):
+            await self._deliver(event)
+
+    async def _deliver(self, event: RouterEvent) -> None:
+        """Hand one event to the callback; a failure is counted and logged, not fatal
+        (the next event, or the next resync, still reaches the router)."""
+        try:
+            await self._on_event(event)
+        except Exception:
+            self.stats.callback_errors += 1
+            log.exception("kv relay: event callback failed for event %d", event.event_id)
+            return
+        self.stats.events_out += 1

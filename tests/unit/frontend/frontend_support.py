@@ -1,0 +1,166 @@
+"""Test doubles for the frontend: a scripted in-process engine producing real token ids
+from the embedded model's tokenizer, and helpers to run a frontend on an ephemeral port."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynamo.frontend.engine_client import InMemoryEngineClient
+from dynamo.frontend.http_server import HttpService
+from dynamo.frontend.metrics import FrontendMetrics
+from dynamo.frontend.model_registry import ModelManager
+from dynamo.frontend.preprocessor import Preprocessor
+from dynamo.llm.protocols import (
+    CompletionUsage,
+    FinishReason,
+    LLMEngineOutput,
+    ModelCard,
+    PreprocessedRequest,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+)
+
+MODEL = "smollm2"
+EOS = 2  # <|im_end|> in SmolLM2
+
+
+def make_card(instance_id: int = 1, **overrides: Any) -> ModelCard:
+    fields: dict[str, Any] = {
+        "name": MODEL,
+        "namespace": "dynamo",
+        "component": "backend",
+        "endpoint": "generate",
+        "instance_id": instance_id,
+        "context_length": 256,
+        "kv_block_size": 32,
+        "eos_token_ids": [EOS],
+    }
+    fields.update(overrides)
+    return ModelCard(**fields)
+
+
+@dataclass
+class Script:
+    """What the scripted engine answers: `reply` tokenized with the real tokenizer, sent in
+    steps of `steps` tokens (cycled; >1 mimics accepted speculative tokens)."""
+
+    reply: str = "Hello there, friend."
+    steps: Sequence[int] = (1,)
+    delay: float = 0.0  # seconds between steps
+    finish: FinishReason = FinishReason.EOS
+    cached_tokens: int = 0
+    fail_after: int | None = None  # steps before an error output
+    raise_exc: BaseException | None = None  # raised before the first output
+    raise_after: int | None = None  # steps before `raise_exc` is raised (None: at once)
+    never_finish: bool = False  # keep producing until cancelled
+
+
+@dataclass
+class ScriptedEngine:
+    """An `EngineClient` handler that behaves like a worker: real token ids, EOS appended,
+    max_tokens honoured (finish `length`), usage on the last output."""
+
+    tokenizer: Any
+    script: Script = field(default_factory=Script)
+
+    def reply_ids(self) -> list[int]:
+        return self.tokenizer.backend_tokenizer.encode(
+            self.script.reply, add_special_tokens=False
+        ).ids
+
+    async def __call__(self, request: PreprocessedRequest) -> AsyncIterator[LLMEngineOutput]:
+        script = self.script
+        if script.raise_exc is not None and script.raise_after is None:
+            raise script.raise_exc
+        ids = self.reply_ids()
+        finish = script.finish
+        if finish is FinishReason.EOS:
+            ids = [*ids, EOS]
+        limit = request.stop_conditions.max_tokens
+        if limit is not None and len(ids) > limit:
+            ids, finish = ids[:limit], FinishReason.LENGTH
+        if script.never_finish:
+            ids = ids * 1000
+        sent = 0
+        step_index = 0
+        while sent < len(ids):
+            if script.raise_after is not None and step_index >= script.raise_after:
+                assert script.raise_exc is not None
+                raise script.raise_exc
+            if script.fail_after is not None and step_index >= script.fail_after:
+                yield LLMEngineOutput(finish_reason=FinishReason.ERROR, error="scripted failure")
+                return
+            if script.delay:
+                await asyncio.sleep(script.delay)
+            size = script.steps[step_index % len(script.steps)]
+            chunk = ids[sent : sent + size]
+            sent += len(chunk)
+            step_index += 1
+            out = LLMEngineOutput(token_ids=chunk)
+            if request.output_options.logprobs is not None:
+                out.log_probs = [_fake_logprob(t, request.output_options.logprobs) for t in chunk]
+            if sent >= len(ids) and not script.never_finish:
+                out.finish_reason = finish
+                out.completion_usage = CompletionUsage(
+                    prompt_tokens=len(request.token_ids),
+                    completion_tokens=len(ids),
+                    total_tokens=len(request.token_ids) + len(ids),
+                    prompt_tokens_details=PromptTokensDetails(cached_tokens=script.cached_tokens),
+                )
+            yield out
+
+
+def _fake_logprob(token_id: int, top: int) -> TokenLogprob:
+    alternatives = [TopLogprob(token_id, -0.25)] + [
+        TopLogprob(100 + i, -1.0 - i) for i in range(max(top, 1))
+    ]
+    return TokenLogprob(token_id=token_id, logprob=-0.25, top=alternatives)
+
+
+@dataclass
+class Frontend:
+    """A running frontend on 127.0.0.1:<ephemeral> with one scripted model."""
+
+    service: HttpService
+    manager: ModelManager
+    engine: ScriptedEngine
+    client: InMemoryEngineClient
+
+    @property
+    def url(self) -> str:
+        return self.service.url
+
+
+async def start_frontend(
+    tokenizer: Any, card: ModelCard | None = None, **service_kwargs: Any
+) -> Frontend:
+    card = card or make_card()
+    engine = ScriptedEngine(tokenizer)
+    client = InMemoryEngineClient(engine)
+    manager = ModelManager(load_preprocessor=lambda c, _dir: Preprocessor(c, tokenizer))
+
+    async def factory(_card: ModelCard) -> InMemoryEngineClient:
+        return client
+
+    await manager.add_instance(card, "/unused", factory)
+    service = HttpService(
+        manager, metrics=FrontendMetrics(), host="127.0.0.1", port=0, **service_kwargs
+    )
+    await service.start()
+    return Frontend(service=service, manager=manager, engine=engine, client=client)
+
+
+def parse_sse(raw: bytes) -> list[str]:
+    """The `data:` payloads of an SSE body, checking the framing on the way."""
+    text = raw.decode("utf-8")
+    assert text.endswith("\n\n"), "an SSE body ends with a blank line"
+    events = text[:-2].split("\n\n")
+    payloads = []
+    for event in events:
+        assert event.startswith("data: "), f"not an SSE data event: {event!r}"
+        payloads.append(event[len("data: ") :])
+    return payloads

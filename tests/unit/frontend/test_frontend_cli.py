@@ -1,0 +1,69 @@
+"""The command line and the router factory it selects."""
+
+from __future__ import annotations
+
+import pytest
+from frontend_support import make_card
+
+from dynamo.frontend.__main__ import build_parser, config_from_args
+from dynamo.frontend.routing import RandomRouter, RoundRobinRouter, RouterMode, make_router_factory
+from dynamo.llm.protocols import PreprocessedRequest
+
+
+def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NATS_SERVER", raising=False)
+    config = config_from_args(build_parser().parse_args([]))
+    assert (config.http_host, config.http_port, config.namespace) == ("0.0.0.0", 8000, "dynamo")
+    assert config.nats_server == "nats://127.0.0.1:4222"
+    assert config.router_mode is RouterMode.ROUND_ROBIN
+    assert (config.kv_overlap_score_weight, config.router_temperature) == (1.0, 0.0)
+
+
+def test_nats_server_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NATS_SERVER", "nats://nats.example:4222")
+    assert config_from_args(build_parser().parse_args([])).nats_server == "nats://nats.example:4222"
+
+
+def test_flags_are_parsed() -> None:
+    args = build_parser().parse_args(
+        "--http-host 127.0.0.1 --http-port 9000 --namespace ns --nats-server nats://h:1 "
+        "--router-mode kv --kv-overlap-score-weight 0.5 --router-temperature 0.2 "
+        "--log-level DEBUG".split()
+    )
+    config = config_from_args(args)
+    assert (config.http_host, config.http_port, config.namespace) == ("127.0.0.1", 9000, "ns")
+    assert config.nats_server == "nats://h:1"
+    assert config.router_mode is RouterMode.KV
+    assert (config.kv_overlap_score_weight, config.router_temperature) == (0.5, 0.2)
+    assert args.log_level == "DEBUG"
+
+
+def test_every_flag_has_help() -> None:
+    for action in build_parser()._actions:
+        assert action.help, action.dest
+
+
+def test_bad_router_mode_is_rejected() -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--router-mode", "fastest"])
+
+
+@pytest.mark.parametrize(
+    ("mode", "router_type"),
+    [(RouterMode.ROUND_ROBIN, RoundRobinRouter), (RouterMode.RANDOM, RandomRouter)],
+)
+async def test_router_factories(mode: RouterMode, router_type: type) -> None:
+    router = await make_router_factory(mode)(make_card(), object())
+    assert isinstance(router, router_type)
+
+
+async def test_kv_router_factory_builds_a_router_for_the_card() -> None:
+    factory = make_router_factory(RouterMode.KV, kv_overlap_score_weight=2.0)
+    router = await factory(make_card(instance_id=7, kv_block_size=32), object())
+    try:
+        request = PreprocessedRequest(request_id="r", model="m", token_ids=list(range(100)))
+        assert await router.select(request, [7]) == 7
+        assert request.routing is not None and request.routing.backend_instance_id == 7
+        router.on_finished("r")
+    finally:
+        await router.close()

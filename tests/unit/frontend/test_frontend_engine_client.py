@@ -1,0 +1,144 @@
+"""`RuntimeEngineClient` over a stand-in for `dynamo.runtime.Client`: placement retries,
+error mapping, cancellation and router bookkeeping."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from dynamo.frontend.engine_client import (
+    EngineFailedError,
+    EngineUnavailableError,
+    RuntimeEngineClient,
+)
+from dynamo.frontend.routing import RandomRouter
+from dynamo.llm.protocols import FinishReason, LLMEngineOutput, PreprocessedRequest
+from dynamo.runtime import InstanceGoneError, NoInstancesError, RemoteError, StreamTimeoutError
+
+
+class FakeStream:
+    """A response stream scripted as a list of outputs and exceptions."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self._items: Iterator[Any] = iter(items)
+        self.closed = False
+
+    def __aiter__(self) -> FakeStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        item = next(self._items, StopAsyncIteration())
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class FakeClient:
+    def __init__(self, scripts: list[list[Any]], ids: list[int] | None = None) -> None:
+        self._scripts = iter(scripts)
+        self.ids = [1, 2] if ids is None else ids
+        self.sent: list[tuple[str, int | None]] = []
+        self.streams: list[FakeStream] = []
+
+    def instance_ids(self) -> list[int]:
+        return list(self.ids)
+
+    def round_robin(self, request: Any, **kwargs: Any) -> FakeStream:
+        return self._send(None, kwargs)
+
+    def direct(self, request: Any, instance_id: int, **kwargs: Any) -> FakeStream:
+        return self._send(instance_id, kwargs)
+
+    def _send(self, target: int | None, kwargs: dict[str, Any]) -> FakeStream:
+        assert kwargs["response_type"] is LLMEngineOutput
+        self.sent.append((kwargs["request_id"], target))
+        stream = FakeStream(next(self._scripts))
+        self.streams.append(stream)
+        return stream
+
+    async def close(self) -> None:
+        pass
+
+
+class BookkeepingRouter(RandomRouter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first: list[str] = []
+        self.finished: list[str] = []
+
+    def on_first_output(self, request_id: str, output: LLMEngineOutput) -> None:
+        self.first.append(request_id)
+
+    def on_finished(self, request_id: str) -> None:
+        self.finished.append(request_id)
+
+
+def _request() -> PreprocessedRequest:
+    return PreprocessedRequest(request_id="req", model="m", token_ids=[1, 2])
+
+
+DONE = LLMEngineOutput(token_ids=[7], finish_reason=FinishReason.EOS)
+
+
+async def _collect(client: RuntimeEngineClient) -> list[LLMEngineOutput]:
+    return [out async for out in client.generate(_request())]
+
+
+async def test_outputs_stream_through_and_the_router_is_told() -> None:
+    fake = FakeClient([[LLMEngineOutput(token_ids=[5]), DONE]])
+    router = BookkeepingRouter()
+    outputs = await _collect(RuntimeEngineClient(fake, router))
+    assert [o.token_ids for o in outputs] == [[5], [7]]
+    assert fake.sent[0][0] == "req" and fake.sent[0][1] in (1, 2)  # random router picks
+    assert router.first == ["req"] and router.finished == ["req"]
+    assert fake.streams[0].closed
+
+
+async def test_worker_gone_before_first_output_is_retried() -> None:
+    fake = FakeClient([[InstanceGoneError(1)], [DONE]])
+    outputs = await _collect(RuntimeEngineClient(fake))
+    assert outputs == [DONE]
+    assert len(fake.sent) == 2
+
+
+async def test_worker_gone_after_output_is_a_failure() -> None:
+    fake = FakeClient([[LLMEngineOutput(token_ids=[5]), InstanceGoneError(1)]])
+    with pytest.raises(EngineFailedError, match="worker lost"):
+        await _collect(RuntimeEngineClient(fake))
+    assert len(fake.sent) == 1
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (RemoteError("CUDA OOM", "RuntimeError"), EngineFailedError),
+        (StreamTimeoutError("no frame"), EngineFailedError),
+        (NoInstancesError("none"), EngineUnavailableError),
+    ],
+)
+async def test_runtime_errors_are_mapped(error: Exception, expected: type) -> None:
+    fake = FakeClient([[error]] * 3)
+    with pytest.raises(expected):
+        await _collect(RuntimeEngineClient(fake))
+
+
+async def test_no_instances_is_unavailable_without_sending() -> None:
+    fake = FakeClient([], ids=[])
+    with pytest.raises(EngineUnavailableError):
+        await _collect(RuntimeEngineClient(fake))
+    assert fake.sent == []
+
+
+async def test_closing_early_closes_the_runtime_stream() -> None:
+    fake = FakeClient([[LLMEngineOutput(token_ids=[i]) for i in range(10)]])
+    router = BookkeepingRouter()
+    gen = RuntimeEngineClient(fake, router).generate(_request())
+    assert (await gen.__anext__()).token_ids == [0]
+    await gen.aclose()
+    assert fake.streams[0].closed
+    assert router.finished == ["req"]

@@ -1,0 +1,231 @@
+"""KvScheduler / KvRouter: overlap wins, speculation looks fuller, temperature samples."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import pytest
+
+from dynamo.frontend.routing import Router
+from dynamo.llm.kv_router.hashing import compute_block_hashes
+from dynamo.llm.kv_router.scheduler import (
+    KvScheduler,
+    WorkerConfig,
+    WorkerScore,
+    build_kv_router,
+    choose,
+    softmax_weights,
+)
+from dynamo.llm.protocols import (
+    KvBlockStored,
+    LLMEngineOutput,
+    LoadMetrics,
+    ModelCard,
+    PreprocessedRequest,
+    RouterEvent,
+    RoutingHints,
+    SpeculativeInfo,
+)
+
+B = 16
+PROMPT = list(range(1000, 1064))  # exactly 4 blocks
+
+
+def card(instance_id: int, k: int | None = None) -> ModelCard:
+    spec = SpeculativeInfo(method="ngram", num_speculative_tokens=k) if k is not None else None
+    return ModelCard(
+        name="m",
+        namespace="ns",
+        component="backend",
+        endpoint="generate",
+        instance_id=instance_id,
+        kv_block_size=B,
+        speculative=spec,
+    )
+
+
+def cache_on(scheduler: KvScheduler, worker: int, tokens: list[int], event_id: int = 0) -> None:
+    hashes = compute_block_hashes(tokens, B)
+    scheduler.apply_event(RouterEvent(worker, event_id, KvBlockStored(block_hashes=hashes)))
+
+
+def request(rid: str, tokens: list[int]) -> PreprocessedRequest:
+    return PreprocessedRequest(request_id=rid, model="m", token_ids=tokens)
+
+
+async def test_picks_the_worker_with_the_cached_prefix() -> None:
+    router = build_kv_router(card(1), rng=random.Random(0))
+    router.update_card(card(2))
+    cache_on(router.scheduler, 2, PROMPT)
+    req = request("r1", [*PROMPT, 7, 8, 9])
+    assert await router.select(req, [1, 2]) == 2
+    assert req.routing == RoutingHints(backend_instance_id=2, overlap_blocks=4)
+    scores = {s.worker_id: s for s in router.scheduler.score(req.token_ids, [1, 2])}
+    assert (scores[1].overlap_blocks, scores[1].prefill_blocks) == (0, 5)
+    assert (scores[2].overlap_blocks, scores[2].prefill_blocks) == (4, 1)
+
+
+async def test_select_keeps_existing_routing_hints() -> None:
+    router = build_kv_router(card(1))
+    req = request("r1", PROMPT)
+    req.routing = RoutingHints(prefill_instance_id=9)
+    await router.select(req, [1])
+    assert req.routing == RoutingHints(
+        backend_instance_id=1, prefill_instance_id=9, overlap_blocks=0
+    )
+
+
+def test_deeper_speculation_looks_fuller() -> None:
+    scheduler = KvScheduler(B, rng=random.Random(0))
+    scheduler.update_worker(WorkerConfig(1, B))
+    scheduler.update_worker(
+        WorkerConfig(2, B, SpeculativeInfo(method="eagle3", num_speculative_tokens=4))
+    )
+    scores = {s.worker_id: s for s in scheduler.score(PROMPT, [1, 2])}
+    assert scores[1].active_blocks == 4  # 64 tokens, no slots ahead
+    assert scores[2].active_blocks == 5  # ceil((64 + 4) / 16)
+    assert scores[2].cost > scores[1].cost
+    picks = set()
+    for i in range(20):  # identical (empty) caches, so only the slots decide
+        picks.add(scheduler.schedule(f"r{i}", PROMPT, [1, 2]).worker_id)
+        scheduler.free(f"r{i}")
+    assert picks == {1}
+    # With requests in flight, the speculating worker's books include its slots.
+    scheduler.schedule("a", PROMPT, [2])
+    scheduler.schedule("b", [*PROMPT[1:], 5], [1])
+    loads = scheduler.sequences.loads()
+    assert (loads[1].active_blocks, loads[2].active_blocks) == (4, 5)
+
+
+def test_load_spreads_when_no_cache_matches() -> None:
+    scheduler = KvScheduler(B, overlap_score_weight=1.0, rng=random.Random(1))
+    picks = Counter(
+        scheduler.schedule(f"r{i}", [i * 1000 + t for t in range(40)], [1, 2, 3]).worker_id
+        for i in range(30)
+    )
+    assert picks == Counter({1: 10, 2: 10, 3: 10})
+    assert {load.active_requests for load in scheduler.sequences.loads().values()} == {10}
+
+
+def test_overlap_weight_trades_cache_hits_for_balance() -> None:
+    scheduler = KvScheduler(B, overlap_score_weight=1.0, rng=random.Random(2))
+    cache_on(scheduler, 1, PROMPT)
+    for i in range(3):  # load worker 1 with unrelated requests: 3 x 4 blocks
+        scheduler.schedule(f"busy{i}", [50_000 + i * 100 + t for t in range(64)], [1])
+    # Worker 1: 1 * 0 + (12 + 4) = 16; worker 2: 1 * 4 + 4 = 8 -> balance wins.
+    assert scheduler.schedule("x", PROMPT, [1, 2]).worker_id == 2
+    scheduler.free("x")
+    scheduler.overlap_score_weight = 5.0  # worker 1: 16, worker 2: 24 -> cache wins
+    assert scheduler.schedule("y", PROMPT, [1, 2]).worker_id == 1
+
+
+def test_ties_are_broken_at_random() -> None:
+    scheduler = KvScheduler(B, rng=random.Random(3))
+    picks = Counter()
+    for i in range(200):
+        picks[scheduler.schedule(f"r{i}", PROMPT, [1, 2]).worker_id] += 1
+        scheduler.free(f"r{i}")
+    assert set(picks) == {1, 2}
+    assert 60 < picks[1] < 140
+
+
+def test_softmax_weights_follow_the_formula() -> None:
+    weights = softmax_weights([10.0, 20.0, 30.0], temperature=0.5)
+    expected = [math.exp(-x / 0.5) for x in (0.0, 0.5, 1.0)]
+    total = sum(expected)
+    assert weights == pytest.approx([e / total for e in expected])
+    assert softmax_weights([3.0, 3.0], 1.0) == [0.5, 0.5]
+    hot = softmax_weights([10.0, 20.0, 30.0], temperature=10.0)
+    assert max(hot) - min(hot) < max(weights) - min(weights)  # higher T is flatter
+    with pytest.raises(ValueError):
+        softmax_weights([1.0], 0.0)
+
+
+def test_temperature_sampling_matches_the_distribution() -> None:
+    scores = [WorkerScore(w, 0, 0, 0, 0, cost) for w, cost in ((1, 10.0), (2, 20.0), (3, 30.0))]
+    rng = random.Random(4)
+    draws = Counter(choose(scores, 0.5, rng).worker_id for _ in range(20_000))
+    expected = softmax_weights([10.0, 20.0, 30.0], 0.5)
+    for worker, p in zip((1, 2, 3), expected, strict=True):
+        assert draws[worker] / 20_000 == pytest.approx(p, abs=0.015)
+    assert {choose(scores, 0.0, rng).worker_id for _ in range(50)} == {1}
+
+
+def test_recent_load_metrics_add_unbooked_load() -> None:
+    now = [0.0]
+    scheduler = KvScheduler(B, rng=random.Random(5), clock=lambda: now[0], load_metrics_ttl_s=5)
+    scheduler.update_load(LoadMetrics(worker_id=1, active_blocks=50))
+    assert scheduler.schedule("a", PROMPT, [1, 2]).worker_id == 2
+    scheduler.free("a")
+    now[0] = 10.0  # the report is stale now: back to a tie
+    scores = scheduler.score(PROMPT, [1, 2])
+    assert scores[0].cost == scores[1].cost
+
+
+async def test_router_lifecycle_releases_books() -> None:
+    router = build_kv_router(card(1, k=2))
+    assert isinstance(router, Router)
+    req = request("r", PROMPT)
+    await router.select(req, [1])
+    seqs = router.scheduler.sequences.get(1)
+    assert seqs is not None
+    assert (seqs.active_blocks, seqs.prefill_tokens) == (5, 64)  # ceil(66/16)
+    router.on_first_output("r", LLMEngineOutput(token_ids=[1]))
+    assert seqs.prefill_tokens == 0 and seqs.active_blocks == 5
+    router.on_finished("r")
+    router.on_finished("r")  # a second call is harmless
+    assert (seqs.active_blocks, seqs.active_requests) == (0, 0)
+    await router.close()
+
+
+async def test_retried_request_is_rebooked_not_leaked() -> None:
+    router = build_kv_router(card(1))
+    await router.select(request("r", PROMPT), [1])
+    await router.select(request("r", PROMPT), [1])
+    seqs = router.scheduler.sequences.get(1)
+    assert seqs is not None and seqs.active_requests == 1
+    router.on_finished("r")
+    assert seqs.active_blocks == 0
+
+
+async def test_feeds_apply_events_cards_and_metrics() -> None:
+    async def source() -> AsyncIterator[object]:
+        yield card(2, k=3)
+        yield RouterEvent(2, 0, KvBlockStored(block_hashes=compute_block_hashes(PROMPT, B)))
+        yield "garbage"  # logged and skipped, the feed keeps going
+        yield LoadMetrics(worker_id=1, active_blocks=1)
+
+    router = build_kv_router(card(1), sources=[source()])  # type: ignore[list-item]
+    await asyncio.wait_for(asyncio.gather(*router._feeds), 1.0)
+    assert router.scheduler.indexer.find_matches_for_tokens(PROMPT).scores == {2: 4}
+    assert router.scheduler.worker_config(2).num_speculative_tokens(1) == 3
+    await router.close()
+    with pytest.raises(RuntimeError):
+        router.feed(source())  # type: ignore[arg-type]
+
+
+async def test_close_cancels_endless_feeds() -> None:
+    never = asyncio.Event()
+
+    async def endless() -> AsyncIterator[RouterEvent]:
+        await never.wait()
+        yield RouterEvent(1, 0, KvBlockStored(block_hashes=[]))
+
+    router = build_kv_router(card(1), sources=[endless()])
+    (task,) = list(router._feeds)
+    await router.close()
+    assert task.cancelled()
+
+
+def test_remove_worker_forgets_cache_and_books() -> None:
+    scheduler = KvScheduler(B)
+    cache_on(scheduler, 1, PROMPT)
+    scheduler.schedule("a", PROMPT, [1])
+    scheduler.remove_worker(1)
+    assert scheduler.indexer.find_matches_for_tokens(PROMPT).scores == {}
+    assert scheduler.sequences.get(1) is None
+    assert not scheduler.free("a")

@@ -1,0 +1,357 @@
+"""The ZMQ relay against real sockets speaking vLLM's PUB + ROUTER replay protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from dynamo.llm.kv_router.hashing import compute_block_hashes
+from dynamo.llm.kv_router.indexer import KvIndexer
+from dynamo.llm.kv_router.vllm_events import KvEventConverter
+from dynamo.llm.kv_router.zmq_relay import END_OF_REPLAY, KvEventRelay, connect_address
+from dynamo.llm.protocols import KvAllCleared, KvBlockStored, RouterEvent
+
+B = 4
+WORKER = 3
+
+
+def chain_batch(i: int) -> bytes:
+    """Batch i stores block i of one long sequence, parented on block i-1, so a batch
+    lost or applied out of order leaves an orphan the converter cannot hash."""
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [1000 + i],
+        "parent_block_hash": 1000 + i - 1 if i else None,
+        "token_ids": list(range(i * B, (i + 1) * B)),
+        "block_size": B,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    return msgspec.msgpack.encode([float(i), [event], 0])
+
+
+def chain_tokens(n: int) -> list[int]:
+    return list(range(n * B))
+
+
+class FakeVllmPublisher:
+    """PUB + ROUTER with vLLM's framing and replay answers, where the test decides which
+    batches go out live and which stay in the replay buffer."""
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        self.pub = ctx.socket(zmq.PUB)
+        self.router = ctx.socket(zmq.ROUTER)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.LINGER, 0)
+        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
+        self.buffer: deque[tuple[int, bytes]] = deque()
+        self.replay_requests: list[int] = []
+        self.answer_replays = True
+        self._task = asyncio.create_task(self._serve_replay())
+
+    async def publish(
+        self, seq: int, payload: bytes, *, live: bool = True, keep: bool = True
+    ) -> None:
+        if keep:
+            self.buffer.append((seq, payload))
+        if live:
+            await self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+
+    async def _serve_replay(self) -> None:
+        while True:
+            client, _empty, start = await self.router.recv_multipart()
+            start_seq = int.from_bytes(start, "big")
+            self.replay_requests.append(start_seq)
+            if not self.answer_replays:
+                continue
+            for seq, payload in self.buffer:
+                if seq >= start_seq:
+                    await self.router.send_multipart(
+                        [client, b"", b"", seq.to_bytes(8, "big"), payload]
+                    )
+            await self.router.send_multipart([client, b"", b"", END_OF_REPLAY, b""])
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self.pub.close()
+        self.router.close()
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    yield context
+    context.term()
+
+
+@pytest.fixture
+async def publisher(ctx: zmq.asyncio.Context) -> AsyncIterator[FakeVllmPublisher]:
+    pub = FakeVllmPublisher(ctx)
+    yield pub
+    await pub.close()
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+async def start_relay(
+    publisher: FakeVllmPublisher, received: list[RouterEvent], *, replay: bool = True
+) -> KvEventRelay:
+    async def collect(event: RouterEvent) -> None:
+        received.append(event)
+
+    relay = KvEventRelay(
+        publisher.endpoint,
+        KvEventConverter(WORKER, B),
+        collect,
+        replay_endpoint=publisher.replay_endpoint if replay else None,
+        replay_timeout_s=0.5,
+    )
+    await relay.start()
+    # PUB drops what it sends before the subscription arrives: re-send batch 0 until it
+    # lands (repeats are skipped as duplicates, which this also exercises).
+    payload = chain_batch(0)
+    publisher.buffer.append((0, payload))
+    while relay.next_seq == 0:
+        await publisher.publish(0, payload, keep=False)
+        await asyncio.sleep(0.02)
+    return relay
+
+
+def index_of(events: list[RouterEvent]) -> KvIndexer:
+    index = KvIndexer(B)
+    for event in events:
+        index.apply(event)
+    return index
+
+
+async def test_relay_announces_a_clear_first(publisher: FakeVllmPublisher) -> None:
+    received: list[RouterEvent] = []
+    relay = await start_relay(publisher, received)
+    try:
+        assert isinstance(received[0].data, KvAllCleared)
+        assert (received[0].worker_id, received[0].event_id) == (WORKER, 0)
+        assert received[1].data == KvBlockStored(
+            block_hashes=compute_block_hashes(chain_tokens(1), B)
+        )
+    finally:
+        await relay.stop()
+
+
+async def test_gap_is_filled_from_the_replay_endpoint(publisher: FakeVllmPublisher) -> None:
+    received: list[RouterEvent] = []
+    relay = await start_relay(publisher, received)
+    try:
+        await publisher.publish(1, chain_batch(1))
+        await publisher.publish(2, chain_batch(2), live=False)  # lost on the way
+        await publisher.publish(3, chain_batch(3), live=False)
+        await publisher.publish(4, chain_batch(4))
+        await wait_for(lambda: relay.next_seq == 5)
+        await publisher.publish(5, chain_batch(5))
+        await wait_for(lambda: relay.next_seq == 6)
+    finally:
+        await relay.stop()
+    assert publisher.replay_requests == [2]
+    assert relay.stats.gaps == 1
+    assert relay.stats.replayed_batches == 3  # 2, 3 and the 4 that revealed the gap
+    assert relay.stats.resyncs == 0
+    stored = [e for e in received if isinstance(e.data, KvBlockStored)]
+    assert len(stored) == 6, "every batch applied exactly once"
+    assert [e.event_id for e in received] == list(range(7))
+    # All six blocks are chained correctly: nothing was an orphan.
+    assert index_of(received).find_matches_for_tokens(chain_tokens(6)).scores == {WORKER: 6}
+    assert relay.converter.stats.dropped_orphan == 0
+
+
+async def test_missed_start_is_replayed_from_seq_zero(publisher: FakeVllmPublisher) -> None:
+    for seq in range(3):  # published before anyone subscribed
+        await publisher.publish(seq, chain_batch(seq), live=False)
+    received: list[RouterEvent] = []
+
+    async def collect(event: RouterEvent) -> None:
+        received.append(event)
+
+    relay = KvEventRelay(
+        publisher.endpoint,
+        KvEventConverter(WORKER, B),
+        collect,
+        replay_endpoint=publisher.replay_endpoint,
+    )
+    await relay.start()
+    try:
+        payload = chain_batch(3)
+        publisher.buffer.append((3, payload))
+        while relay.next_seq < 4:
+            await publisher.publish(3, payload, keep=False)
+            await asyncio.sleep(0.02)
+    finally:
+        await relay.stop()
+    assert publisher.replay_requests == [0]
+    assert index_of(received).find_matches_for_tokens(chain_tokens(4)).scores == {WORKER: 4}
+
+
+async def test_unfillable_gap_resynchronises_with_a_clear(publisher: FakeVllmPublisher) -> None:
+    received: list[RouterEvent] = []
+    relay = await start_relay(publisher, received)
+    try:
+        await publisher.publish(1, chain_batch(1), live=False, keep=False)  # gone for good
+        await publisher.publish(2, chain_batch(2))
+        await wait_for(lambda: relay.next_seq == 3)
+    finally:
+        await relay.stop()
+    assert relay.stats.resyncs == 1
+    kinds = [type(e.data).__name__ for e in received]
+    assert kinds == ["KvAllCleared", "KvBlockStored", "KvAllCleared"]
+    # Block 2's parent was lost with batch 1, so it is dropped rather than mis-keyed.
+    assert relay.converter.stats.dropped_orphan == 1
+    assert index_of(received).find_matches_for_tokens(chain_tokens(3)).scores == {}
+
+
+async def test_silent_replay_endpoint_times_out_and_resyncs(publisher: FakeVllmPublisher) -> None:
+    received: list[RouterEvent] = []
+    relay = await start_relay(publisher, received)
+    publisher.answer_replays = False
+    try:
+        await publisher.publish(1, chain_batch(1), live=False)
+        await publisher.publish(2, chain_batch(2))
+        await wait_for(lambda: relay.next_seq == 3)
+    finally:
+        await relay.stop()
+    assert publisher.replay_requests == [1]
+    assert relay.stats.resyncs == 1
+
+
+async def test_without_replay_endpoint_a_gap_resyncs(publisher: FakeVllmPublisher) -> None:
+    received: list[RouterEvent] = []
+    relay = await start_relay(publisher, received, replay=False)
+    try:
+        await publisher.publish(2, chain_batch(2))
+        await wait_for(lambda: relay.next_seq == 3)
+    finally:
+        await relay.stop()
+    assert (relay.stats.gaps, relay.stats.resyncs) == (1, 1)
+    assert publisher.replay_requests == []
+
+
+async def test_bad_messages_and_callback_failures_do_not_stop_the_relay(
+    publisher: FakeVllmPublisher,
+) -> None:
+    received: list[RouterEvent] = []
+    relay = await start_relay(publisher, received)
+    try:
+        await publisher.pub.send_multipart([b"", b"short"])  # wrong framing
+        await publisher.publish(1, b"\xc1")  # not msgpack
+        await publisher.publish(2, chain_batch(2))
+        await wait_for(lambda: relay.next_seq == 3)
+    finally:
+        await relay.stop()
+    assert relay.stats.malformed == 2
+    assert relay.stats.batches == 2  # batch 0 and batch 2 decoded
+
+
+async def test_callback_failure_is_counted(publisher: FakeVllmPublisher) -> None:
+    calls = 0
+
+    async def flaky(event: RouterEvent) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("broker down")
+
+    relay = KvEventRelay(publisher.endpoint, KvEventConverter(WORKER, B), flaky)
+    await relay.start()
+    try:
+        payload = chain_batch(0)
+        while relay.next_seq == 0:
+            await publisher.publish(0, payload, keep=False)
+            await asyncio.sleep(0.02)
+        await publisher.publish(1, chain_batch(1))
+        await wait_for(lambda: relay.next_seq == 2)
+    finally:
+        await relay.stop()
+    assert (relay.stats.callback_errors, relay.stats.events_out) == (1, 2)
+
+
+def test_connect_address_for_a_bind_endpoint() -> None:
+    assert connect_address("tcp://*:5557") == "tcp://127.0.0.1:5557"
+    assert connect_address("ipc:///tmp/x") == "ipc:///tmp/x"
+
+
+async def test_against_vllms_own_publisher(tmp_path: Path) -> None:
+    """vLLM's ZmqEventPublisher (no engine needed): batches published before the relay
+    subscribed are recovered through vLLM's replay socket."""
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    publisher = kv_events.ZmqEventPublisher(
+        data_parallel_rank=0,
+        endpoint=f"ipc://{tmp_path}/pub",
+        replay_endpoint=f"ipc://{tmp_path}/replay",
+    )
+
+    def batch(i: int) -> object:
+        return kv_events.KVEventBatch(
+            ts=float(i),
+            events=[
+                kv_events.BlockStored(
+                    block_hashes=[bytes([i + 1]) * 32],
+                    parent_block_hash=bytes([i]) * 32 if i else None,
+                    token_ids=list(range(i * B, (i + 1) * B)),
+                    block_size=B,
+                    lora_id=None,
+                    medium="GPU",
+                    lora_name=None,
+                    group_idx=0,
+                )
+            ],
+        )
+
+    received: list[RouterEvent] = []
+
+    async def collect(event: RouterEvent) -> None:
+        received.append(event)
+
+    try:
+        for i in range(5):  # nobody subscribed yet: PUB drops these
+            publisher.publish(batch(i))
+        # publish() only queues; wait until vLLM's thread has sent (and buffered) them all.
+        await asyncio.wait_for(asyncio.to_thread(publisher._event_queue.join), 10)
+        relay = KvEventRelay(
+            f"ipc://{tmp_path}/pub",
+            KvEventConverter(WORKER, B),
+            collect,
+            replay_endpoint=f"ipc://{tmp_path}/replay",
+        )
+        await relay.start()
+        try:
+            i = 5
+            deadline = time.monotonic() + 10
+            while relay.next_seq == 0 and time.monotonic() < deadline:
+                publisher.publish(batch(i))
+                i += 1
+                await asyncio.sleep(0.05)
+            await wait_for(lambda: relay.next_seq == i)
+        finally:
+            await relay.stop()
+    finally:
+        publisher.shutdown()
+    assert relay.stats.gaps >= 1 and relay.stats.resyncs == 0
+    assert index_of(received).find_matches_for_tokens(chain_tokens(i)).scores == {WORKER: i}
