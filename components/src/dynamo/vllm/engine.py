@@ -60,7 +60,10 @@ class VllmEngine:
 
     def start(self) -> EngineFacts:
         args = self.engine_args
-        if args.speculative_config and getattr(args, "per_request_spec_decode_metrics", "none") == "none":
+        if (
+            args.speculative_config
+            and getattr(args, "per_request_spec_decode_metrics", "none") == "none"
+        ):
             # Per-request acceptance statistics travel back in the final output.
             args.per_request_spec_decode_metrics = "summary"
         args.disable_log_stats = False  # the Prometheus and load metrics depend on stats

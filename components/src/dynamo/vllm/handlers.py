@@ -73,7 +73,9 @@ class GenerateHandler:
             return dict(request.prefill_result.disaggregated_params)
         return request.kv_transfer_params
 
-    async def generate(self, request: PreprocessedRequest, ctx: Any) -> AsyncIterator[LLMEngineOutput]:
+    async def generate(
+        self, request: PreprocessedRequest, ctx: Any
+    ) -> AsyncIterator[LLMEngineOutput]:
         facts = self.engine.facts
         assert facts is not None, "handler served before the engine started"
         prefill = self.worker_type is WorkerType.PREFILL

@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 class WorkerCollector(Collector):
     """Worker-level series; `labels` identify the worker (model, worker type, instance)."""
 
-    def __init__(self, stats: EngineStats, counters: RequestCounters, labels: dict[str, str]) -> None:
+    def __init__(
+        self, stats: EngineStats, counters: RequestCounters, labels: dict[str, str]
+    ) -> None:
         self.stats = stats
         self.counters = counters
         self.labels = labels
@@ -38,18 +40,29 @@ class WorkerCollector(Collector):
         snap = self.stats.snapshot
         spec = self.stats.spec
         lv = list(self.labels.values())
-        yield self._gauge("dynamo_worker_requests_in_flight", "Requests being generated", self.counters.in_flight)
-        yield self._gauge("dynamo_worker_running_requests", "Requests running in the engine", snap.running)
-        yield self._gauge("dynamo_worker_waiting_requests", "Requests waiting in the engine", snap.waiting)
-        yield self._gauge("dynamo_worker_kv_cache_usage", "Fraction of KV blocks in use", snap.kv_usage)
+        yield self._gauge(
+            "dynamo_worker_requests_in_flight", "Requests being generated", self.counters.in_flight
+        )
+        yield self._gauge(
+            "dynamo_worker_running_requests", "Requests running in the engine", snap.running
+        )
+        yield self._gauge(
+            "dynamo_worker_waiting_requests", "Requests waiting in the engine", snap.waiting
+        )
+        yield self._gauge(
+            "dynamo_worker_kv_cache_usage", "Fraction of KV blocks in use", snap.kv_usage
+        )
         finished = CounterMetricFamily(
-            "dynamo_worker_requests", "Finished requests by finish reason", labels=[*self.labels, "reason"]
+            "dynamo_worker_requests",
+            "Finished requests by finish reason",
+            labels=[*self.labels, "reason"],
         )
         for reason, n in sorted(self.counters.finished.items()):
             finished.add_metric([*lv, reason], n)
         yield finished
         cached = CounterMetricFamily(
-            "dynamo_worker_cached_prompt_tokens", "Prompt tokens served from the prefix cache or a KV connector",
+            "dynamo_worker_cached_prompt_tokens",
+            "Prompt tokens served from the prefix cache or a KV connector",
             labels=list(self.labels),
         )
         cached.add_metric(lv, self.counters.cached_prompt_tokens)
@@ -89,11 +102,16 @@ class SystemServer:
 
     async def _metrics(self, _: web.Request) -> web.Response:
         body = generate_latest(self.registry)
-        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        return web.Response(
+            body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+        )
 
     async def _health(self, _: web.Request) -> web.Response:
         ok, detail = self.is_healthy()
-        return web.json_response({"status": "healthy" if ok else "unhealthy", "detail": detail}, status=200 if ok else 503)
+        return web.json_response(
+            {"status": "healthy" if ok else "unhealthy", "detail": detail},
+            status=200 if ok else 503,
+        )
 
     async def _live(self, _: web.Request) -> web.Response:
         return web.json_response({"status": "alive"})
@@ -107,7 +125,7 @@ class SystemServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        sockets = site._server.sockets if site._server else []  # noqa: SLF001 - aiohttp exposes no public getter
+        sockets = site._server.sockets if site._server else []
         if sockets:
             self.port = sockets[0].getsockname()[1]
         log.info("system server on http://%s:%d (/metrics /health /live)", self.host, self.port)

@@ -1,0 +1,114 @@
+# Shared helpers for the launch scripts (sourced, not run).
+#
+# Every script: reuses the NATS server at $NATS_SERVER when one answers there, else starts
+# one; starts its processes in the background with logs under $LOG_DIR; waits until the
+# frontend lists the model; prints a curl line; and on exit (Ctrl-C, error, or a child
+# dying) stops every process it started.
+
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PYTHON=${PYTHON:-$( [[ -x "$ROOT/.venv/bin/python" ]] && echo "$ROOT/.venv/bin/python" || command -v python3 )}
+HTTP_PORT=${HTTP_PORT:-8000}
+NAMESPACE=${NAMESPACE:-dynamo}
+MODEL=${MODEL:-smollm2-135m-instruct}
+LOG_DIR=${LOG_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/dynamo-launch.XXXXXX")}
+READY_TIMEOUT=${READY_TIMEOUT:-300}
+# CPU-friendly engine defaults; override in the environment.
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
+export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+CHILDREN=()
+
+log() { printf '[launch %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+cleanup() {
+  local status=$?
+  trap - EXIT INT TERM
+  if ((${#CHILDREN[@]})); then
+    log "stopping ${#CHILDREN[@]} processes"
+    for pid in "${CHILDREN[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+    local deadline=$((SECONDS + 30))
+    for pid in "${CHILDREN[@]}"; do
+      while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
+      kill -KILL "$pid" 2>/dev/null || true
+    done
+  fi
+  log "logs are in $LOG_DIR"
+  exit "$status"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# start NAME CMD...: run CMD in the background, output to $LOG_DIR/NAME.log
+start() {
+  local name=$1; shift
+  "$@" >"$LOG_DIR/$name.log" 2>&1 &
+  CHILDREN+=($!)
+  log "started $name (pid $!): $*"
+}
+
+nats_reachable() {
+  "$PYTHON" -c 'import sys; from dynamo.runtime.nats_server import is_reachable; sys.exit(0 if is_reachable(sys.argv[1]) else 1)' "$1"
+}
+
+# Sets and exports NATS_SERVER: the reachable one, or a new one we start.
+ensure_nats() {
+  if [[ -n "${NATS_SERVER:-}" ]] && nats_reachable "$NATS_SERVER"; then
+    log "reusing NATS at $NATS_SERVER"
+  else
+    local port
+    port=$("$PYTHON" -c 'from dynamo.runtime.nats_server import free_port; print(free_port())')
+    start nats "$PYTHON" -m dynamo.runtime.nats_server --port "$port"
+    export NATS_SERVER="nats://127.0.0.1:$port"
+    local deadline=$((SECONDS + 15))
+    until nats_reachable "$NATS_SERVER"; do
+      ((SECONDS < deadline)) || { log "nats-server did not start; see $LOG_DIR/nats.log"; exit 1; }
+      sleep 0.2
+    done
+    log "NATS ready at $NATS_SERVER"
+  fi
+}
+
+# wait_for_model NAME: until the frontend lists NAME (dies if a child exits first)
+wait_for_model() {
+  local model=$1 deadline=$((SECONDS + READY_TIMEOUT))
+  log "waiting for model $model on http://127.0.0.1:$HTTP_PORT (engines take ~30-60 s to load)"
+  until curl -sf "http://127.0.0.1:$HTTP_PORT/v1/models" 2>/dev/null | grep -q "\"$model\""; do
+    for pid in "${CHILDREN[@]}"; do
+      if ! kill -0 "$pid" 2>/dev/null; then
+        log "a process exited early; last lines of the logs:"
+        tail -n 20 "$LOG_DIR"/*.log >&2 || true
+        exit 1
+      fi
+    done
+    ((SECONDS < deadline)) || { log "model not ready after ${READY_TIMEOUT}s; logs in $LOG_DIR"; exit 1; }
+    sleep 1
+  done
+}
+
+print_usage_hint() {
+  local model=$1
+  cat >&2 <<HINT
+
+Ready. Try:
+  curl localhost:$HTTP_PORT/v1/chat/completions -H 'Content-Type: application/json' -d '{"model": "$model", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32}'
+
+Logs: $LOG_DIR   (Ctrl-C stops everything)
+HINT
+}
+
+# Block until Ctrl-C or until any child exits (then clean up everything).
+wait_children() {
+  while true; do
+    for pid in "${CHILDREN[@]}"; do
+      if ! kill -0 "$pid" 2>/dev/null; then
+        log "process $pid exited; stopping the rest"
+        exit 1
+      fi
+    done
+    sleep 1
+  done
+}
