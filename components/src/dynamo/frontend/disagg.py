@@ -10,6 +10,7 @@ the decode worker prefills itself: slower, but the request still succeeds.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 # Called with (model, reason) when decode has to prefill by itself.
 FallbackHook = Callable[[str, str], None]
 
+DEFAULT_PREFILL_TIMEOUT_S = 60.0
+
 
 class DisaggregatedEngineClient:
     """Runs the prefill leg, then streams the decode leg."""
@@ -37,10 +40,12 @@ class DisaggregatedEngineClient:
         prefill: EngineClient,
         decode: EngineClient,
         on_fallback: FallbackHook | None = None,
+        prefill_timeout_s: float | None = DEFAULT_PREFILL_TIMEOUT_S,
     ) -> None:
         self.prefill = prefill
         self.decode = decode
         self._on_fallback = on_fallback
+        self.prefill_timeout_s = prefill_timeout_s
         self.remote_prefills = 0
         self.local_prefills = 0
 
@@ -68,13 +73,17 @@ class DisaggregatedEngineClient:
         details = None
         stream = self.prefill.generate(leg)
         try:
-            async for output in stream:
-                if output.error is not None or output.finish_reason is FinishReason.ERROR:
-                    return self._fallback(request, output.error or "prefill failed")
-                if output.disaggregated_params:
-                    params = output.disaggregated_params
-                if output.completion_usage and output.completion_usage.prompt_tokens_details:
-                    details = msgspec.to_builtins(output.completion_usage.prompt_tokens_details)
+            async with asyncio.timeout(self.prefill_timeout_s):
+                async for output in stream:
+                    if output.error is not None or output.finish_reason is FinishReason.ERROR:
+                        return self._fallback(request, output.error or "prefill failed")
+                    if output.disaggregated_params:
+                        params = output.disaggregated_params
+                    usage = output.completion_usage
+                    if usage and usage.prompt_tokens_details:
+                        details = msgspec.to_builtins(usage.prompt_tokens_details)
+        except TimeoutError:
+            return self._fallback(request, f"prefill timed out after {self.prefill_timeout_s}s")
         except (EngineUnavailableError, EngineFailedError) as exc:
             return self._fallback(request, str(exc))
         finally:

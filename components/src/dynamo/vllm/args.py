@@ -121,9 +121,10 @@ value the command line overrides is replaced (logged at INFO).
 Defaults the worker adds where you are silent: --model is the embedded model
 `smollm2-135m-instruct`; KV-cache events are published over ZMQ on a free port (unless
 prefix caching is off or --kv-events-config is given); prefill/decode workers without
---kv-transfer-config use vLLM's ExampleConnector with shared_storage_path
-$DYN_KV_SHARED_STORAGE_PATH (default /tmp/dynamo-kv-<namespace>). On CPU a block size you
-give must be a multiple of 32.
+--kv-transfer-config use NixlConnector on a GPU and, on CPU, vLLM's ExampleConnector with
+shared_storage_path $DYN_KV_SHARED_STORAGE_PATH (default /tmp/dynamo-kv-<namespace>), a
+directory prefill and decode must share (one host or a shared filesystem). On CPU a block
+size you give must be a multiple of 32.
 """
 
 _EPILOG = """\
@@ -231,12 +232,33 @@ def build_parser() -> WorkerArgumentParser:
     AsyncEngineArgs.add_cli_args(parser)
     parser.set_defaults(model=DEFAULT_MODEL)
     for action in parser._actions:
+        if action.dest == "speculative_config":
+            action.type = _explain_json_errors(action.type)
         if action.dest == "model":
             action.help = (
                 "Target model: an embedded model name (see `python -m dynamo.llm.models list`) "
                 "or a local model directory, including a speculators checkpoint."
             )
     return parser
+
+
+def _explain_json_errors(parse: Any) -> Any:
+    """Wrap vLLM's JSON flag parser so that malformed JSON is reported with what is wrong
+    and where, instead of "Value ... cannot be converted to <function loads at 0x...>"."""
+
+    def parse_json(text: str) -> Any:
+        try:
+            return parse(text)
+        except argparse.ArgumentTypeError:
+            try:
+                json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise argparse.ArgumentTypeError(
+                    f"not valid JSON ({exc.msg} at column {exc.colno}): {text!r}"
+                ) from None
+            raise
+
+    return parse_json
 
 
 _OWN_DEFAULT = "%(default).0s"
@@ -534,6 +556,8 @@ def _typed_file_values(
         value = typed.pop(flag_key, None)
         if value is None:
             continue
+        if spec_key == "num_speculative_tokens":
+            sc.check_draft_length(value, f"--extra-engine-args {path}: {flag_key}")
         spec = spec or {}
         if spec.get(spec_key, value) != value:
             raise ConfigError(
@@ -576,6 +600,11 @@ def _cli_speculative_json(value: Any) -> dict[str, Any] | None:
         return None
     if not isinstance(value, dict):
         raise ConfigError(f"--speculative-config must be a JSON object, got {value!r}")
+    value = sc.normalize_keys(value)
+    if "num_speculative_tokens" in value:
+        sc.check_draft_length(
+            value["num_speculative_tokens"], "--speculative-config: num_speculative_tokens"
+        )
     return value
 
 
@@ -586,6 +615,8 @@ def _pop_spec_flags(cli_values: dict[str, Any]) -> dict[str, Any] | None:
         if flag in cli_values
     }
     layer = {k: v for k, v in layer.items() if v is not None}
+    if "num_speculative_tokens" in layer:
+        sc.check_draft_length(layer["num_speculative_tokens"], "--spec-tokens")
     return layer or None
 
 
@@ -733,10 +764,16 @@ def _finish_speculative(
                 spec.pop(draft_key),
                 engine_key.replace("_", "-"),
             )
-    _resolve_draft_model(spec, dry_run=dry_run)
+    _resolve_draft_model(spec, merged.sources.get("model", "?"), dry_run=dry_run)
     note = sc.fill_k_from_schedule(spec)
     if note:
         log.info("speculative config: %s", note)
+    if spec.get("num_speculative_tokens") is not None:
+        source = merged.sources.get("num_speculative_tokens", "dynamic schedule")
+        sc.check_draft_length(
+            spec["num_speculative_tokens"],
+            f"speculative_config.num_speculative_tokens (from {source})",
+        )
     sc.check_speculative(spec, allowed_keys=spec_fields, allowed_methods=_speculative_methods())
     if spec.get("method") in _K_REQUIRED_METHODS and spec.get("num_speculative_tokens") is None:
         raise ConfigError(
@@ -747,18 +784,30 @@ def _finish_speculative(
     return {key: spec[key] for key in [*leading, *(k for k in spec if k not in leading)]}
 
 
-def _resolve_draft_model(spec: dict[str, Any], *, dry_run: bool) -> None:
-    """Embedded model names and local paths become absolute paths; anything else is left
-    for vLLM (which looks in the Hugging Face cache) with a warning, as nothing can be
-    downloaded on these machines."""
+def _resolve_draft_model(spec: dict[str, Any], source: str, *, dry_run: bool) -> None:
+    """Embedded model names and local directories become absolute paths. A filesystem path
+    that is no directory is an error (vLLM would fail only while building the engine, after
+    trying the Hugging Face hub); anything else (a hub id) is left for vLLM, which looks in
+    the Hugging Face cache, with a warning, as nothing can be downloaded on these machines."""
     model = spec.get("model")
     if model is None or spec.get("method") in _NO_DRAFT_MODEL_METHODS:
         return
     name = str(model)
-    if name.strip().lower() in KNOWN_MODELS or Path(name).expanduser().is_dir():
+    path = Path(name).expanduser()
+    if name.strip().lower() in KNOWN_MODELS or path.is_dir():
         spec["model"] = str(_resolve_model_dir(name, dry_run=dry_run, what="draft model"))
+    elif _looks_like_path(name):
+        problem = "is not a directory" if path.exists() else "does not exist"
+        raise ConfigError(f"speculative_config.model (from {source}): {name} {problem}")
     else:
         log.warning("speculative config: draft model %s is not a local directory", name)
+
+
+def _looks_like_path(name: str) -> bool:
+    """A filesystem path rather than a Hugging Face id (`org/name`, or a bare `name`)."""
+    return (
+        name.startswith(("/", ".", "~")) or name.count("/") > 1 or Path(name).expanduser().exists()
+    )
 
 
 def _check_schedule(spec: dict[str, Any]) -> None:
@@ -848,19 +897,47 @@ def _port_of(cfg: Any) -> int | None:
 def _configure_kv_transfer(
     values: dict[str, Any], sources: dict[str, str], mode: str, namespace: str
 ) -> None:
-    """Disaggregated workers need a KV connector; where none is given, use the one
-    verified on CPU (vLLM's ExampleConnector over a directory both workers share)."""
-    if mode == "agg" or values.get("kv_transfer_config") is not None:
+    """Disaggregated workers need a KV connector. Where none is given: NIXL where a GPU is
+    present; on CPU vLLM's ExampleConnector over a directory that prefill and decode share
+    (one host, or a shared filesystem) — the connector verified on these machines.
+
+    An explicit config without a connector (e.g. `--kv-transfer-config '{}'`) on a
+    prefill/decode worker is refused: such a worker could never hand its KV over."""
+    if mode == "agg":
+        return
+    given = values.get("kv_transfer_config")
+    if given is not None:
+        if not getattr(given, "kv_connector", None):
+            raise ConfigError(
+                f"--kv-transfer-config: a {mode} worker needs a KV connector "
+                "(`kv_connector`), e.g. ExampleConnector on CPU or NixlConnector on GPU; "
+                "leave the flag out to get the default"
+            )
         return
     from vllm.config import KVTransferConfig
 
-    path = os.environ.get(KV_SHARED_STORAGE_ENV) or f"/tmp/dynamo-kv-{namespace}"
-    values["kv_transfer_config"] = KVTransferConfig(
-        kv_connector="ExampleConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config={"shared_storage_path": path},
-    )
+    if _gpu_present():
+        values["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NixlConnector", kv_role="kv_both"
+        )
+    else:
+        path = os.environ.get(KV_SHARED_STORAGE_ENV) or f"/tmp/dynamo-kv-{namespace}"
+        values["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": path},
+        )
     sources["kv_transfer_config"] = SRC_WORKER
+
+
+def _gpu_present() -> bool:
+    """True when vLLM runs on a CUDA device in this installation."""
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cuda())
+    except Exception:
+        return False
 
 
 # --------------------------------------------------------------------------- reporting

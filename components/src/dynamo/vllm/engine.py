@@ -16,8 +16,28 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from dynamo.llm.protocols import SpeculativeInfo
 from dynamo.vllm.engine_stats import EngineStats, make_stat_logger_factory
+from dynamo.vllm.spec_config import ConfigError
 
 log = logging.getLogger(__name__)
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception from vLLM's configuration as one line. Pydantic validation errors
+    (vLLM's config classes are pydantic dataclasses) become `Class: field: message; ...`;
+    anything else keeps its first line."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            parts = []
+            for error in errors():
+                field = ".".join(str(part) for part in error.get("loc", ()))
+                message = str(error.get("msg", "")).strip().splitlines()[0]
+                parts.append(f"{field}: {message}" if field else message)
+            return f"{getattr(exc, 'title', type(exc).__name__)}: {'; '.join(parts)}"
+        except Exception:
+            pass
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 @dataclass(frozen=True)
@@ -30,6 +50,7 @@ class EngineFacts:
     max_num_seqs: int
     speculative: SpeculativeInfo | None
     sampling_defaults: dict[str, Any]
+    kv_connector: str | None = None  # vLLM KV connector for disaggregation (None: aggregated)
 
 
 def speculative_info(spec_config: Any) -> SpeculativeInfo | None:
@@ -68,10 +89,16 @@ class VllmEngine:
             args.per_request_spec_decode_metrics = "summary"
         args.disable_log_stats = False  # the Prometheus and load metrics depend on stats
         t0 = time.monotonic()
-        self.llm = AsyncLLM.from_engine_args(
-            args,
+        try:
+            vllm_config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+        except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+            raise ConfigError(f"vLLM rejected the configuration: {one_line(exc)}") from exc
+        self.llm = AsyncLLM.from_vllm_config(
+            vllm_config,
             usage_context=UsageContext.OPENAI_API_SERVER,
             stat_loggers=[make_stat_logger_factory(self.stats)],
+            enable_log_requests=args.enable_log_requests,
+            disable_log_stats=args.disable_log_stats,
         )
         cfg = self.llm.vllm_config
         self.facts = EngineFacts(
@@ -81,6 +108,7 @@ class VllmEngine:
             max_num_seqs=int(cfg.scheduler_config.max_num_seqs),
             speculative=speculative_info(cfg.speculative_config),
             sampling_defaults=dict(cfg.model_config.get_diff_sampling_param()),
+            kv_connector=getattr(cfg.kv_transfer_config, "kv_connector", None),
         )
         log.info(
             "engine ready in %.1fs: max_model_len=%d block_size=%d kv_blocks=%d speculative=%s",
@@ -101,6 +129,12 @@ class VllmEngine:
     @property
     def is_ready(self) -> bool:
         return self.llm is not None and not self.llm.errored
+
+    @property
+    def is_dead(self) -> bool:
+        """Started once and errored since (vLLM's monitor thread marks the engine dead as
+        soon as its engine-core process exits)."""
+        return self.llm is not None and self.llm.errored
 
     async def clear_kv_blocks(self) -> bool:
         """Drop every cached prefix block (running requests keep theirs)."""

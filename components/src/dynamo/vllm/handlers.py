@@ -23,6 +23,7 @@ from dynamo.llm.protocols import (
 )
 from dynamo.vllm.conversion import OutputTracker, to_prompt, to_sampling_params
 from dynamo.vllm.engine import VllmEngine
+from dynamo.vllm.kv_transfer import KvTransferJanitor
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +58,14 @@ class GenerateHandler:
         *,
         on_engine_dead: Callable[[BaseException], None],
         counters: RequestCounters | None = None,
+        kv_janitor: KvTransferJanitor | None = None,
     ) -> None:
         self.engine = engine
         self.worker_type = worker_type
         self.on_engine_dead = on_engine_dead
         self.counters = counters or RequestCounters()
+        # Decode side of the disk-based (CPU) connector: deletes consumed KV entries.
+        self.kv_janitor = kv_janitor if worker_type is not WorkerType.PREFILL else None
 
     def _kv_transfer_params(self, request: PreprocessedRequest) -> dict[str, Any] | None:
         if self.worker_type is WorkerType.PREFILL:
@@ -90,6 +94,7 @@ class GenerateHandler:
         tracker = OutputTracker(len(request.token_ids))
         llm = self.engine.engine
         finished = False
+        entry = self.kv_janitor.acquire(request.token_ids) if self.kv_janitor else None
         self.counters.in_flight += 1
         self.counters.prompt_tokens += len(request.token_ids)
         try:
@@ -104,6 +109,7 @@ class GenerateHandler:
                         )
                     if prefill:
                         out.token_ids = []  # the decode worker produces the first token
+                        out.disaggregated_params = self._transfer_params(out.disaggregated_params)
                 yield out
                 if finished:
                     return
@@ -128,6 +134,18 @@ class GenerateHandler:
             self.counters.in_flight -= 1
             if not finished:
                 await self._abort(request_id)
+            if entry is not None and self.kv_janitor is not None:
+                self.kv_janitor.release(entry, consumed=True)
+
+    def _transfer_params(self, from_engine: dict[str, Any] | None) -> dict[str, Any]:
+        """What the decode worker needs to find this prefill's KV: the connector's own
+        parameters (NIXL: remote engine, block ids, ...), or for connectors that key the
+        KV by the prompt itself (ExampleConnector) a marker naming the connector, so the
+        frontend can tell a completed prefill from a failed one."""
+        if from_engine:
+            return dict(from_engine)
+        facts = self.engine.facts
+        return {"kv_connector": facts.kv_connector if facts else None, "by_prompt": True}
 
     async def _abort(self, request_id: str) -> None:
         try:

@@ -11,6 +11,7 @@ Exit codes: 0 after a signal, 1 when the engine died (so an orchestrator restart
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
@@ -26,6 +27,7 @@ _WORKER_TYPES = {
     "decode": WorkerType.DECODE,
 }
 DRAIN_TIMEOUT_S = 30.0
+ENGINE_WATCH_INTERVAL_S = 1.0
 
 
 class Worker:
@@ -45,6 +47,7 @@ class Worker:
         self.system = None
         self.kv_relay = None
         self.load_publisher = None
+        self.kv_janitor = None
         self._stop = asyncio.Event()
         self.exit_code = 0
 
@@ -60,6 +63,8 @@ class Worker:
         self.request_stop(1, f"engine dead ({exc})")
 
     def health(self) -> tuple[bool, str]:
+        if self._stop.is_set():
+            return False, "shutting down"
         if not self.engine.is_ready:
             return False, "engine not ready"
         if self.runtime is None or not self.runtime.is_connected:
@@ -72,16 +77,37 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, 0, signal.Signals(sig).name)
+        watchdog: asyncio.Task | None = None
         try:
             await self._start_system_server()
-            self.engine.start()
+            await self._start_engine()
             if self._stop.is_set():
                 return self.exit_code
             await self._start_serving()
+            watchdog = asyncio.create_task(self._watch_engine(), name="engine-watchdog")
             await self._stop.wait()
         finally:
+            if watchdog is not None:
+                watchdog.cancel()
             await self._shutdown()
         return self.exit_code
+
+    async def _start_engine(self) -> None:
+        """Start the engine in a thread: loading takes tens of seconds, and meanwhile the
+        event loop keeps answering `/health` (503) and handling SIGTERM. A stop requested
+        during loading takes effect once `start()` returns (a load cannot be interrupted)."""
+        await asyncio.to_thread(self.engine.start)
+
+    async def _watch_engine(self, interval_s: float = ENGINE_WATCH_INTERVAL_S) -> None:
+        """Stop with exit code 1 when the engine core dies while no request is running (a
+        request that meets the dead engine stops the worker through the handler): an idle
+        worker must not stay registered with nothing behind it."""
+        while not self._stop.is_set():
+            if self.engine.is_dead:
+                self.request_stop(1, "engine dead (the vLLM engine core exited)")
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), interval_s)
 
     async def _start_system_server(self) -> None:
         if self.cfg.system_port is None:  # disabled; 0 picks a free port
@@ -109,11 +135,13 @@ class Worker:
             cfg.nats_server, lease_ttl=cfg.lease_ttl, name="vllm-worker"
         )
         component = self.runtime.namespace(cfg.namespace).component(cfg.component)
+        self.kv_janitor = self._kv_janitor()
         generate = GenerateHandler(
             self.engine,
             self.worker_type,
             on_engine_dead=self._on_engine_dead,
             counters=self.counters,
+            kv_janitor=self.kv_janitor,
         )
         clear = ClearKvBlocksHandler(self.engine, self.runtime.instance_id)
         self.served.append(
@@ -134,6 +162,26 @@ class Worker:
             cfg.component,
             cfg.endpoint,
         )
+
+    def _kv_janitor(self):
+        """Bounds the disk used by the CPU KV connector (None for other connectors)."""
+        from dynamo.vllm.kv_transfer import (
+            KvTransferJanitor,
+            default_ttl,
+            example_connector_storage,
+        )
+
+        storage = example_connector_storage(self.cfg.engine_args.kv_transfer_config)
+        if storage is None or self.engine.facts is None:
+            return None
+        janitor = KvTransferJanitor(storage, self.engine.facts.block_size, ttl_s=default_ttl())
+        janitor.start()
+        log.info(
+            "KV transfer directory %s: consumed entries deleted, others after %.0fs",
+            storage,
+            janitor.ttl_s,
+        )
+        return janitor
 
     async def _start_kv_plumbing(self, component) -> None:
         """KV events relay and load metrics publisher (present when the KV router lands)."""
@@ -187,7 +235,7 @@ class Worker:
                 await self.runtime.shutdown(drain_timeout=DRAIN_TIMEOUT_S)
             except Exception as exc:
                 log.warning("runtime shutdown: %s", exc)
-        for task_owner in (self.kv_relay, self.load_publisher):
+        for task_owner in (self.kv_relay, self.load_publisher, self.kv_janitor):
             if task_owner is not None:
                 await task_owner.stop()
         if self.system is not None:
@@ -225,4 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:
         pass
-    return asyncio.run(Worker(cfg).run())
+    try:
+        return asyncio.run(Worker(cfg).run())
+    except ConfigError as exc:  # vLLM refused the configuration before loading anything
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

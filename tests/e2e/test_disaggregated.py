@@ -1,0 +1,214 @@
+"""Disaggregated prefill/decode with real vLLM engines and a real KV transfer.
+
+A prefill worker and a decode worker (n-gram speculation) share a KV-transfer directory
+(vLLM's ExampleConnector, the CPU connector); a frontend in front of them sends each
+request to the prefill worker first, then to the decode worker with the prefill's result.
+
+Claims: the decode worker loads the prompt's KV through the connector instead of
+recomputing it; greedy output equals the aggregated worker's; the transfer directory is
+emptied as entries are consumed and orphaned entries expire; when the prefill worker is
+killed, requests still succeed (decode prefills itself) and the fallback counter says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from e2e_processes import FrontendProcess, WorkerProcess, http_get
+
+from dynamo.llm.models import DEFAULT_MODEL
+from dynamo.llm.protocols import (
+    LLMEngineOutput,
+    PreprocessedRequest,
+    SamplingOptions,
+    StopConditions,
+)
+from dynamo.runtime import DistributedRuntime
+
+NAMESPACE = "disagg"
+TRANSFER_TTL_S = 4
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
+TOPICS = [
+    "the Roman Empire",
+    "the water cycle",
+    "how bridges carry loads",
+    "the history of printing",
+]
+
+
+def long_prompt(topic: str) -> str:
+    """A prompt well over two KV blocks (32 tokens each), unique per test run."""
+    return (
+        f"[{uuid.uuid4().hex[:8]}] Explain {topic} to a curious student. Cover the main ideas, "
+        "the key terms, two concrete examples, one common misconception and why it is wrong, "
+        "and finish with a one-sentence summary. Keep the answer short and clear."
+    )
+
+
+@pytest.fixture(scope="module")
+def transfer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kv-transfer")
+
+
+@pytest.fixture(scope="module")
+def disagg(
+    embedded_model: Path, nats_url: str, e2e_log_dir: Path, transfer_dir: Path
+) -> Iterator[dict[str, object]]:
+    saved = {k: os.environ.get(k) for k in ("DYN_KV_SHARED_STORAGE_PATH", "DYN_KV_TRANSFER_TTL")}
+    os.environ["DYN_KV_SHARED_STORAGE_PATH"] = str(transfer_dir)
+    os.environ["DYN_KV_TRANSFER_TTL"] = str(TRANSFER_TTL_S)
+    procs: dict[str, object] = {}
+    try:
+        procs["prefill"] = WorkerProcess(
+            "disagg-prefill", embedded_model, nats_url, e2e_log_dir,
+            namespace=NAMESPACE, component="prefill", extra=["--is-prefill-worker"],
+        )  # fmt: skip
+        procs["decode"] = WorkerProcess(
+            "disagg-decode", embedded_model, nats_url, e2e_log_dir, namespace=NAMESPACE,
+            component="backend", extra=["--is-decode-worker", "--speculative-config", json.dumps(NGRAM)],
+        )  # fmt: skip
+        procs["prefill"].wait_ready()
+        procs["decode"].wait_ready()
+        procs["frontend"] = FrontendProcess(
+            "disagg-frontend", nats_url, e2e_log_dir, namespace=NAMESPACE
+        )
+        procs["frontend"].wait_for_model(DEFAULT_MODEL)
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def chat(frontend: FrontendProcess, prompt: str, max_tokens: int = 32) -> dict:
+    body = json.dumps({
+        "model": DEFAULT_MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }).encode()  # fmt: skip
+    request = urllib.request.Request(
+        f"{frontend.base_url}/v1/chat/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def frontend_counter(frontend: FrontendProcess, name: str) -> float:
+    _, text = http_get(f"{frontend.base_url}/metrics")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+async def aggregated_text(nats_url: str, tokenizer, prompt: str, max_tokens: int = 32) -> str:
+    """Greedy output of the session's aggregated worker (no speculation) for the same chat."""
+    runtime = await DistributedRuntime.connect(nats_url)
+    try:
+        client = await runtime.namespace("e2e").component("plain").endpoint("generate").client()
+        await client.wait_for_instances(timeout=60)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        request = PreprocessedRequest(
+            request_id=uuid.uuid4().hex,
+            model=DEFAULT_MODEL,
+            token_ids=ids,
+            sampling_options=SamplingOptions(temperature=0.0),
+            stop_conditions=StopConditions(max_tokens=max_tokens),
+        )
+        tokens = [
+            t
+            async for out in client.round_robin(request, response_type=LLMEngineOutput)
+            for t in out.token_ids
+        ]
+        return tokenizer.decode(tokens, skip_special_tokens=True)
+    finally:
+        await runtime.shutdown()
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.25) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+async def test_decode_loads_prompt_from_connector_and_matches_aggregated(
+    disagg, plain_worker, nats_url, tokenizer
+):
+    frontend, decode = disagg["frontend"], disagg["decode"]
+    hits_before = decode.metric("vllm:external_prefix_cache_hits_total")
+    fallbacks_before = frontend_counter(frontend, "dynamo_frontend_prefill_fallbacks_total")
+    for topic in TOPICS[:3]:
+        prompt = long_prompt(topic)
+        result = chat(frontend, prompt)
+        usage = result["usage"]
+        aligned = (usage["prompt_tokens"] - 2) // 32 * 32  # what the connector transfers
+        assert aligned >= 64
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= aligned
+        expected = await aggregated_text(nats_url, tokenizer, prompt)
+        assert result["choices"][0]["message"]["content"] == expected
+    hits = decode.metric("vllm:external_prefix_cache_hits_total") - hits_before
+    assert hits >= 3 * 64, f"decode worker loaded only {hits} tokens through the connector"
+    assert frontend_counter(frontend, "dynamo_frontend_prefill_fallbacks_total") == fallbacks_before
+
+
+async def test_transfer_directory_stays_bounded(disagg, nats_url, tokenizer, transfer_dir):
+    frontend = disagg["frontend"]
+    chat(frontend, long_prompt(TOPICS[3]), max_tokens=8)
+    # Consumed entries are deleted when their request ends.
+    assert wait_until(lambda: not any(transfer_dir.iterdir()), timeout=5), list(
+        transfer_dir.iterdir()
+    )
+    # A prefill whose decode never comes (the client went away) leaves an orphan entry...
+    runtime = await DistributedRuntime.connect(nats_url)
+    try:
+        client = (
+            await runtime.namespace(NAMESPACE).component("prefill").endpoint("generate").client()
+        )
+        await client.wait_for_instances(timeout=30)
+        ids = tokenizer.encode(long_prompt("an orphaned prefill"))
+        request = PreprocessedRequest(
+            request_id=uuid.uuid4().hex, model=DEFAULT_MODEL, token_ids=ids,
+            stop_conditions=StopConditions(max_tokens=1),
+        )  # fmt: skip
+        outputs = [out async for out in client.round_robin(request, response_type=LLMEngineOutput)]
+        assert outputs[-1].disaggregated_params
+    finally:
+        await runtime.shutdown()
+    assert any(transfer_dir.iterdir())
+    # ...which expires after the TTL.
+    assert wait_until(lambda: not any(transfer_dir.iterdir()), timeout=TRANSFER_TTL_S + 6)
+
+
+async def test_killed_prefill_worker_falls_back_to_local_prefill(disagg):
+    frontend, prefill = disagg["frontend"], disagg["prefill"]
+    before = frontend_counter(frontend, "dynamo_frontend_prefill_fallbacks_total")
+    prefill.kill()
+    for topic in TOPICS[:2]:
+        result = chat(frontend, long_prompt(topic), max_tokens=16)
+        assert result["choices"][0]["message"]["content"]
+        assert result["usage"]["completion_tokens"] > 0
+    assert frontend_counter(frontend, "dynamo_frontend_prefill_fallbacks_total") >= before + 2
