@@ -38,10 +38,21 @@ fi
 if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$want" ]]; then
   say "installing the project with extras [$extra,dev] (vLLM, torch, NATS, ...): this takes a few minutes"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip 'setuptools>=70' wheel
-  "$VENV/bin/python" -m pip install --progress-bar off -e ".[$extra,dev]" 2>&1 \
-    | grep -Ev '^(WARNING: Location|  Downloading|Requirement already satisfied)' || true
+  pip_log="$VENV/setup-pip.log"
+  "$VENV/bin/python" -m pip install --progress-bar off -e ".[$extra,dev]" >"$pip_log" 2>&1 &
+  pip_pid=$!
+  while kill -0 "$pip_pid" 2>/dev/null; do
+    sleep 20
+    kill -0 "$pip_pid" 2>/dev/null && say "still installing ($(grep -c '^\(Collecting\|Processing\)' "$pip_log" || true) packages resolved so far)"
+  done
+  if ! wait "$pip_pid"; then
+    tail -n 30 "$pip_log" >&2
+    say "error: pip install failed; full log in $pip_log" >&2
+    exit 1
+  fi
+  say "$(grep -o '^Successfully installed.*' "$pip_log" | wc -w | awk '{print $1 - 2}') packages installed (log: $pip_log)"
   if ! "$VENV/bin/python" -c 'import vllm, nats, msgspec' 2>/dev/null; then
-    say "error: the install did not complete (import vllm/nats/msgspec failed); see the pip output above" >&2
+    say "error: the install did not complete (import vllm/nats/msgspec failed); see $pip_log" >&2
     exit 1
   fi
   if [[ "$extra" == cpu ]]; then

@@ -2,7 +2,10 @@
 
 Engines take ~30 s to start on 2 cores, so the workers most tests need are started once
 per session, in parallel, and shared: one with n-gram speculation and one without, in
-separate components of the `e2e` namespace.
+separate components of the `e2e` namespace. `frontend` serves that namespace over HTTP;
+both workers register the same model name, and the frontend serves a model through the
+endpoint whose card it saw first, so a test that needs to know which worker ran a
+request looks at both.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_processes import WorkerProcess
+from e2e_processes import FrontendProcess, WorkerProcess
 
 NGRAM_SPEC = {
     "method": "ngram",
@@ -61,6 +64,21 @@ def ngram_worker(_shared_workers: dict[str, WorkerProcess]) -> WorkerProcess:
 @pytest.fixture(scope="session")
 def plain_worker(_shared_workers: dict[str, WorkerProcess]) -> WorkerProcess:
     return _shared_workers["plain"]
+
+
+@pytest.fixture(scope="session")
+def frontend(
+    _shared_workers: dict[str, WorkerProcess], nats_url: str, e2e_log_dir: Path
+) -> Iterator[FrontendProcess]:
+    """`python -m dynamo.frontend` over the `e2e` namespace, ready once it lists the model."""
+    from dynamo.llm.models import DEFAULT_MODEL
+
+    proc = FrontendProcess("frontend", nats_url, e2e_log_dir, namespace="e2e")
+    try:
+        proc.wait_for_model(DEFAULT_MODEL)
+        yield proc
+    finally:
+        proc.stop()
 
 
 @pytest.fixture(scope="session")

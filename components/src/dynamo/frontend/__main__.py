@@ -16,6 +16,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+import prometheus_client
+
 from dynamo.frontend.frontend import FrontendConfig, default_tokenizer_cache, run_frontend
 from dynamo.frontend.http_server import DEFAULT_MAX_REQUEST_BYTES
 from dynamo.frontend.routing import RouterMode, RouterUnavailableError
@@ -126,6 +128,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # prometheus_client adds a `<name>_created` timestamp series next to every counter,
+    # histogram and labelled child: noise that doubles /metrics and that Prometheus
+    # itself does not need. The switch is process-wide, so it is set here, not in the
+    # library code that tests embed.
+    prometheus_client.disable_created_metrics()
     config = config_from_args(args)
     try:
         _event_loop_runner()(_serve(config))

@@ -132,7 +132,8 @@ class GenerateHandler:
             yield LLMEngineOutput(finish_reason=FinishReason.ERROR, error=f"engine dead: {exc}")
         finally:
             self.counters.in_flight -= 1
-            if not finished:
+            if not finished:  # the client went away: the runtime closed this generator
+                self.counters.finish(FinishReason.CANCELLED.value)
                 await self._abort(request_id)
             if entry is not None and self.kv_janitor is not None:
                 self.kv_janitor.release(entry, consumed=True)

@@ -1,11 +1,12 @@
 """`python -m dynamo.vllm`: a vLLM engine with speculative decoding served over NATS.
 
-Start-up order matters: the engine loads first (tens of seconds), then the worker connects
-to NATS, serves its endpoints, and only then registers the model card, so a frontend never
-routes to a worker that cannot answer. Shutdown runs the other way round: deregister,
-drain in-flight requests (bounded), stop the engine.
-Exit codes: 0 after a signal, 1 when the engine died (so an orchestrator restarts it),
-2 for bad configuration.
+Start-up order matters: the engine loads first (tens of seconds, in a thread, while
+`/health` answers 503), then the worker connects to NATS, serves its endpoints, and only
+then registers the model card and turns healthy, so a frontend never routes to a worker
+that cannot answer. Shutdown runs the other way round: deregister (and answer 503), drain
+in-flight requests (bounded by DRAIN_TIMEOUT_S), stop the engine.
+Exit codes: 0 after a signal, 1 when the engine died (seen by a request or, when idle, by
+a watchdog; so an orchestrator restarts it), 2 for bad configuration (ours or vLLM's).
 """
 
 from __future__ import annotations
@@ -96,7 +97,14 @@ class Worker:
         """Start the engine in a thread: loading takes tens of seconds, and meanwhile the
         event loop keeps answering `/health` (503) and handling SIGTERM. A stop requested
         during loading takes effect once `start()` returns (a load cannot be interrupted)."""
-        await asyncio.to_thread(self.engine.start)
+        from dynamo.vllm.spec_config import ConfigError
+
+        try:
+            await asyncio.to_thread(self.engine.start)
+        except ConfigError:
+            self.exit_code = 2
+            raise
+        self.engine.attach_to_running_loop()
 
     async def _watch_engine(self, interval_s: float = ENGINE_WATCH_INTERVAL_S) -> None:
         """Stop with exit code 1 when the engine core dies while no request is running (a
@@ -151,8 +159,9 @@ class Worker:
         )
         self.served.append(await component.endpoint("clear_kv_blocks").serve(clear.clear))
         await self._start_kv_plumbing(component)
-        self.card = self._model_card()
-        await publish_model_card(self.runtime, self.card, Path(cfg.model_path))
+        card = self._model_card()
+        await publish_model_card(self.runtime, card, Path(cfg.model_path))
+        self.card = card  # only now is the worker healthy (see `health`)
         log.info(
             "serving %s as %s worker %x on %s/%s/%s",
             self.card.name,
@@ -265,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.dry_run:
         sys.stdout.write(resolved_config_yaml(cfg))
         return 0
+    # Counters' `_created` timestamps are noise on /metrics (one extra series per counter).
+    import prometheus_client
+
+    prometheus_client.disable_created_metrics()
     for line in resolved_config_lines(cfg):
         log.info("config: %s", line)
     try:
