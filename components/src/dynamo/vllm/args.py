@@ -786,9 +786,10 @@ def _finish_speculative(
 
 def _resolve_draft_model(spec: dict[str, Any], source: str, *, dry_run: bool) -> None:
     """Embedded model names and local directories become absolute paths. A filesystem path
-    that is no directory is an error (vLLM would fail only while building the engine, after
-    trying the Hugging Face hub); anything else (a hub id) is left for vLLM, which looks in
-    the Hugging Face cache, with a warning, as nothing can be downloaded on these machines."""
+    that is no directory is an error on a real start (vLLM would fail only while building
+    the engine, after trying the Hugging Face hub) and a warning in a dry run. Anything else
+    (a hub id) is left for vLLM, which looks in the Hugging Face cache, with a warning, as
+    nothing can be downloaded on these machines."""
     model = spec.get("model")
     if model is None or spec.get("method") in _NO_DRAFT_MODEL_METHODS:
         return
@@ -798,7 +799,11 @@ def _resolve_draft_model(spec: dict[str, Any], source: str, *, dry_run: bool) ->
         spec["model"] = str(_resolve_model_dir(name, dry_run=dry_run, what="draft model"))
     elif _looks_like_path(name):
         problem = "is not a directory" if path.exists() else "does not exist"
-        raise ConfigError(f"speculative_config.model (from {source}): {name} {problem}")
+        message = f"speculative_config.model (from {source}): {name} {problem}"
+        if not dry_run:
+            raise ConfigError(message)
+        # A dry run shows what an example file resolves to before the draft is in place.
+        log.warning("%s; a real start refuses it", message)
     else:
         log.warning("speculative config: draft model %s is not a local directory", name)
 

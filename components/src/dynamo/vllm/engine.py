@@ -126,6 +126,15 @@ class VllmEngine:
             raise RuntimeError("engine not started")
         return self.llm
 
+    def attach_to_running_loop(self) -> None:
+        """Start vLLM's output handler on the running event loop. `AsyncLLM` does this
+        itself when it is built inside the loop; built in a thread (see `Worker`), it would
+        wait for the first request, and an engine-core failure before then would go unseen
+        by anything but vLLM's process monitor."""
+        start = getattr(self.engine, "_run_output_handler", None)
+        if start is not None:
+            start()
+
     @property
     def is_ready(self) -> bool:
         return self.llm is not None and not self.llm.errored

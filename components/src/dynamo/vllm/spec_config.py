@@ -26,6 +26,14 @@ class ConfigError(ValueError):
     """A configuration the worker refuses to start with; `main` turns it into exit code 2."""
 
 
+def check_draft_length(value: Any, where: str) -> None:
+    """A draft length (`num_speculative_tokens` under any spelling) must be a positive
+    integer. vLLM refuses 0 and negatives too, but only while building the engine, with a
+    traceback; here the message names the source and the key as the user wrote them."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{where} must be a positive integer, got {value!r}")
+
+
 # --------------------------------------------------------------------------- TensorRT-LLM keys
 
 TRT_TOP_LEVEL_RENAMES: dict[str, str] = {
@@ -109,6 +117,8 @@ class _Collector:
         self.origin: dict[str, str] = {}
 
     def put(self, key: str, value: Any, written_as: str) -> None:
+        if key == "num_speculative_tokens":
+            check_draft_length(value, f"{self.where}: {written_as}")
         if key in self.values and self.values[key] != value:
             raise ConfigError(
                 f"{self.where}: {self.origin[key]}={self.values[key]!r} contradicts "
@@ -128,7 +138,9 @@ def load_engine_file(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--extra-engine-args {path}: not valid YAML: {exc}") from exc
+        raise ConfigError(
+            f"--extra-engine-args {path}: not valid YAML ({_yaml_problem(exc)})"
+        ) from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -136,6 +148,15 @@ def load_engine_file(path: str | Path) -> dict[str, Any]:
             f"--extra-engine-args {path}: expected a mapping of keys, got {type(data).__name__}"
         )
     return data
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's multi-line message as one line: what is wrong, and where."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if mark is None:
+        return problem
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
 
 
 def is_trtllm_form(raw: Mapping[str, Any]) -> bool:
@@ -214,7 +235,13 @@ def _translate_file_speculative(
     if not isinstance(value, Mapping):
         raise ConfigError(f"{where}: speculative_config must be a mapping, got {value!r}")
     if "decoding_type" not in value:
-        return normalize_keys(value)
+        native = normalize_keys(value)
+        if "num_speculative_tokens" in native:
+            check_draft_length(
+                native["num_speculative_tokens"],
+                f"{where}: speculative_config.num_speculative_tokens",
+            )
+        return native
     translated = translate_trtllm_speculative(
         value, speculative_fields=speculative_fields, where=where
     )
@@ -510,10 +537,11 @@ def read_speculators_checkpoint(model_dir: str | Path) -> SpeculatorsCheckpoint 
     k = proposal.get("speculative_tokens")
     if k is None:
         raise ConfigError(f"{where}: the proposal method has no speculative_tokens")
+    check_draft_length(k, f"{where}: speculators_config.proposal_methods[].speculative_tokens")
     speculative = {
         **SPECULATORS_METHODS[kind],
         "model": str(model_dir),
-        "num_speculative_tokens": int(k),
+        "num_speculative_tokens": k,
     }
     return SpeculatorsCheckpoint(
         path=Path(model_dir), verifier=str(verifier), speculative=speculative

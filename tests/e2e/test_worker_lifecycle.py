@@ -1,0 +1,305 @@
+"""The worker's life cycle as an orchestrator sees it: readiness, metrics, SIGTERM, and a
+dying engine.
+
+Claims:
+* `/health` answers while the engine loads, with 503, and turns 200 only once the worker
+  serves and has registered its model card;
+* `/metrics` carries vLLM's own series (`vllm:*`) next to the worker's (`dynamo_worker_*`);
+* SIGTERM: the instance leaves every client's routing set at once, `/health` is no longer
+  200, a request in flight still completes (or ends with a terminal frame) within the
+  drain bound, then the process exits 0 and its registration is gone;
+* the vLLM engine core dying (SIGKILL) makes the worker deregister and exit 1, so an
+  orchestrator restarts it, whether it was idle or streaming (the stream then ends with
+  an error output rather than hanging).
+
+The workers run the tiny Eagle3 pair of `tiny_eagle3` (quick to load, and the drain then
+covers a speculating engine). Tests on `lifecycle_worker` run in file order; the SIGTERM
+test ends that worker, so it comes last among them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+from e2e_processes import ENGINE_START_TIMEOUT_S, WorkerProcess, http_get
+from tiny_eagle3 import build_pair
+
+from dynamo.llm.model_card import ModelCardWatcher
+from dynamo.llm.protocols import (
+    FinishReason,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    SamplingOptions,
+    StopConditions,
+)
+from dynamo.runtime import Client, DistributedRuntime, RemoteError
+from dynamo.vllm.main import DRAIN_TIMEOUT_S
+
+NAMESPACE = "e2e-lifecycle"
+MAX_MODEL_LEN = 512
+DEREGISTER_WITHIN_S = 2.0
+ENGINE_SHUTDOWN_S = 30.0
+
+
+@dataclass
+class HealthProbe:
+    """One `/health` poll during start-up: seconds since start, HTTP status (None: no
+    answer, e.g. the port not open yet) and the reported detail."""
+
+    at: float
+    status: int | None
+    detail: str = ""
+
+
+def start_and_probe(worker: WorkerProcess) -> list[HealthProbe]:
+    """Poll `/health` from the moment the process starts until it says 200."""
+    t0 = time.monotonic()
+    probes: list[HealthProbe] = []
+    while time.monotonic() - t0 < ENGINE_START_TIMEOUT_S:
+        if not worker.alive():
+            raise AssertionError(f"worker exited:\n{worker.log_tail()}")
+        try:
+            status, body = http_get(f"http://127.0.0.1:{worker.system_port}/health", timeout=5)
+            probes.append(HealthProbe(time.monotonic() - t0, status, json.loads(body)["detail"]))
+            if status == 200:
+                return probes
+        except OSError:
+            probes.append(HealthProbe(time.monotonic() - t0, None))
+        time.sleep(0.25)
+    raise AssertionError(f"not healthy after {ENGINE_START_TIMEOUT_S}s:\n{worker.log_tail()}")
+
+
+@pytest.fixture(scope="module")
+def eagle3_pair(tmp_path_factory: pytest.TempPathFactory, embedded_model: Path):
+    return build_pair(tmp_path_factory.mktemp("lifecycle"), embedded_model)
+
+
+def new_worker(name: str, eagle3_pair, nats_url: str, log_dir: Path) -> WorkerProcess:
+    _, checkpoint = eagle3_pair
+    return WorkerProcess(
+        name,
+        checkpoint,
+        nats_url,
+        log_dir,
+        namespace=NAMESPACE,
+        component=name,
+        max_model_len=MAX_MODEL_LEN,
+    )
+
+
+@pytest.fixture(scope="module")
+def lifecycle_worker(eagle3_pair, nats_url: str, e2e_log_dir: Path):
+    """(worker, the `/health` probes of its start-up)."""
+    worker = new_worker("lifecycle", eagle3_pair, nats_url, e2e_log_dir)
+    try:
+        probes = start_and_probe(worker)
+        yield worker, probes
+    finally:
+        worker.stop()
+
+
+@pytest.fixture(scope="module")
+async def runtime(nats_url: str):
+    rt = await DistributedRuntime.connect(nats_url)
+    yield rt
+    await rt.shutdown()
+
+
+async def client_of(runtime: DistributedRuntime, worker: WorkerProcess) -> Client:
+    client = (
+        await runtime.namespace(NAMESPACE).component(worker.component).endpoint("generate").client()
+    )
+    await client.wait_for_instances(timeout=30)
+    return client
+
+
+def long_request(tokenizer, max_tokens: int) -> PreprocessedRequest:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Tell me a long story."}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    return PreprocessedRequest(
+        request_id=str(uuid.uuid4()),
+        model="target",
+        token_ids=ids,
+        sampling_options=SamplingOptions(temperature=0.0),
+        stop_conditions=StopConditions(max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
+async def wait_until(condition, timeout: float, interval: float = 0.02) -> float:
+    """Seconds until `condition()` held; AssertionError after `timeout`."""
+    t0 = time.monotonic()
+    while not condition():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"condition not met within {timeout}s")
+        await asyncio.sleep(interval)
+    return time.monotonic() - t0
+
+
+async def card_components(runtime: DistributedRuntime) -> set[str]:
+    """Components of the model cards registered in the namespace right now."""
+    watcher = await ModelCardWatcher(runtime, NAMESPACE).start()
+    await asyncio.sleep(0.5)  # the watcher delivers the current cards first
+    components = {card.component for card in watcher.cards}
+    await watcher.close()
+    return components
+
+
+# --------------------------------------------------------------------------- readiness
+
+
+def test_health_is_503_while_the_engine_loads(lifecycle_worker) -> None:
+    _, probes = lifecycle_worker
+    answered = [p for p in probes if p.status is not None]
+    assert answered[-1].status == 200
+    before_ready = answered[:-1]
+    assert before_ready, "the first answer was already 200: nothing probed the start-up"
+    assert all(p.status == 503 for p in before_ready)
+    assert any(p.detail == "engine not ready" for p in before_ready)
+    # Once the port is open the event loop answers every probe: the engine loads beside it.
+    first = probes.index(answered[0])
+    assert all(p.status is not None for p in probes[first:])
+
+
+async def test_ready_means_routable_and_registered(runtime, lifecycle_worker) -> None:
+    worker, _ = lifecycle_worker
+    client = await client_of(runtime, worker)
+    assert len(client.instance_ids()) == 1
+    assert worker.component in await card_components(runtime)
+
+
+async def test_metrics_have_vllm_and_worker_series(runtime, lifecycle_worker, tokenizer) -> None:
+    worker, _ = lifecycle_worker
+    client = await client_of(runtime, worker)
+    outputs = [
+        out
+        async for out in client.round_robin(
+            long_request(tokenizer, 16), response_type=LLMEngineOutput
+        )
+    ]
+    assert outputs[-1].finish_reason is FinishReason.LENGTH
+    _, text = http_get(worker.metrics_url)
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"}
+    assert {"vllm:num_requests_running", "vllm:spec_decode_num_drafts_total"} <= names
+    assert {"dynamo_worker_requests_in_flight", "dynamo_worker_kv_cache_usage"} <= names
+    assert worker.metric("vllm:spec_decode_num_drafts_total") > 0
+    assert worker.metric("dynamo_worker_requests_total") >= 1
+
+
+# --------------------------------------------------------------------------- SIGTERM
+
+
+async def test_sigterm_deregisters_drains_and_exits_0(runtime, lifecycle_worker, tokenizer) -> None:
+    worker, _ = lifecycle_worker
+    client = await client_of(runtime, worker)
+    (instance,) = client.instance_ids()
+    request = long_request(tokenizer, MAX_MODEL_LEN - 64)
+    outputs: list[LLMEngineOutput] = []
+    streaming = asyncio.Event()
+
+    async def consume() -> None:
+        async for out in client.direct(request, instance, response_type=LLMEngineOutput):
+            outputs.append(out)
+            streaming.set()
+
+    stream = asyncio.create_task(consume())
+    await asyncio.wait_for(streaming.wait(), 60)
+    assert outputs[-1].finish_reason is None  # in flight when the signal arrives
+    worker.proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+
+    await wait_until(lambda: instance not in client.instance_ids(), DEREGISTER_WITHIN_S)
+    if not stream.done():  # still draining: not ready any more (or already closed)
+        try:
+            status, _ = http_get(f"http://127.0.0.1:{worker.system_port}/health", timeout=2)
+            assert status == 503
+        except OSError:
+            pass
+
+    try:
+        await asyncio.wait_for(stream, DRAIN_TIMEOUT_S + 10)
+        final = outputs[-1]
+        assert final.finish_reason is FinishReason.LENGTH
+        assert sum(len(out.token_ids) for out in outputs) == request.stop_conditions.max_tokens
+    except RemoteError as exc:  # the drain bound ran out: a terminal frame, not silence
+        assert "shutting down" in str(exc)
+    assert time.monotonic() - signalled < DRAIN_TIMEOUT_S + 10
+
+    code = await asyncio.to_thread(worker.proc.wait, DRAIN_TIMEOUT_S + ENGINE_SHUTDOWN_S)
+    assert code == 0, worker.log_tail()
+    await wait_until(lambda: instance not in client.instances(), DEREGISTER_WITHIN_S)
+    assert worker.component not in await card_components(runtime)
+
+
+# --------------------------------------------------------------------------- engine death
+
+
+def engine_core_of(pid: int) -> psutil.Process:
+    """The vLLM engine-core process a worker spawned (titled `VLLM::EngineCore`, or found
+    as the spawned child that is not multiprocessing's resource tracker)."""
+    children = psutil.Process(pid).children()
+    for child in children:
+        if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
+            return child
+    spawned = [
+        child
+        for child in children
+        if "spawn_main" in " ".join(child.cmdline())
+        and "resource_tracker" not in " ".join(child.cmdline())
+    ]
+    assert len(spawned) == 1, [c.cmdline() for c in children]
+    return spawned[0]
+
+
+@pytest.mark.parametrize("in_flight", [False, True], ids=["idle", "streaming"])
+async def test_engine_core_death_deregisters_and_exits_1(
+    in_flight: bool, runtime, eagle3_pair, nats_url: str, e2e_log_dir: Path, tokenizer
+) -> None:
+    """Idle, the worker's watchdog notices; streaming, the request meets the dead engine
+    and ends with an error output instead of hanging."""
+    worker = new_worker(
+        f"doomed-{'streaming' if in_flight else 'idle'}", eagle3_pair, nats_url, e2e_log_dir
+    )
+    try:
+        await asyncio.to_thread(worker.wait_ready)
+        client = await client_of(runtime, worker)
+        (instance,) = client.instance_ids()
+        outputs: list[LLMEngineOutput] = []
+        stream = None
+        if in_flight:
+            request = long_request(tokenizer, MAX_MODEL_LEN - 64)
+            streaming = asyncio.Event()
+
+            async def consume() -> None:
+                async for out in client.direct(request, instance, response_type=LLMEngineOutput):
+                    outputs.append(out)
+                    streaming.set()
+
+            stream = asyncio.create_task(consume())
+            await asyncio.wait_for(streaming.wait(), 60)
+            assert outputs[-1].finish_reason is None
+        os.kill(engine_core_of(worker.proc.pid).pid, signal.SIGKILL)
+
+        if stream is not None:
+            await asyncio.wait_for(stream, ENGINE_SHUTDOWN_S)
+            assert outputs[-1].finish_reason is FinishReason.ERROR
+            assert "engine dead" in (outputs[-1].error or "")
+        await wait_until(lambda: instance not in client.instance_ids(), ENGINE_SHUTDOWN_S)
+        code = await asyncio.to_thread(worker.proc.wait, DRAIN_TIMEOUT_S + ENGINE_SHUTDOWN_S)
+        assert code == 1, worker.log_tail()
+        await wait_until(lambda: instance not in client.instances(), DEREGISTER_WITHIN_S)
+        assert worker.component not in await card_components(runtime)
+    finally:
+        worker.stop()
