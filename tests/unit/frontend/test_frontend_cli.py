@@ -6,8 +6,13 @@ import pytest
 from frontend_support import make_card
 
 from dynamo.frontend.__main__ import build_parser, config_from_args
-from dynamo.frontend.routing import RandomRouter, RoundRobinRouter, RouterMode, make_router_factory
-from dynamo.llm.protocols import PreprocessedRequest
+from dynamo.frontend.routing import (
+    RandomRouter,
+    RoundRobinRouter,
+    RouterMode,
+    RouterUnavailableError,
+    make_router_factory,
+)
 
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,13 +62,9 @@ async def test_router_factories(mode: RouterMode, router_type: type) -> None:
     assert isinstance(router, router_type)
 
 
-async def test_kv_router_factory_builds_a_router_for_the_card() -> None:
-    factory = make_router_factory(RouterMode.KV, kv_overlap_score_weight=2.0)
-    router = await factory(make_card(instance_id=7, kv_block_size=32), object())
-    try:
-        request = PreprocessedRequest(request_id="r", model="m", token_ids=list(range(100)))
-        assert await router.select(request, [7]) == 7
-        assert request.routing is not None and request.routing.backend_instance_id == 7
-        router.on_finished("r")
-    finally:
-        await router.close()
+def test_kv_router_factory_refuses_to_run_without_its_event_feed() -> None:
+    """kv mode always has its NATS event feed; without a runtime it refuses to start
+    (the CLI exits with 2) instead of silently routing by load only. The router built
+    with a runtime is tested in tests/integration/kv_router."""
+    with pytest.raises(RouterUnavailableError, match="runtime"):
+        make_router_factory(RouterMode.KV, kv_overlap_score_weight=2.0)

@@ -111,6 +111,20 @@ def test_load_spreads_when_no_cache_matches() -> None:
     assert {load.active_requests for load in scheduler.sequences.loads().values()} == {10}
 
 
+def test_a_prefix_in_flight_attracts_requests_sharing_it() -> None:
+    """Before its first KV event arrives, a prefix being prefilled on a worker counts as
+    overlap there, so a burst of requests sharing it does not split over workers."""
+    scheduler = KvScheduler(B, overlap_score_weight=1.0, rng=random.Random(3))
+    for group in range(10):
+        prefix = [group * 10_000 + t for t in range(8 * B)]
+        first = scheduler.schedule(f"g{group}a", [*prefix, 1, 2, 3], [1, 2])
+        second = scheduler.schedule(f"g{group}b", [*prefix, 4, 5, 6], [1, 2])
+        assert second.worker_id == first.worker_id
+        assert (first.overlap_blocks, second.overlap_blocks) == (0, 8)
+        scheduler.free(f"g{group}a")
+        scheduler.free(f"g{group}b")
+
+
 def test_overlap_weight_trades_cache_hits_for_balance() -> None:
     scheduler = KvScheduler(B, overlap_score_weight=1.0, rng=random.Random(2))
     cache_on(scheduler, 1, PROMPT)
@@ -164,6 +178,23 @@ def test_recent_load_metrics_add_unbooked_load() -> None:
     now[0] = 10.0  # the report is stale now: back to a tie
     scores = scheduler.score(PROMPT, [1, 2])
     assert scores[0].cost == scores[1].cost
+
+
+def test_a_report_older_than_a_release_is_not_charged() -> None:
+    """A worker's report taken while our request still ran must not count that request's
+    blocks once we released it (they would look like another frontend's load)."""
+    now = [0.0]
+    scheduler = KvScheduler(B, rng=random.Random(6), clock=lambda: now[0])
+    scheduler.schedule("a", PROMPT, [1])
+    scheduler.update_load(LoadMetrics(worker_id=1, active_blocks=4))  # counts "a"
+    now[0] = 0.1
+    scheduler.free("a")
+    scores = scheduler.score(PROMPT, [1, 2])
+    assert scores[0].cost == scores[1].cost, "the report predates the release"
+    now[0] = 0.7
+    scheduler.update_load(LoadMetrics(worker_id=1, active_blocks=30))  # fresh: other load
+    scores = scheduler.score(PROMPT, [1, 2])
+    assert scores[0].active_blocks == scores[1].active_blocks + 30
 
 
 async def test_router_lifecycle_releases_books() -> None:
@@ -229,3 +260,43 @@ def test_remove_worker_forgets_cache_and_books() -> None:
     assert scheduler.indexer.find_matches_for_tokens(PROMPT).scores == {}
     assert scheduler.sequences.get(1) is None
     assert not scheduler.free("a")
+
+
+class Attachment:
+    name = "feed"
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def close(self) -> None:
+        self.closed = True
+
+    def debug_state(self) -> dict[str, object]:
+        return {"events": 3}
+
+
+async def test_debug_state_reports_cache_load_and_predicted_hits() -> None:
+    router = build_kv_router(card(1), rng=random.Random(0))
+    router.update_card(card(2))
+    cache_on(router.scheduler, 1, PROMPT)
+    router.update_load(LoadMetrics(worker_id=2, active_blocks=7, total_blocks=100))
+    attachment = Attachment()
+    router.attach(attachment)
+    hit = request("hit", PROMPT)
+    assert await router.select(hit, [1, 2]) == 1
+
+    state = router.debug_state()
+    one, two = state["workers"][f"{1:016x}"], state["workers"][f"{2:016x}"]
+    assert (one["cached_blocks"], one["active_requests"]) == (4, 1)
+    assert one["routed"] == {
+        "requests": 1,
+        "request_blocks": 4,
+        "overlap_blocks": 4,
+        "hit_rate": 1.0,
+    }
+    assert two["cached_blocks"] == 0 and two["load"]["active_blocks"] == 7
+    assert state["routing"]["hit_rate"] == 1.0 and state["unique_blocks"] == 4
+    assert state["feed"] == {"events": 3}
+
+    await router.close()
+    assert attachment.closed, "close() closes what the router owns"

@@ -253,6 +253,53 @@ async def test_without_replay_endpoint_a_gap_resyncs(publisher: FakeVllmPublishe
     assert publisher.replay_requests == []
 
 
+async def test_a_lost_last_batch_is_fetched_when_the_stream_goes_quiet(
+    publisher: FakeVllmPublisher,
+) -> None:
+    """No later batch reveals the gap (the engine went idle): the idle probe finds it."""
+    received: list[RouterEvent] = []
+
+    async def collect(event: RouterEvent) -> None:
+        received.append(event)
+
+    relay = KvEventRelay(
+        publisher.endpoint,
+        KvEventConverter(WORKER, B),
+        collect,
+        replay_endpoint=publisher.replay_endpoint,
+        idle_probe_s=0.1,
+    )
+    await relay.start()
+    try:
+        for seq in range(3):  # never seen live: dropped as by a slow-joining subscriber
+            await publisher.publish(seq, chain_batch(seq), live=False)
+        await wait_for(lambda: relay.next_seq == 3)
+    finally:
+        await relay.stop()
+    assert relay.stats.probes >= 1 and relay.stats.resyncs == 0
+    assert index_of(received).find_matches_for_tokens(chain_tokens(3)).scores == {WORKER: 3}
+
+
+async def test_announced_clear_reaches_routers_without_an_engine_step(
+    publisher: FakeVllmPublisher,
+) -> None:
+    """vLLM holds its own AllBlocksCleared until the next step; the worker announces the
+    reset at once, in sequence with the events around it."""
+    received: list[RouterEvent] = []
+    relay = await start_relay(publisher, received)
+    try:
+        await relay.announce_cleared()
+        # After a reset the engine stores from scratch again: block 0 (no parent).
+        await publisher.publish(1, chain_batch(0))
+        await wait_for(lambda: relay.next_seq == 2)
+    finally:
+        await relay.stop()
+    kinds = [type(e.data).__name__ for e in received]
+    assert kinds == ["KvAllCleared", "KvBlockStored", "KvAllCleared", "KvBlockStored"]
+    assert [e.event_id for e in received] == [0, 1, 2, 3]
+    assert index_of(received).find_matches_for_tokens(chain_tokens(2)).scores == {WORKER: 1}
+
+
 async def test_bad_messages_and_callback_failures_do_not_stop_the_relay(
     publisher: FakeVllmPublisher,
 ) -> None:

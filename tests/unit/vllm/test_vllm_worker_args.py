@@ -415,17 +415,23 @@ def test_cpu_block_size_must_be_a_multiple_of_32(parse, write_yaml) -> None:
     assert parse().engine_args.block_size is None  # silent: vLLM's CPU default (128)
 
 
-def test_kv_events_are_published_on_a_port(parse) -> None:
+def test_kv_events_default_to_private_unix_sockets(parse) -> None:
     cfg = parse()
     events = cfg.engine_args.kv_events_config
     assert isinstance(events, KVEventsConfig)
     assert events.enable_kv_cache_events and events.publisher == "zmq"
-    assert cfg.kv_events_port and events.endpoint == f"tcp://*:{cfg.kv_events_port}"
-    assert events.replay_endpoint.startswith("tcp://127.0.0.1:")
+    assert cfg.kv_events_port is None
+    assert events.endpoint.startswith("ipc://") and events.endpoint.endswith("-events.sock")
+    assert events.replay_endpoint.startswith("ipc://") and events.replay_endpoint != events.endpoint
     assert cfg.kv_events_endpoint == events.endpoint
+    assert parse().engine_args.kv_events_config.endpoint != events.endpoint  # unique per worker
+
+
+def test_kv_events_port_publishes_on_tcp(parse) -> None:
     cfg = parse("--kv-events-port", "25557")
     assert cfg.kv_events_port == 25557
     assert cfg.engine_args.kv_events_config.endpoint == "tcp://*:25557"
+    assert cfg.engine_args.kv_events_config.replay_endpoint.startswith("tcp://127.0.0.1:")
 
 
 def test_kv_events_follow_the_users_choices(parse) -> None:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (aiohttp).
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`
-(and `/v1/models/{model}`), `GET /health`, `GET /live`, `GET /metrics`.
+(and `/v1/models/{model}`), `GET /health`, `GET /live`, `GET /metrics`, and
+`GET /debug/kv` (what each KV router believes: cached blocks, load, hit rates).
 
 Every failure leaves as OpenAI's error shape `{"error": {message, type, param, code}}`,
 including aiohttp's own (unknown route, wrong method) via one middleware; bad input is
@@ -149,6 +150,7 @@ class HttpService:
         app.router.add_get("/health", self.health)
         app.router.add_get("/live", self.live)
         app.router.add_get("/metrics", self.render_metrics)
+        app.router.add_get("/debug/kv", self.debug_kv)
         return app
 
     async def start(self) -> None:
@@ -217,6 +219,21 @@ class HttpService:
         return web.Response(
             body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE}
         )
+
+    async def debug_kv(self, request: web.Request) -> web.Response:
+        """Per model and worker endpoint, the KV router's view (`debug_state()`): blocks
+        cached per worker, booked and reported load, predicted hit rates, feed counters.
+        Endpoints whose router keeps no such state (round-robin) are left out."""
+        models: dict[str, dict[str, Any]] = {}
+        for model in sorted(self.manager.models(), key=lambda m: m.name):
+            routers = {}
+            for key, endpoint in model.endpoints.items():
+                router = getattr(endpoint.client, "router", None)
+                debug_state = getattr(router, "debug_state", None)
+                if debug_state is not None:
+                    routers["/".join(key)] = debug_state()
+            models[model.name] = routers
+        return json_response(msgspec.json.encode({"models": models}))
 
     # ------------------------------------------------------------------ internals
 

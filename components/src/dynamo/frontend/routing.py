@@ -114,34 +114,20 @@ def make_router_factory(
 
 
 def _kv_router_factory(runtime: Any, overlap_weight: float, temperature: float) -> RouterFactory:
-    """Adapter to `dynamo.llm.kv_router`.
-
-    Prefers `create_kv_router(runtime, card, client, *, overlap_score_weight, temperature)`,
-    the variant wired to the workers' KV-event and load subjects, when it is provided.
-    Otherwise builds the NATS-free `KvRouter` (`build_kv_router`): it still balances by
-    its own books of active blocks (speculative slots included) and learns workers from
-    their cards, but sees no cache events, so overlap scores stay zero until the event
-    feed is connected.
-    """
+    """Adapter to `dynamo.llm.kv_router.create_kv_router`: a KV router fed by the
+    workers' KV-event stream and load reports over NATS. There is deliberately no
+    fallback without events: a "kv" router that cannot see caches would route by load
+    alone while claiming to chase cache hits."""
     try:
-        from dynamo.llm import kv_router
+        from dynamo.llm.kv_router.nats_feed import create_kv_router
     except ImportError as exc:
-        raise RouterUnavailableError("kv router not available") from exc
-    create = getattr(kv_router, "create_kv_router", None)
-    build = getattr(kv_router, "build_kv_router", None)
-    if create is None and build is None:
-        raise RouterUnavailableError("dynamo.llm.kv_router provides no router constructor")
+        raise RouterUnavailableError(f"kv router not available: {exc}") from exc
+    if runtime is None:
+        raise RouterUnavailableError("kv router needs a NATS runtime for its event feed")
 
     async def kv(card: ModelCard, client: Any) -> Router:
-        if create is not None:
-            return await create(
-                runtime, card, client, overlap_score_weight=overlap_weight, temperature=temperature
-            )
-        log.warning(
-            "kv router for %s runs without KV-cache events (no create_kv_router): "
-            "routing by active blocks only",
-            card.name,
+        return await create_kv_router(
+            runtime, card, client, overlap_score_weight=overlap_weight, temperature=temperature
         )
-        return build(card, overlap_score_weight=overlap_weight, temperature=temperature)
 
     return kv

@@ -25,8 +25,10 @@ import functools
 import json
 import logging
 import os
+import secrets
 import socket
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -119,7 +121,7 @@ apply to target and draft alike. Contradicting keys inside one file are an error
 value the command line overrides is replaced (logged at INFO).
 
 Defaults the worker adds where you are silent: --model is the embedded model
-`smollm2-135m-instruct`; KV-cache events are published over ZMQ on a free port (unless
+`smollm2-135m-instruct`; KV-cache events are published over ZMQ on a private Unix socket (unless
 prefix caching is off or --kv-events-config is given); prefill/decode workers without
 --kv-transfer-config use NixlConnector on a GPU and, on CPU, vLLM's ExampleConnector with
 shared_storage_path $DYN_KV_SHARED_STORAGE_PATH (default /tmp/dynamo-kv-<namespace>), a
@@ -317,7 +319,8 @@ def _add_worker_flags(parser: FlexibleArgumentParser) -> None:
         "--kv-events-port",
         type=int,
         default=None,
-        help="ZMQ port vLLM publishes KV-cache events on (default: a free port)." + _OWN_DEFAULT,
+        help="TCP port vLLM publishes KV-cache events on, for consumers on other hosts "
+        "(default: a private Unix socket, ipc://$TMPDIR/dynamo-kv-*-events.sock)." + _OWN_DEFAULT,
     )
     group.add_argument(
         "--nats-server",
@@ -879,13 +882,21 @@ def _configure_kv_events(
         return None
     from vllm.config import KVEventsConfig
 
-    port = _port(port, "--kv-events-port") if port is not None else free_port()
-    replay = free_port()
+    if port is not None:
+        # TCP on request (another host consumes the events); vLLM binds only `tcp://*`.
+        endpoint = f"tcp://*:{_port(port, '--kv-events-port')}"
+        replay = f"tcp://127.0.0.1:{free_port()}"
+    else:
+        # Default: Unix sockets private to this host. Nothing to race for (a TCP port picked
+        # now would only be bound ~30 s later, when the engine starts) and nothing exposed
+        # on the network.
+        base = Path(tempfile.gettempdir()) / f"dynamo-kv-{os.getpid()}-{secrets.token_hex(4)}"
+        endpoint, replay = f"ipc://{base}-events.sock", f"ipc://{base}-replay.sock"
     values["kv_events_config"] = KVEventsConfig(
         enable_kv_cache_events=True,
         publisher="zmq",
-        endpoint=f"tcp://*:{port}",
-        replay_endpoint=f"tcp://127.0.0.1:{replay}",
+        endpoint=endpoint,
+        replay_endpoint=replay,
     )
     sources["kv_events_config"] = SRC_WORKER
     return port

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from vllm.v1.engine.exceptions import EngineDeadError
@@ -159,12 +159,22 @@ class ClearKvBlocksHandler:
     """`clear_kv_blocks`: drop this worker's cached prefix blocks (used by tests, benchmarks
     and operators after a weight update). The KV-event relay then reports the removals."""
 
-    def __init__(self, engine: VllmEngine, worker_id: int) -> None:
+    def __init__(
+        self,
+        engine: VllmEngine,
+        worker_id: int,
+        on_cleared: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.engine = engine
         self.worker_id = worker_id
+        # vLLM sends its "all blocks cleared" event only with the next engine step, which an
+        # idle engine never takes: the KV relay announces it at once instead.
+        self.on_cleared = on_cleared
 
     async def clear(self, request: Any, ctx: Any) -> AsyncIterator[ClearKvBlocksResult]:
         ok = await self.engine.clear_kv_blocks()
+        if ok and self.on_cleared is not None:
+            await self.on_cleared()
         message = "prefix cache cleared" if ok else "prefix cache not cleared (requests running?)"
         log.info("clear_kv_blocks: %s", message)
         yield ClearKvBlocksResult(worker_id=self.worker_id, cleared=ok, message=message)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -151,7 +152,9 @@ class Worker:
             counters=self.counters,
             kv_janitor=self.kv_janitor,
         )
-        clear = ClearKvBlocksHandler(self.engine, self.runtime.instance_id)
+        clear = ClearKvBlocksHandler(
+            self.engine, self.runtime.instance_id, on_cleared=self._announce_kv_cleared
+        )
         self.served.append(
             await component.endpoint(cfg.endpoint).serve(
                 generate.generate, request_type=PreprocessedRequest
@@ -171,6 +174,10 @@ class Worker:
             cfg.component,
             cfg.endpoint,
         )
+
+    async def _announce_kv_cleared(self) -> None:
+        if self.kv_relay is not None:
+            await self.kv_relay.announce_cleared()
 
     def _kv_janitor(self):
         """Bounds the disk used by the CPU KV connector (None for other connectors)."""
@@ -234,7 +241,14 @@ class Worker:
         return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
     async def _shutdown(self) -> None:
-        """Deregister first so no new work arrives, drain, then stop the engine."""
+        """Deregister first so no new work arrives, drain, then stop the engine.
+
+        The KV relay and load publisher stop before the NATS connection closes: the worker
+        is leaving, and routers drop its blocks when its lease goes anyway."""
+        for owner in (self.kv_relay, self.load_publisher, self.kv_janitor):
+            if owner is not None:
+                with contextlib.suppress(Exception):
+                    await owner.stop()
         if self.runtime is not None:
             try:
                 if self.card is not None:
@@ -244,13 +258,19 @@ class Worker:
                 await self.runtime.shutdown(drain_timeout=DRAIN_TIMEOUT_S)
             except Exception as exc:
                 log.warning("runtime shutdown: %s", exc)
-        for task_owner in (self.kv_relay, self.load_publisher, self.kv_janitor):
-            if task_owner is not None:
-                await task_owner.stop()
         if self.system is not None:
             await self.system.stop()
         self.engine.shutdown()
+        _remove_ipc_sockets(self.cfg.kv_events_endpoint, self.cfg.kv_events_replay_endpoint)
         log.info("worker stopped (exit code %d)", self.exit_code)
+
+
+def _remove_ipc_sockets(*endpoints: str | None) -> None:
+    """Delete the Unix socket files of ipc:// KV-event endpoints (vLLM leaves them)."""
+    for endpoint in endpoints:
+        if endpoint and endpoint.startswith("ipc://"):
+            with contextlib.suppress(OSError):
+                os.unlink(endpoint[len("ipc://") :])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,7 +71,9 @@ async def start_kv_event_relay(
     """Relay the engine's KV events to this worker's JetStream subject. The relay's
     opening `AllBlocksCleared` purges the subject first (see `KvEventPublisher`)."""
     worker_id = runtime.instance_id
-    publisher = await KvEventPublisher(runtime, component.namespace, component.name, worker_id).start()
+    publisher = await KvEventPublisher(
+        runtime, component.namespace, component.name, worker_id
+    ).start()
     relay = KvEventRelay(
         endpoint,
         KvEventConverter(worker_id, block_size),

@@ -305,6 +305,11 @@ class ActiveSequences:
         the shared part is a leading run and the walk stops at the first miss: the
         router scores every worker per request, and this keeps that O(shared depth).
         """
+        own = num_blocks_spanned(prompt_len + num_speculative_tokens, self.block_size)
+        return self.active_blocks + own - self.pinned_prefix_blocks(block_hashes)
+
+    def pinned_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
+        """How many leading `block_hashes` are prompt blocks of requests in flight here."""
         refs = self._shared_refs
         pinned = 0
         if refs:
@@ -312,8 +317,7 @@ class ActiveSequences:
                 if block_hash not in refs:
                     break
                 pinned += 1
-        own = num_blocks_spanned(prompt_len + num_speculative_tokens, self.block_size)
-        return self.active_blocks + own - pinned
+        return pinned
 
     # ------------------------------------------------------------------ internals
 

@@ -6,7 +6,8 @@ router"):
     cost(w) = overlap_score_weight * blocks_to_prefill(w) + active_blocks(w)
 
 * ``blocks_to_prefill(w)`` = the request's blocks (``ceil(prompt_len / B)``) minus the
-  leading blocks w already caches (`KvIndexer.find_matches`): the prefill work w would do.
+  leading blocks w already caches (`KvIndexer.find_matches`) or is computing for a
+  request in flight there (the router's books): the prefill work w would do.
 * ``active_blocks(w)`` = the blocks w would hold with this request added, from the
   router's own books (`MultiWorkerSequences`), speculative slots included: a worker
   speculating K tokens holds ``ceil((ctx + K) / B)`` blocks per request, so deep
@@ -32,7 +33,8 @@ import math
 import random
 import time
 from collections.abc import AsyncIterable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
 
 from dynamo.llm.kv_router.active_sequences import MultiWorkerSequences, speculative_depth
 from dynamo.llm.kv_router.hashing import compute_block_hashes, num_blocks_spanned
@@ -51,6 +53,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LOAD_METRICS_TTL_S = 5.0
 """Worker-reported load older than this is ignored (the worker may be gone or stalled)."""
+DEFAULT_LOAD_REPORT_HOLD_OFF_S = 0.5
+"""After the router releases a request on a worker, that worker's reports received within
+this long are ignored: they may still count the released request's blocks (the engine's
+stats lag a step, a report may be in flight, and workers publish every 250 ms), and
+would charge the worker for load this router knows is gone."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +99,34 @@ class RoutingDecision:
     overlap_blocks: int
     request_blocks: int
     scores: tuple[WorkerScore, ...]
+
+
+@dataclass(slots=True)
+class RoutingTally:
+    """What the router sent one worker: requests, their blocks, and the blocks it
+    expected to find cached there (the predicted prefix-cache hit rate)."""
+
+    requests: int = 0
+    request_blocks: int = 0
+    overlap_blocks: int = 0
+
+    def add(self, decision: RoutingDecision) -> None:
+        self.requests += 1
+        self.request_blocks += decision.request_blocks
+        self.overlap_blocks += decision.overlap_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        """Predicted fraction of prompt blocks served from cache."""
+        return self.overlap_blocks / self.request_blocks if self.request_blocks else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "request_blocks": self.request_blocks,
+            "overlap_blocks": self.overlap_blocks,
+            "hit_rate": round(self.hit_rate, 4),
+        }
 
 
 def choose(scores: Sequence[WorkerScore], temperature: float, rng: random.Random) -> WorkerScore:
@@ -136,6 +171,7 @@ class KvScheduler:
         temperature: float = 0.0,
         rng: random.Random | None = None,
         load_metrics_ttl_s: float = DEFAULT_LOAD_METRICS_TTL_S,
+        load_report_hold_off_s: float = DEFAULT_LOAD_REPORT_HOLD_OFF_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if overlap_score_weight < 0:
@@ -153,7 +189,10 @@ class KvScheduler:
         self._workers: dict[int, WorkerConfig] = {}
         self._metrics: dict[int, tuple[float, LoadMetrics]] = {}
         self._metrics_ttl = load_metrics_ttl_s
+        self._hold_off = load_report_hold_off_s
+        self._released_at: dict[int, float] = {}  # worker id -> last time a request ended
         self._clock = clock
+        self.routed: dict[int, RoutingTally] = {}
 
     # ------------------------------------------------------------------ inputs
 
@@ -172,6 +211,7 @@ class KvScheduler:
         """A worker's lease expired: forget its cache, its books and its metrics."""
         self._workers.pop(worker_id, None)
         self._metrics.pop(worker_id, None)
+        self._released_at.pop(worker_id, None)
         self.indexer.remove_worker(worker_id)
         self.sequences.remove_worker(worker_id)
 
@@ -206,12 +246,14 @@ class KvScheduler:
         scores = self._score_all(token_ids, hashes, worker_ids)
         best = choose(scores, self.temperature, self._rng)
         self._book(request_id, best, token_ids, hashes)
-        return RoutingDecision(
+        decision = RoutingDecision(
             worker_id=best.worker_id,
             overlap_blocks=best.overlap_blocks,
             request_blocks=num_blocks_spanned(len(token_ids), self.block_size),
             scores=tuple(scores),
         )
+        self.routed.setdefault(best.worker_id, RoutingTally()).add(decision)
+        return decision
 
     def mark_prefill_completed(self, request_id: str, num_new_tokens: int = 0) -> None:
         """The request's first output arrived: its prefill is no longer pending, and the
@@ -221,12 +263,74 @@ class KvScheduler:
 
     def free(self, request_id: str) -> bool:
         """The request ended (finished, failed or cancelled): release its blocks."""
+        worker_id = self.sequences.worker_of(request_id)
+        if worker_id is not None:
+            self._released_at[worker_id] = self._clock()
         return self.sequences.free(request_id)
 
     def worker_config(self, worker_id: int) -> WorkerConfig:
         """The worker's config; an unknown worker (no card yet) has no speculation."""
         config = self._workers.get(worker_id)
         return config if config is not None else WorkerConfig(worker_id, self.block_size)
+
+    # ------------------------------------------------------------------ views
+
+    def debug_state(self) -> dict[str, Any]:
+        """A JSON-able picture of what the router believes, per worker: cached blocks
+        (indexer), booked load (speculative slots included), the worker's own last load
+        report, and what was routed there. For `GET /debug/kv`, not for decisions."""
+        total = RoutingTally()
+        for tally in self.routed.values():
+            total.requests += tally.requests
+            total.request_blocks += tally.request_blocks
+            total.overlap_blocks += tally.overlap_blocks
+        return {
+            "block_size": self.block_size,
+            "overlap_score_weight": self.overlap_score_weight,
+            "temperature": self.temperature,
+            "unique_blocks": self.indexer.num_unique_blocks(),
+            "indexer": asdict(self.indexer.stats),
+            "routing": total.as_dict(),
+            "workers": {
+                f"{worker_id:016x}": self._worker_view(worker_id)
+                for worker_id in sorted(self._known_workers())
+            },
+        }
+
+    def _known_workers(self) -> set[int]:
+        return (
+            set(self._workers)
+            | set(self.indexer.workers())
+            | set(self.sequences.workers())
+            | set(self._metrics)
+        )
+
+    def _worker_view(self, worker_id: int) -> dict[str, Any]:
+        seqs = self.sequences.get(worker_id)
+        tally = self.routed.get(worker_id, RoutingTally())
+        return {
+            "worker_id": worker_id,
+            "cached_blocks": self.indexer.block_count(worker_id),
+            "active_blocks": seqs.active_blocks if seqs is not None else 0,
+            "active_requests": seqs.active_requests if seqs is not None else 0,
+            "num_speculative_tokens": speculative_depth(self.worker_config(worker_id).speculative),
+            "routed": tally.as_dict(),
+            "load": self._load_view(worker_id),
+        }
+
+    def _load_view(self, worker_id: int) -> dict[str, Any] | None:
+        entry = self._metrics.get(worker_id)
+        if entry is None:
+            return None
+        received, metrics = entry
+        return {
+            "active_requests": metrics.active_requests,
+            "waiting_requests": metrics.waiting_requests,
+            "active_blocks": metrics.active_blocks,
+            "total_blocks": metrics.total_blocks,
+            "kv_usage": metrics.kv_usage,
+            "age_s": round(self._clock() - received, 3),
+        }
 
     # ------------------------------------------------------------------ internals
 
@@ -250,6 +354,10 @@ class KvScheduler:
         if config.block_size != self.block_size:
             overlap = 0
             hashes = compute_block_hashes(token_ids, config.block_size)
+        # A prefix that a request in flight here is computing will be cached by the time
+        # this request is scheduled behind it: count it as overlap, or concurrent
+        # requests of one prefix would split over workers before its first event lands.
+        overlap = max(overlap, seqs.pinned_prefix_blocks(hashes))
         request_blocks = num_blocks_spanned(len(token_ids), config.block_size)
         prefill_blocks = request_blocks - overlap
         active = seqs.potential_blocks(hashes, len(token_ids), k)
@@ -259,13 +367,16 @@ class KvScheduler:
 
     def _unbooked_load(self, worker_id: int, booked_blocks: int) -> int:
         """Blocks the worker reports beyond what this router booked there (requests
-        from other frontends), or 0 without a recent report."""
+        from other frontends); 0 without a recent report, or with one that may still
+        count a request this router released since."""
         entry = self._metrics.get(worker_id)
         if entry is None:
             return 0
         received, metrics = entry
         if self._clock() - received > self._metrics_ttl:
             return 0
+        if received < self._released_at.get(worker_id, -math.inf) + self._hold_off:
+            return 0  # may predate a release this router already booked
         return max(0, metrics.active_blocks - booked_blocks)
 
     def _book(
@@ -288,6 +399,17 @@ RouterInput = RouterEvent | LoadMetrics | ModelCard
 """What a feed may carry: cache events, load reports, and worker cards (add/update)."""
 
 
+class RouterAttachment(Protocol):
+    """Something a router owns besides its feeds (e.g. the NATS subscriptions that feed
+    it): closed with the router and shown in its debug view under `name`."""
+
+    name: str
+
+    async def close(self) -> None: ...
+
+    def debug_state(self) -> dict[str, Any]: ...
+
+
 class KvRouter:
     """The frontend's `Router` over a `KvScheduler`.
 
@@ -299,6 +421,7 @@ class KvRouter:
     def __init__(self, scheduler: KvScheduler) -> None:
         self.scheduler = scheduler
         self._feeds: set[asyncio.Task[None]] = set()
+        self._attachments: list[RouterAttachment] = []
         self._closed = False
 
     # ------------------------------------------------------------------ Router protocol
@@ -330,11 +453,32 @@ class KvRouter:
 
     async def close(self) -> None:
         self._closed = True
+        attachments, self._attachments = self._attachments, []
+        for attachment in attachments:
+            try:
+                await attachment.close()
+            except Exception:
+                log.exception("kv router: closing %s failed", attachment.name)
         feeds = list(self._feeds)
         for task in feeds:
             task.cancel()
         await asyncio.gather(*feeds, return_exceptions=True)
         self._feeds.clear()
+
+    # ------------------------------------------------------------------ ownership and views
+
+    def attach(self, attachment: RouterAttachment) -> None:
+        """Own `attachment`: it is closed by `close` and reported by `debug_state`."""
+        if self._closed:
+            raise RuntimeError("router is closed")
+        self._attachments.append(attachment)
+
+    def debug_state(self) -> dict[str, Any]:
+        """The scheduler's view plus each attachment's (e.g. the event feed's counters)."""
+        state = self.scheduler.debug_state()
+        for attachment in self._attachments:
+            state[attachment.name] = attachment.debug_state()
+        return state
 
     # ------------------------------------------------------------------ inputs
 

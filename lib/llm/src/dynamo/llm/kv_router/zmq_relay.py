@@ -24,6 +24,13 @@ The relay starts with an ``AllBlocksCleared`` of its own (a restarted worker's e
 has an empty cache, and it tells the indexer a new event sequence starts) and expects
 ``seq`` 0, so batches published before it connected are replayed.
 
+A gap is only visible when a later batch arrives. The batches a PUB socket drops while
+the subscription is still being set up ("slow joiner"), or the last batches before an
+engine goes idle, would stay missing until the engine's next step, which may never
+come. So after `idle_probe_s` without a live message the relay asks the replay endpoint
+for anything from the expected ``seq`` on (an idle engine answers with just the end
+marker).
+
 Publishing is injected (`on_event`): the worker wires it to NATS; tests collect.
 """
 
@@ -65,6 +72,7 @@ class RelayStats:
     resyncs: int = 0  # gaps that could not be filled (cache announced cleared)
     malformed: int = 0  # messages or batches that could not be decoded
     callback_errors: int = 0  # events the callback failed to take
+    probes: int = 0  # replay requests sent because the live stream was quiet
 
 
 def connect_address(endpoint: str) -> str:
@@ -85,6 +93,7 @@ class KvEventRelay:
         replay_endpoint: str | None = None,
         topic: str = "",
         replay_timeout_s: float = 2.0,
+        idle_probe_s: float = 1.0,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         self.endpoint = connect_address(endpoint)
@@ -94,6 +103,7 @@ class KvEventRelay:
         self._on_event = on_event
         self._topic = topic.encode()
         self._replay_timeout = replay_timeout_s
+        self._idle_probe_ms = int(idle_probe_s * 1000) if self.replay_endpoint else None
         # Not `Context.instance()`: once a plain zmq context singleton exists in the
         # process (vLLM's publisher makes one), the asyncio subclass would return it.
         self._own_ctx = context is None
@@ -102,6 +112,9 @@ class KvEventRelay:
         self._replay: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._expected_seq = 0
+        # A batch's events and an out-of-band clear must not interleave (ids would go
+        # backwards and the indexer would drop the rest of the batch as stale).
+        self._delivery = asyncio.Lock()
 
     @property
     def next_seq(self) -> int:
@@ -136,6 +149,17 @@ class KvEventRelay:
         if self._own_ctx and not self._ctx.closed:
             self._ctx.term()
 
+    async def announce_cleared(self) -> None:
+        """Tell routers the engine's prefix cache was reset, now.
+
+        vLLM queues its own ``AllBlocksCleared`` and publishes it only with the next
+        engine step, which an idle engine does not take: without this the routers would
+        keep sending requests after a cache that no longer exists. The late vLLM event,
+        when it comes, is one more (harmless) clear.
+        """
+        async with self._delivery:
+            await self._deliver(self.converter.clear())
+
     async def __aenter__(self) -> KvEventRelay:
         await self.start()
         return self
@@ -148,11 +172,22 @@ class KvEventRelay:
     async def _run(self) -> None:
         assert self._sub is not None
         while True:
+            if not await self._sub.poll(self._idle_probe_ms):
+                await self._probe()
+                continue
             frames = await self._sub.recv_multipart()
             try:
                 await self.handle_message(frames)
             except Exception:  # one bad message must not stop the relay
                 log.exception("kv relay: failed to handle a message")
+
+    async def _probe(self) -> None:
+        """Quiet for a while: fetch batches the live stream may have dropped."""
+        self.stats.probes += 1
+        try:
+            await self._fill_gap(quiet=True)
+        except Exception:
+            log.exception("kv relay: idle replay probe failed")
 
     async def handle_message(self, frames: list[bytes]) -> None:
         """Apply one live ``[topic, seq, payload]`` message, filling a gap first."""
@@ -177,16 +212,21 @@ class KvEventRelay:
 
     # ------------------------------------------------------------------ gaps
 
-    async def _fill_gap(self) -> None:
+    async def _fill_gap(self, *, quiet: bool = False) -> None:
         """Replay from the expected seq; applies what the publisher still buffers and
-        resynchronises where its buffer has holes. Returns quietly on no answer."""
+        resynchronises where its buffer has holes. Returns on no answer (logged unless
+        `quiet`: an idle probe is not worth a warning every second)."""
         if self.replay_endpoint is None:
             return
         sock = self._replay_socket()
         await sock.send_multipart([b"", self._expected_seq.to_bytes(8, "big")])
         while True:
             if not await sock.poll(int(self._replay_timeout * 1000)):
-                log.warning("kv relay: replay endpoint %s did not answer", self.replay_endpoint)
+                log.log(
+                    logging.DEBUG if quiet else logging.WARNING,
+                    "kv relay: replay endpoint %s did not answer",
+                    self.replay_endpoint,
+                )
                 self._drop_replay_socket()  # a late answer must not leak into the next request
                 return
             frames = await sock.recv_multipart()
@@ -233,8 +273,9 @@ class KvEventRelay:
             log.warning("kv relay: undecodable batch %d: %s", seq, exc)
             return
         self.stats.batches += 1
-        for event in self.converter.convert_batch(batch):
-            await self._deliver(event)
+        async with self._delivery:
+            for event in self.converter.convert_batch(batch):
+                await self._deliver(event)
 
     async def _deliver(self, event: RouterEvent) -> None:
         """Hand one event to the callback; a failure is counted and logged, not fatal

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Aggregated serving with the KV-aware router: NATS (started, or reused via $NATS_SERVER),
+# one frontend on :$HTTP_PORT in `--router-mode kv` and $NUM_WORKERS vLLM workers (default
+# 2). Each worker publishes its KV-cache events (ZMQ port picked by the worker) and load to
+# NATS; requests sharing a prefix go to the worker that caches it. `GET /debug/kv` on the
+# frontend shows what the router believes.
+#
+#   MODEL, HTTP_PORT, WORKER_ARGS          as in agg_spec_decoding.sh
+#   NUM_WORKERS                            workers to start (default 2)
+#   KV_OVERLAP_SCORE_WEIGHT                cache hits vs load balance (default 1.0)
+#   ROUTER_TEMPERATURE                     0 = cheapest worker (default 0.0)
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+NUM_WORKERS=${NUM_WORKERS:-2}
+
+# wait_for_instances N: until the frontend's /health lists N instances of the model
+wait_for_instances() {
+  local want=$1 deadline=$((SECONDS + READY_TIMEOUT))
+  log "waiting for $want workers behind the router"
+  until curl -sf "http://127.0.0.1:$HTTP_PORT/health" 2>/dev/null | "$PYTHON" -c '
+import json, sys
+models = json.load(sys.stdin)["models"].values()
+sys.exit(0 if max((len(m["instances"]) for m in models), default=0) >= int(sys.argv[1]) else 1)
+' "$want"; do
+    for pid in "${CHILDREN[@]}"; do
+      kill -0 "$pid" 2>/dev/null || { log "a process exited early"; tail -n 20 "$LOG_DIR"/*.log >&2; exit 1; }
+    done
+    ((SECONDS < deadline)) || { log "workers not ready after ${READY_TIMEOUT}s; logs in $LOG_DIR"; exit 1; }
+    sleep 1
+  done
+}
+
+ensure_nats
+start frontend "$PYTHON" -m dynamo.frontend --http-port "$HTTP_PORT" --namespace "$NAMESPACE" \
+  --router-mode kv --kv-overlap-score-weight "${KV_OVERLAP_SCORE_WEIGHT:-1.0}" \
+  --router-temperature "${ROUTER_TEMPERATURE:-0.0}"
+for i in $(seq 1 "$NUM_WORKERS"); do
+  # shellcheck disable=SC2086
+  start "worker$i" "$PYTHON" -m dynamo.vllm --model "$MODEL" --namespace "$NAMESPACE" \
+    --enforce-eager --block-size 32 --max-model-len "${MAX_MODEL_LEN:-4096}" ${WORKER_ARGS:-}
+done
+SERVED=${SERVED_MODEL_NAME:-$(basename "$MODEL")}
+wait_for_model "$SERVED"
+wait_for_instances "$NUM_WORKERS"
+print_usage_hint "$SERVED"
+log "router state: curl localhost:$HTTP_PORT/debug/kv"
+wait_children

@@ -1,0 +1,237 @@
+"""Frontend side of the KV router's NATS plumbing: `create_kv_router`.
+
+A `KvRouter` (NATS-free, `scheduler.py`) is fed by three subscriptions, owned here:
+
+* the workers' KV events, replayed from the start of the JetStream stream
+  (`subjects.KV_EVENTS_STREAM`, filtered to the card's namespace/component), so a frontend
+  started after the workers rebuilds their caches' index before it routes;
+* the workers' load reports (core NATS, `subjects.load_metrics_filter`);
+* the endpoint client's set of ready instances: a worker that leaves it has its blocks
+  dropped, and `WorkerMembership` keeps its late or replayed events from resurrecting it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
+
+from dynamo.llm.kv_router.membership import DEFAULT_GRACE_S, WorkerMembership
+from dynamo.llm.kv_router.publisher import kv_events_stream
+from dynamo.llm.kv_router.scheduler import KvRouter, build_kv_router
+from dynamo.llm.kv_router.subjects import (
+    instance_of_subject,
+    kv_events_filter,
+    load_metrics_filter,
+)
+from dynamo.llm.protocols import LoadMetrics, ModelCard, RouterEvent, decode
+from dynamo.runtime.client import Client
+from dynamo.runtime.events import EventStream, StreamSubscription
+from dynamo.runtime.runtime import DistributedRuntime
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REPLAY_TIMEOUT_S = 10.0
+"""Longest `create_kv_router` waits for the replay to catch up before routing anyway."""
+SWEEP_INTERVAL_S = 1.0
+
+
+@dataclass(slots=True)
+class FeedStats:
+    """Counters of what reached the router (shown by `GET /debug/kv`)."""
+
+    events: int = 0  # applied to the indexer
+    events_ignored: int = 0  # from departed workers
+    events_malformed: int = 0  # undecodable, or worker id not matching the subject
+    load_reports: int = 0
+    load_ignored: int = 0
+    load_malformed: int = 0
+    workers_removed: int = 0
+    replay_target_seq: int = 0  # last stream sequence of this component at start
+    replay_seconds: float = 0.0
+    replay_complete: bool = False
+
+
+class KvRouterFeed:
+    """The NATS subscriptions that keep one `KvRouter` informed."""
+
+    name = "feed"
+
+    def __init__(
+        self,
+        runtime: DistributedRuntime,
+        router: KvRouter,
+        namespace: str,
+        component: str,
+        client: Client,
+        *,
+        stream: EventStream | None = None,
+        grace_s: float = DEFAULT_GRACE_S,
+    ) -> None:
+        self._runtime = runtime
+        self._router = router
+        self._client = client
+        self._stream = stream or kv_events_stream()
+        self._events_filter = kv_events_filter(namespace, component)
+        self._load_filter = load_metrics_filter(namespace, component)
+        self.membership = WorkerMembership(grace_s)
+        self.stats = FeedStats()
+        self._events: StreamSubscription | None = None
+        self._load_sub: Any = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self._replayed = asyncio.Event()
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S) -> None:
+        """Subscribe everything, then wait (bounded) until the stream's history up to now
+        has been applied, so the first routing decisions already see cached prefixes."""
+        self._client.add_listener(self._on_instances)
+        self._on_instances(self._client.instance_ids())  # live workers' events apply at once
+        await self._stream.ensure(self._runtime)
+        self.stats.replay_target_seq = await self._last_sequence()
+        if self.stats.replay_target_seq == 0:
+            self.stats.replay_complete = True
+            self._replayed.set()
+        started = time.monotonic()
+        self._events = await StreamSubscription(
+            self._runtime, self._stream, self._events_filter, self._on_event
+        ).start()
+        self._load_sub = await self._runtime.subscribe(self._load_filter, self._on_load)
+        self._sweeper = asyncio.create_task(self._sweep(), name="kv-feed-sweep")
+        try:
+            await asyncio.wait_for(self._replayed.wait(), replay_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning(
+                "kv router: replay of %s not complete after %.0fs (at #%d of #%d); routing anyway",
+                self._events_filter,
+                replay_timeout_s,
+                self._events.last_sequence,
+                self.stats.replay_target_seq,
+            )
+        self.stats.replay_seconds = round(time.monotonic() - started, 3)
+        log.info(
+            "kv router: replayed %d events of %s in %.2fs",
+            self.stats.events,
+            self._events_filter,
+            self.stats.replay_seconds,
+        )
+
+    async def close(self) -> None:
+        """Stop every subscription (the client's listener then ignores changes)."""
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+        if self._events is not None:
+            await self._events.close()
+            self._events = None
+        if self._load_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._load_sub.unsubscribe()
+            self._load_sub = None
+
+    def debug_state(self) -> dict[str, Any]:
+        state = asdict(self.stats)
+        state["events_filter"] = self._events_filter
+        state["last_sequence"] = self._events.last_sequence if self._events else None
+        state["live_workers"] = [f"{w:016x}" for w in sorted(self.membership.live)]
+        return state
+
+    # ------------------------------------------------------------------ handlers
+
+    async def _on_event(self, subject: str, payload: bytes, sequence: int) -> None:
+        if sequence >= self.stats.replay_target_seq and not self._replayed.is_set():
+            self.stats.replay_complete = True
+            self._replayed.set()
+        try:
+            event = decode(payload, RouterEvent)
+        except msgspec.MsgspecError as exc:
+            self.stats.events_malformed += 1
+            log.warning("kv router: undecodable event #%d on %s: %s", sequence, subject, exc)
+            return
+        if event.worker_id != instance_of_subject(subject):
+            self.stats.events_malformed += 1
+            log.warning("kv router: event of worker %x on %s dropped", event.worker_id, subject)
+            return
+        if not self.membership.accepts(event.worker_id):
+            self.stats.events_ignored += 1
+            return
+        self._router.apply_event(event)
+        self.stats.events += 1
+
+    async def _on_load(self, msg: Msg) -> None:
+        try:
+            metrics = decode(msg.data, LoadMetrics)
+        except msgspec.MsgspecError:
+            self.stats.load_malformed += 1
+            return
+        if not self.membership.accepts(metrics.worker_id):
+            self.stats.load_ignored += 1
+            return
+        self._router.update_load(metrics)
+        self.stats.load_reports += 1
+
+    def _on_instances(self, ready: list[int]) -> None:
+        if self._closed:
+            return
+        for worker_id in self.membership.set_live(ready):
+            self._remove(worker_id, "left the endpoint")
+
+    async def _sweep(self) -> None:
+        """Drop workers whose events arrived but who never became live (dead workers'
+        history in the stream)."""
+        while True:
+            await asyncio.sleep(min(SWEEP_INTERVAL_S, self.membership.grace_s))
+            for worker_id in self.membership.expire():
+                self._remove(worker_id, "never became live")
+
+    def _remove(self, worker_id: int, why: str) -> None:
+        log.info("kv router: forgetting worker %016x (%s)", worker_id, why)
+        self._router.remove_worker(worker_id)
+        self.stats.workers_removed += 1
+
+    # ------------------------------------------------------------------ internals
+
+    async def _last_sequence(self) -> int:
+        """Stream sequence of the newest event of this component now (0: none)."""
+        try:
+            msg = await self._runtime.js.get_last_msg(self._stream.name, self._events_filter)
+        except NotFoundError:
+            return 0
+        return int(msg.seq or 0)
+
+
+async def create_kv_router(
+    runtime: DistributedRuntime,
+    card: ModelCard,
+    client: Client,
+    *,
+    overlap_score_weight: float = 1.0,
+    temperature: float = 0.0,
+    replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
+    grace_s: float = DEFAULT_GRACE_S,
+) -> KvRouter:
+    """A `KvRouter` for the model of `card`, fed from NATS, with the stream's history of
+    the card's namespace/component already applied. `router.close()` unsubscribes."""
+    router = build_kv_router(
+        card, overlap_score_weight=overlap_score_weight, temperature=temperature
+    )
+    feed = KvRouterFeed(runtime, router, card.namespace, card.component, client, grace_s=grace_s)
+    router.attach(feed)
+    try:
+        await feed.start(replay_timeout_s)
+    except BaseException:
+        await router.close()
+        raise
+    return router

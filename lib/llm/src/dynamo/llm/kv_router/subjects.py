@@ -1,0 +1,81 @@
+"""Where the KV router's inputs travel on NATS: one place for the names both sides use.
+
+* KV events: one JetStream stream, `KV_EVENTS_STREAM`, capturing ``dyn_kv.>``; each worker
+  publishes on ``dyn_kv.<namespace>.<component>.<instance_hex>``. A stream (not a core
+  subject) so a frontend started after the workers replays what they cached.
+* Load metrics: core NATS, ``dyn_load.<namespace>.<component>.<instance_hex>``: periodic
+  snapshots where only the latest value matters, so nothing is stored.
+
+The roots are deliberately *not* under the runtime's ``dyn.`` tree: request subjects are
+``dyn.<namespace>.<component>.<endpoint>.<instance>``, and a stream capturing
+``dyn.kv.>`` would swallow (and acknowledge!) the requests of a namespace named ``kv``.
+
+Pure string functions: no NATS import, usable by the worker, the frontend and the mocker.
+"""
+
+from __future__ import annotations
+
+import re
+
+KV_EVENTS_STREAM = "dyn_kv_events"
+"""JetStream stream holding every worker's KV events."""
+
+KV_EVENTS_ROOT = "dyn_kv"
+LOAD_METRICS_ROOT = "dyn_load"
+
+KV_EVENTS_MAX_AGE_S = 3600.0
+"""Events older than this are dropped by the stream. Safe: a store is always older than its
+removal, so age-based expiry can forget a cached block (a lost hit) but never keep a
+removed one."""
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _token(kind: str, value: str) -> str:
+    """A namespace/component name as a subject token (no dots or wildcards)."""
+    if not _NAME_RE.match(value):
+        raise ValueError(f"invalid {kind} name {value!r}: use letters, digits, '_' and '-'")
+    return value
+
+
+def _instance(instance_id: int) -> str:
+    """Fixed-width hex, the same form the runtime uses for instance ids in subjects."""
+    return f"{instance_id:016x}"
+
+
+def kv_events_subject(namespace: str, component: str, instance_id: int) -> str:
+    """The JetStream subject one worker publishes its `RouterEvent`s on."""
+    return (
+        f"{KV_EVENTS_ROOT}.{_token('namespace', namespace)}."
+        f"{_token('component', component)}.{_instance(instance_id)}"
+    )
+
+
+def kv_events_filter(namespace: str, component: str) -> str:
+    """Subject filter matching the KV events of every worker of a component."""
+    return f"{KV_EVENTS_ROOT}.{_token('namespace', namespace)}.{_token('component', component)}.*"
+
+
+def kv_events_stream_subjects() -> tuple[str, ...]:
+    """What `KV_EVENTS_STREAM` captures: every namespace and component."""
+    return (f"{KV_EVENTS_ROOT}.>",)
+
+
+def load_metrics_subject(namespace: str, component: str, instance_id: int) -> str:
+    """The core subject one worker publishes its `LoadMetrics` on."""
+    return (
+        f"{LOAD_METRICS_ROOT}.{_token('namespace', namespace)}."
+        f"{_token('component', component)}.{_instance(instance_id)}"
+    )
+
+
+def load_metrics_filter(namespace: str, component: str) -> str:
+    """Subject filter matching the load metrics of every worker of a component."""
+    return (
+        f"{LOAD_METRICS_ROOT}.{_token('namespace', namespace)}.{_token('component', component)}.*"
+    )
+
+
+def instance_of_subject(subject: str) -> int:
+    """The instance id in the last token of a KV-event or load subject."""
+    return int(subject.rsplit(".", 1)[-1], 16)
