@@ -7,7 +7,7 @@ into `ModelManager` calls (fetching each model's tokenizer files once) and build
 
 Runtime API it relies on (provided by `dynamo.runtime` / `dynamo.llm.model_card`):
 `await DistributedRuntime.connect(url)`,
-`runtime.namespace(ns).component(c).endpoint(e).client()` (awaitable or not),
+`await runtime.namespace(ns).component(c).endpoint(e).client()`,
 `ModelCardWatcher(runtime, namespace)` (async iterator of `CardAdded(card)` /
 `CardRemoved(card)`), `await fetch_tokenizer_files(runtime, card, dest_dir) -> Path`.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -113,9 +112,7 @@ class ModelCardSync:
             .component(card.component)
             .endpoint(card.endpoint)
         )
-        client = endpoint.client()
-        if inspect.isawaitable(client):
-            client = await client
+        client = await endpoint.client()
         router = await self._router_factory(card, client)
         return RuntimeEngineClient(client, router)
 
@@ -134,7 +131,9 @@ async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None
     from dynamo.runtime import DistributedRuntime
 
     stop = stop or asyncio.Event()
-    runtime = await DistributedRuntime.connect(config.nats_server)
+    runtime = await DistributedRuntime.connect(
+        config.nats_server, name="frontend", wait_for_server=30
+    )
     metrics = FrontendMetrics()
     manager = ModelManager(on_prefill_fallback=metrics.prefill_fallback)
     service = HttpService(
@@ -181,10 +180,5 @@ async def _wait_either(stop: asyncio.Event, watcher: asyncio.Task[None]) -> None
 
 
 async def _close_runtime(runtime: Any) -> None:
-    for name in ("shutdown", "close"):
-        method = getattr(runtime, name, None)
-        if method is not None:
-            result = method()
-            if inspect.isawaitable(result):
-                await result
-            return
+    with contextlib.suppress(Exception):
+        await runtime.shutdown(drain_timeout=0)

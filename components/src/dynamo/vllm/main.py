@@ -141,7 +141,7 @@ class Worker:
 
         cfg = self.cfg
         self.runtime = await DistributedRuntime.connect(
-            cfg.nats_server, lease_ttl=cfg.lease_ttl, name="vllm-worker"
+            cfg.nats_server, lease_ttl=cfg.lease_ttl, name="vllm-worker", wait_for_server=30
         )
         component = self.runtime.namespace(cfg.namespace).component(cfg.component)
         self.kv_janitor = self._kv_janitor()
