@@ -14,7 +14,14 @@ from dynamo.frontend.engine_client import (
     RuntimeEngineClient,
 )
 from dynamo.frontend.routing import RandomRouter
-from dynamo.llm.protocols import FinishReason, LLMEngineOutput, PreprocessedRequest
+from dynamo.llm.protocols import (
+    CompletionUsage,
+    FinishReason,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    PromptTokensDetails,
+    StopConditions,
+)
 from dynamo.runtime import InstanceGoneError, NoInstancesError, RemoteError, StreamTimeoutError
 
 
@@ -43,15 +50,18 @@ class FakeClient:
         self._scripts = iter(scripts)
         self.ids = [1, 2] if ids is None else ids
         self.sent: list[tuple[str, int | None]] = []
+        self.requests: list[PreprocessedRequest] = []
         self.streams: list[FakeStream] = []
 
     def instance_ids(self) -> list[int]:
         return list(self.ids)
 
     def round_robin(self, request: Any, **kwargs: Any) -> FakeStream:
+        self.requests.append(request)
         return self._send(None, kwargs)
 
     def direct(self, request: Any, instance_id: int, **kwargs: Any) -> FakeStream:
+        self.requests.append(request)
         return self._send(instance_id, kwargs)
 
     def _send(self, target: int | None, kwargs: dict[str, Any]) -> FakeStream:
@@ -142,3 +152,55 @@ async def test_closing_early_closes_the_runtime_stream() -> None:
     await gen.aclose()
     assert fake.streams[0].closed
     assert router.finished == ["req"]
+
+
+async def test_migration_continues_on_another_worker_with_the_generated_tokens() -> None:
+    final = LLMEngineOutput(
+        token_ids=[13],
+        finish_reason=FinishReason.LENGTH,
+        completion_usage=CompletionUsage(
+            prompt_tokens=5, completion_tokens=1, total_tokens=6,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=5),
+        ),
+    )  # fmt: skip
+    fake = FakeClient(
+        [
+            [
+                LLMEngineOutput(token_ids=[10, 11]),
+                LLMEngineOutput(token_ids=[12]),
+                InstanceGoneError(1),
+            ],
+            [final],
+        ]
+    )
+    router = BookkeepingRouter()
+    client = RuntimeEngineClient(fake, router, migration_limit=1)
+    request = PreprocessedRequest(
+        request_id="req",
+        model="m",
+        token_ids=[1, 2],
+        stop_conditions=StopConditions(max_tokens=4, min_tokens=2),
+    )
+    outputs = [out async for out in client.generate(request)]
+    assert [t for o in outputs for t in o.token_ids] == [10, 11, 12, 13]
+    resumed = fake.requests[1]
+    assert resumed.token_ids == [1, 2, 10, 11, 12]
+    assert resumed.stop_conditions.max_tokens == 1 and resumed.stop_conditions.min_tokens == 0
+    usage = outputs[-1].completion_usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (2, 4, 6)
+    assert usage.prompt_tokens_details.cached_tokens == 2
+    assert client.migrations == 1
+    assert router.finished == ["req", "req"]
+
+
+async def test_migration_limit_is_respected() -> None:
+    fake = FakeClient(
+        [
+            [LLMEngineOutput(token_ids=[10]), InstanceGoneError(1)],
+            [LLMEngineOutput(token_ids=[11]), InstanceGoneError(2)],
+        ]
+    )
+    client = RuntimeEngineClient(fake, migration_limit=1)
+    with pytest.raises(EngineFailedError, match="worker lost"):
+        await _collect(client)
+    assert len(fake.sent) == 2 and client.migrations == 1

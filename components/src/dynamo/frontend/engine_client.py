@@ -17,6 +17,8 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
+import msgspec
+
 from dynamo.frontend.routing import RoundRobinRouter, Router
 from dynamo.llm.protocols import LLMEngineOutput, PreprocessedRequest
 
@@ -49,11 +51,16 @@ class RuntimeEngineClient:
     """`EngineClient` over a `dynamo.runtime.Client` of one model endpoint.
 
     A request whose worker disappears before the first output is re-placed on another
-    instance (nothing was streamed yet, so the client cannot tell); after the first output
-    a lost worker is an error, since the generated text cannot be replayed.
+    instance (nothing was streamed yet, so the client cannot tell). A worker lost after
+    that is survived by *migration*, up to `migration_limit` times (the workers'
+    `--migration-limit`, advertised on their model card): the request continues on another
+    instance with the tokens generated so far appended to the prompt, so the client sees
+    one uninterrupted stream. With no migrations left a lost worker is an error.
     """
 
-    def __init__(self, client: Any, router: Router | None = None) -> None:
+    def __init__(
+        self, client: Any, router: Router | None = None, *, migration_limit: int = 0
+    ) -> None:
         from dynamo.runtime import (
             DynamoRuntimeError,
             InstanceGoneError,
@@ -63,6 +70,8 @@ class RuntimeEngineClient:
 
         self._client = client
         self._router: Router = router or RoundRobinRouter()
+        self.migration_limit = max(0, migration_limit)
+        self.migrations = 0  # performed, for metrics and tests
         self._no_instances = NoInstancesError
         self._gone = InstanceGoneError
         self._remote = RemoteError
@@ -76,32 +85,52 @@ class RuntimeEngineClient:
         return self._client.instance_ids()
 
     async def generate(self, request: PreprocessedRequest) -> AsyncIterator[LLMEngineOutput]:
-        for attempt in range(1, MAX_PLACEMENT_ATTEMPTS + 1):
-            produced = False
-            stream = await self._open(request)
+        generated: list[int] = []  # tokens streamed to the caller so far, over all legs
+        leg = request
+        placements = migrations = 0
+        while True:
+            produced_here = False
+            already = len(generated)
+            stream = await self._open(leg)
             try:
                 async for output in stream:
-                    if not produced:
-                        produced = True
-                        self._router.on_first_output(request.request_id, output)
+                    if not produced_here:
+                        produced_here = True
+                        self._router.on_first_output(leg.request_id, output)
+                    generated.extend(output.token_ids)
+                    if already:
+                        _account_for_migration(output, len(request.token_ids), already)
                     yield output
                 return
-            except self._no_instances as exc:
-                if produced or attempt == MAX_PLACEMENT_ATTEMPTS:
-                    raise EngineUnavailableError(str(exc)) from exc
             except self._gone as exc:
-                if produced or attempt == MAX_PLACEMENT_ATTEMPTS:
+                if not generated and placements + 1 < MAX_PLACEMENT_ATTEMPTS:
+                    placements += 1
+                    log.warning(
+                        "request %s: worker gone before first output, retrying", request.request_id
+                    )
+                elif generated and migrations < self.migration_limit:
+                    migrations += 1
+                    self.migrations += 1
+                    leg = continuation(request, generated)
+                    log.warning(
+                        "request %s: worker lost after %d tokens; migrating (%d of %d)",
+                        request.request_id, len(generated), migrations, self.migration_limit,
+                    )  # fmt: skip
+                else:
                     raise EngineFailedError(f"worker lost during the request: {exc}") from exc
-                log.warning(
-                    "request %s: worker gone before first output, retrying", request.request_id
-                )
+            except self._no_instances as exc:
+                if generated:
+                    raise EngineFailedError(
+                        f"worker lost and no instance to continue on: {exc}"
+                    ) from exc
+                raise EngineUnavailableError(str(exc)) from exc
             except self._remote as exc:
                 raise EngineFailedError(getattr(exc, "message", str(exc))) from exc
             except self._runtime_error as exc:  # timeouts, protocol errors, shutdown
                 raise EngineFailedError(f"{type(exc).__name__}: {exc}") from exc
             finally:
                 await stream.aclose()
-                self._router.on_finished(request.request_id)
+                self._router.on_finished(leg.request_id)
 
     async def _open(self, request: PreprocessedRequest) -> Any:
         ids = self._client.instance_ids()
@@ -119,6 +148,37 @@ class RuntimeEngineClient:
     async def close(self) -> None:
         await self._router.close()
         await self._client.close()
+
+
+def continuation(request: PreprocessedRequest, generated: list[int]) -> PreprocessedRequest:
+    """The request that resumes `request` on another worker after `generated` tokens."""
+    stop = request.stop_conditions
+    done = len(generated)
+    new_stop = msgspec.structs.replace(
+        stop,
+        max_tokens=None if stop.max_tokens is None else max(1, stop.max_tokens - done),
+        min_tokens=None if stop.min_tokens is None else max(0, stop.min_tokens - done),
+    )
+    return msgspec.structs.replace(
+        request,
+        token_ids=[*request.token_ids, *generated],
+        stop_conditions=new_stop,
+        prefill_result=None,
+    )
+
+
+def _account_for_migration(output: LLMEngineOutput, prompt_len: int, carried: int) -> None:
+    """A continuation leg reports usage against its extended prompt; restate it against
+    the client's request (the carried tokens were generated, not prompted)."""
+    usage = output.completion_usage
+    if usage is None:
+        return
+    usage.prompt_tokens = prompt_len
+    usage.completion_tokens += carried
+    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+    details = usage.prompt_tokens_details
+    if details is not None:
+        details.cached_tokens = min(details.cached_tokens, prompt_len)
 
 
 # An in-process engine: receives the request, yields outputs.

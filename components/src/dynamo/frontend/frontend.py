@@ -114,7 +114,7 @@ class ModelCardSync:
         )
         client = await endpoint.client()
         router = await self._router_factory(card, client)
-        return RuntimeEngineClient(client, router)
+        return RuntimeEngineClient(client, router, migration_limit=card.migration_limit)
 
 
 def _tell_router(endpoint: WorkerEndpoint | None, method: str, arg: Any) -> None:

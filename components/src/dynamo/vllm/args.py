@@ -306,7 +306,9 @@ def _add_worker_flags(parser: FlexibleArgumentParser) -> None:
         "--migration-limit",
         type=int,
         default=0,
-        help="How often a request may migrate to another worker.",
+        help="How often a request may move to another worker when this one dies mid-stream: "
+        "the frontend resends the prompt plus the tokens generated so far to another "
+        "instance, and the client sees one uninterrupted stream (default 0: fail the request).",
     )
     group.add_argument(
         "--system-port",

@@ -226,6 +226,7 @@ class Worker:
             eos_token_ids=eos,
             speculative=facts.speculative,
             system_port=self.system.port if self.system else None,
+            migration_limit=self.cfg.migration_limit,
         )
 
     def _eos_token_ids(self) -> list[int]:

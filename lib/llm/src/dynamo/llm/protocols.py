@@ -190,6 +190,8 @@ class ModelCard(msgspec.Struct, omit_defaults=True):
     tokenizer_digest: str | None = None
     speculative: SpeculativeInfo | None = None
     system_port: int | None = None
+    # How often a request may move to another worker when its worker dies mid-stream.
+    migration_limit: int = 0
 
 
 # --------------------------------------------------------------------------- KV events
