@@ -1,0 +1,35 @@
+"""The mocker: simulated engines with a vLLM worker's wire behaviour, for router and
+scale tests (`python -m dynamo.mocker`, docs/mocker.md).
+
+| module | job |
+| --- | --- |
+| `engine` | `MockEngine`: scheduling, step loop, slot accounting (pure asyncio) |
+| `request` | one request: validation, limits, token stream, final output |
+| `kv_cache` | `KvBlockPool`: blocks, prefix cache, LRU eviction, cache events |
+| `acceptance`, `timing`, `tokens` | the speculative, step-time and token models |
+| `config` | `MockEngineConfig` |
+| `kv_events` | `KvEventForwarder`: engine events → the KV router's NATS stream |
+| `worker` | `MockerWorker`: one engine on NATS (endpoints, card, events, load) |
+| `args`, `main` | the command line and the process lifecycle |
+| `system_server` | `/metrics`, `/health`, `/live` |
+
+Only `kv_events`, `worker`, `system_server` and `main` touch NATS or HTTP; importing this
+package imports neither.
+"""
+
+from dynamo.mocker.acceptance import AcceptanceModel
+from dynamo.mocker.config import MockEngineConfig
+from dynamo.mocker.engine import EngineCounters, MockEngine
+from dynamo.mocker.kv_cache import KvBlockPool
+from dynamo.mocker.request import RequestRejected
+from dynamo.mocker.timing import TimingModel
+
+__all__ = [
+    "AcceptanceModel",
+    "EngineCounters",
+    "KvBlockPool",
+    "MockEngine",
+    "MockEngineConfig",
+    "RequestRejected",
+    "TimingModel",
+]

@@ -1,0 +1,372 @@
+"""Command line of `python -m dynamo.mocker`: flags → `MockerArgs` (no I/O, no NATS).
+
+Engine flags keep vLLM's names where vLLM has the same knob (`--block-size`,
+`--num-gpu-blocks`, `--max-num-seqs`, ...), so a mocker can stand in for a worker in a
+launch script by swapping the module name and adding timing flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dynamo.mocker.acceptance import AcceptanceModel
+from dynamo.mocker.config import MockEngineConfig
+from dynamo.mocker.model_info import ModelInfo
+from dynamo.mocker.timing import TimingModel
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_SPECULATIVE_METHOD = "mocker"
+_TIMING = TimingModel()
+
+
+class ConfigError(ValueError):
+    """Flags that cannot work together (exit code 2)."""
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """Where and as what each simulated worker registers."""
+
+    namespace: str = "dynamo"
+    component: str = "backend"
+    endpoint: str = "generate"
+    served_model_name: str | None = None  # None: derived from the model
+    nats_server: str | None = None  # None: $NATS_SERVER or nats://127.0.0.1:4222
+    lease_ttl: float | None = None  # None: $DYN_LEASE_TTL or the runtime default
+    speculative_method: str = DEFAULT_SPECULATIVE_METHOD
+    publish_kv_events: bool = True
+    drain_timeout: float = 30.0
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    """The engine flags as given; combined with the model's facts by `engine_config`."""
+
+    block_size: int = 16
+    num_gpu_blocks: int = 16384
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    num_speculative_tokens: int = 0
+    acceptance_rates: tuple[float, ...] = (0.7,)
+    acceptance_distribution: tuple[float, ...] | None = None
+    timing: TimingModel = field(default_factory=TimingModel)
+    eos_probability: float = 0.0
+    seed: int = 0
+
+    def engine_config(self, model: ModelInfo) -> MockEngineConfig:
+        """The engine configuration for `model`; raises ConfigError on bad combinations."""
+        k = self.num_speculative_tokens
+        try:
+            if self.acceptance_distribution is not None:
+                acceptance = AcceptanceModel.from_distribution(self.acceptance_distribution, k)
+            else:
+                acceptance = AcceptanceModel.from_rates(self.acceptance_rates, k)
+            return MockEngineConfig(
+                block_size=self.block_size,
+                num_gpu_blocks=self.num_gpu_blocks,
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=self.max_model_len or model.max_position_embeddings or 8192,
+                enable_prefix_caching=self.enable_prefix_caching,
+                num_speculative_tokens=k,
+                acceptance=acceptance,
+                timing=self.timing,
+                eos_probability=self.eos_probability,
+                seed=self.seed,
+                vocab_size=model.vocab_size,
+                eos_token_ids=model.eos_token_ids,
+                special_token_ids=model.special_token_ids,
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+
+
+@dataclass(frozen=True)
+class MockerArgs:
+    model: str
+    engine: EngineFlags
+    worker: WorkerSettings
+    num_workers: int = 1
+    system_port: int | None = None
+    log_level: str = "INFO"
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from exc
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one number")
+    return values
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except `None` (those flags say in words what happens without them)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m dynamo.mocker",
+        description=(
+            "Simulated LLM workers with the wire behaviour of `python -m dynamo.vllm`: they "
+            "register a model card, serve `generate` and `clear_kv_blocks` over NATS, "
+            "publish KV-cache events and load, and stream token ids, but only simulate the "
+            "engine (KV blocks with prefix caching, continuous batching, step times, "
+            "speculative decoding). For router and scale tests; see docs/mocker.md."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    where = parser.add_argument_group("registration")
+    where.add_argument(
+        "--model",
+        "--model-path",
+        dest="model",
+        default=DEFAULT_MODEL,
+        help=(
+            "Embedded model name or Hugging Face model directory. Only its tokenizer files "
+            "(published with the model card so frontends tokenize as for a real worker) and "
+            "config.json (vocabulary, EOS, context length) are read; no weights."
+        ),
+    )
+    where.add_argument(
+        "--served-model-name",
+        default=None,
+        help="Model name clients use (default: the embedded model's name or the directory name).",
+    )
+    where.add_argument("--namespace", default="dynamo", help="Dynamo namespace to register in.")
+    where.add_argument("--component", default="backend", help="Component name of the workers.")
+    where.add_argument("--endpoint", default="generate", help="Endpoint serving generation.")
+    where.add_argument(
+        "--nats-server",
+        default=os.environ.get("NATS_SERVER"),
+        help="NATS URL (default: $NATS_SERVER, else nats://127.0.0.1:4222).",
+    )
+    where.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=None,
+        help="Seconds a dead worker stays registered (default: $DYN_LEASE_TTL or 5).",
+    )
+    where.add_argument(
+        "--num-workers",
+        type=int,
+        default=1,
+        help=(
+            "Simulated workers in this process, each with its own NATS connection, instance "
+            "id, engine, model card and KV events (scale tests: many workers, one process)."
+        ),
+    )
+    where.add_argument(
+        "--speculative-method",
+        default=DEFAULT_SPECULATIVE_METHOD,
+        help="Method name advertised in the model card when --num-speculative-tokens > 0.",
+    )
+    where.add_argument(
+        "--kv-events",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Publish KV-cache events (stored / removed / cleared) for the KV router.",
+    )
+    where.add_argument(
+        "--system-port",
+        type=int,
+        default=None,
+        help="Serve /metrics, /health and /live on this port (0: any free port; default: off).",
+    )
+    where.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="On SIGTERM, seconds to let requests in flight finish before cancelling them.",
+    )
+    where.add_argument(
+        "--log-level",
+        default=os.environ.get("DYN_LOG", "INFO").upper(),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="Log verbosity; $DYN_LOG overrides the default.",
+    )
+
+    cache = parser.add_argument_group("engine capacity and scheduling")
+    cache.add_argument("--block-size", type=int, default=16, help="Tokens per KV block.")
+    cache.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=16384,
+        help="KV blocks per worker; cached blocks are evicted least recently used first.",
+    )
+    cache.add_argument(
+        "--max-num-seqs", type=int, default=256, help="Most requests running at once per worker."
+    )
+    cache.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="Token budget of one step: decodes take 1+K each, prefill chunks the rest.",
+    )
+    cache.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="Context length (default: the model's max_position_embeddings, else 8192).",
+    )
+    cache.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Reuse cached prompt blocks across requests (off: no hits and no KV events).",
+    )
+
+    timing = parser.add_argument_group(
+        "timing model",
+        "step_ms = decode-ms-per-step + decode-ms-per-token x decode requests x (1+K) "
+        "+ prefill-ms-per-token x prefill tokens + draft-ms-per-token x K; "
+        "the simulation waits step_ms / speed-up.",
+    )
+    timing.add_argument(
+        "--prefill-ms-per-token",
+        type=float,
+        default=_TIMING.prefill_ms_per_token,
+        help="Step time per prompt token computed (cached tokens cost nothing).",
+    )
+    timing.add_argument(
+        "--decode-ms-per-step",
+        type=float,
+        default=_TIMING.decode_ms_per_step,
+        help="Fixed time of one forward pass: the inter-token latency at batch size 1.",
+    )
+    timing.add_argument(
+        "--decode-ms-per-token",
+        type=float,
+        default=_TIMING.decode_ms_per_token,
+        help="Extra step time per decode token in the batch (1+K per request): ITL grows with load.",
+    )
+    timing.add_argument(
+        "--draft-ms-per-token",
+        type=float,
+        default=_TIMING.draft_ms_per_token,
+        help="Step time per draft position (the drafter runs K times per step); 0 for n-gram.",
+    )
+    timing.add_argument(
+        "--speed-up",
+        type=float,
+        default=1.0,
+        help="Run the simulated clock this many times faster than the modelled engine.",
+    )
+
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="Draft tokens K per step; each step yields 1..K+1 tokens. Advertised in the model "
+        "card so the KV router counts the K speculative slots per request.",
+    )
+    accept = spec.add_mutually_exclusive_group()
+    accept.add_argument(
+        "--acceptance-rate",
+        type=_floats,
+        default="0.7",
+        help="Probability that a draft is accepted given the drafts before it were: one value "
+        "for every position, or K comma-separated values (position 0 first).",
+    )
+    accept.add_argument(
+        "--acceptance-distribution",
+        type=_floats,
+        default=None,
+        help="Instead of rates: K+1 comma-separated weights of accepting exactly 0..K drafts "
+        "(e.g. a measured acceptance histogram).",
+    )
+
+    gen = parser.add_argument_group("generated tokens")
+    gen.add_argument(
+        "--eos-probability",
+        type=float,
+        default=0.0,
+        help="Chance that a generated token is EOS (0: requests run to max_tokens unless a stop "
+        "token is drawn).",
+    )
+    gen.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="Seed of the generated tokens and acceptance draws (a request's own seed is mixed in).",
+    )
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> MockerArgs:
+    """Parse the command line; argparse exits with code 2 on malformed flags, ConfigError
+    is raised for values that are well-formed but unusable."""
+    ns = build_parser().parse_args(argv)
+    if ns.num_workers < 1:
+        raise ConfigError(f"--num-workers must be at least 1, got {ns.num_workers}")
+    try:
+        timing = TimingModel(
+            prefill_ms_per_token=ns.prefill_ms_per_token,
+            decode_ms_per_step=ns.decode_ms_per_step,
+            decode_ms_per_token=ns.decode_ms_per_token,
+            draft_ms_per_token=ns.draft_ms_per_token,
+            speed_up=ns.speed_up,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    engine = EngineFlags(
+        block_size=ns.block_size,
+        num_gpu_blocks=ns.num_gpu_blocks,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        max_model_len=ns.max_model_len,
+        enable_prefix_caching=ns.enable_prefix_caching,
+        num_speculative_tokens=ns.num_speculative_tokens,
+        acceptance_rates=ns.acceptance_rate,
+        acceptance_distribution=ns.acceptance_distribution,
+        timing=timing,
+        eos_probability=ns.eos_probability,
+        seed=ns.seed,
+    )
+    worker = WorkerSettings(
+        namespace=ns.namespace,
+        component=ns.component,
+        endpoint=ns.endpoint,
+        served_model_name=ns.served_model_name,
+        nats_server=ns.nats_server,
+        lease_ttl=ns.lease_ttl,
+        speculative_method=ns.speculative_method,
+        publish_kv_events=ns.kv_events,
+        drain_timeout=ns.drain_timeout,
+    )
+    return MockerArgs(
+        model=ns.model,
+        engine=engine,
+        worker=worker,
+        num_workers=ns.num_workers,
+        system_port=ns.system_port,
+        log_level=ns.log_level,
+    )
+
+
+def resolve_model_dir(model: str) -> Path:
+    """The model directory for `--model` (an embedded model is prepared when missing)."""
+    from dynamo.llm.models import resolve_model
+
+    return Path(resolve_model(model))
+
+
+def served_model_name(args: MockerArgs) -> str:
+    if args.worker.served_model_name:
+        return args.worker.served_model_name
+    from dynamo.llm.models.prepare import served_name_for
+
+    return served_name_for(args.model)

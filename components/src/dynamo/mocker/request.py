@@ -1,0 +1,205 @@
+"""One request inside the simulated engine: its limits, its token stream, its outputs.
+
+Everything here concerns a single request and no shared state, so the engine module is
+left with scheduling and block accounting. `admit_request` validates a
+`PreprocessedRequest` the way vLLM does before it reaches the scheduler (prompt within the
+context, token ids in the vocabulary, max_tokens >= 1) and fixes the request's limits;
+`MockRequest.sample` applies them token by token exactly as vLLM's stop checker does
+(EOS and stop tokens only once min_tokens are out, the stopping token kept in the output,
+max_tokens last).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import random
+from dataclasses import dataclass, field
+
+from dynamo.llm.protocols import (
+    CompletionUsage,
+    FinishReason,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    PromptTokensDetails,
+    SpecDecodeStats,
+    TokenLogprob,
+    TopLogprob,
+)
+from dynamo.mocker.config import MockEngineConfig
+from dynamo.mocker.tokens import TokenSampler, request_seed
+
+
+class RequestRejected(ValueError):
+    """The request cannot be served at all (bad prompt, duplicate id, dead engine)."""
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class SpecTally:
+    """Speculative statistics of one request (sent in its final output)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    histogram: list[int] = field(default_factory=list)
+
+    def record(self, accepted: int, k: int) -> None:
+        if not self.histogram:
+            self.histogram = [0] * (k + 1)
+        self.drafts += 1
+        self.draft_tokens += k
+        self.accepted += accepted
+        self.histogram[accepted] += 1
+
+    def stats(self, k: int) -> SpecDecodeStats:
+        return SpecDecodeStats(
+            num_drafts=self.drafts,
+            num_draft_tokens=self.draft_tokens,
+            num_accepted_tokens=self.accepted,
+            acceptance_histogram=self.histogram or [0] * (k + 1),
+        )
+
+
+@dataclass(eq=False, slots=True)
+class MockRequest:
+    """A request's limits, generated tokens, block holdings and statistics."""
+
+    request_id: str
+    prompt_len: int
+    tokens: list[int]  # prompt + output so far
+    max_tokens: int
+    min_tokens: int
+    stop_token_ids: frozenset[int]
+    eos_token_ids: frozenset[int]  # empty with ignore_eos
+    logprobs: int | None
+    sampler: TokenSampler
+    accept_rng: random.Random
+    outputs: asyncio.Queue[LLMEngineOutput] = field(default_factory=asyncio.Queue)
+    phase: Phase = Phase.WAITING
+    prefill_remaining: int = 0  # tokens still to compute before the next token
+    pinned: list[int] = field(default_factory=list)  # cached blocks referenced, in order
+    private: int = 0  # private blocks held
+    cached_tokens: int | None = None  # prefix-cache hit at first admission
+    preemptions: int = 0
+    spec: SpecTally = field(default_factory=SpecTally)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    def sample(
+        self, count: int, eos_probability: float
+    ) -> tuple[list[int], FinishReason | None, int | None]:
+        """Up to `count` next tokens, cut at EOS, a stop token or max_tokens; returns them
+        with the finish reason and, for a stop token, the token as stop reason."""
+        tokens: list[int] = []
+        if not self.eos_token_ids:
+            eos_probability = 0.0
+        for _ in range(count):
+            produced = self.num_output + len(tokens)
+            may_stop = produced >= self.min_tokens
+            if may_stop and self.sampler.chance(eos_probability):
+                token = min(self.eos_token_ids)
+            else:
+                forbidden = () if may_stop else self.stop_token_ids | self.eos_token_ids
+                token = self.sampler.next_token(forbidden)
+            tokens.append(token)
+            if may_stop and token in self.eos_token_ids:
+                return tokens, FinishReason.EOS, None
+            if may_stop and token in self.stop_token_ids:
+                return tokens, FinishReason.STOP, token
+            if produced + 1 >= self.max_tokens:
+                return tokens, FinishReason.LENGTH, None
+        return tokens, None, None
+
+    def output(self, tokens: list[int]) -> LLMEngineOutput:
+        """One step's output (log-probabilities when the client asked for them)."""
+        return LLMEngineOutput(token_ids=tokens, log_probs=self._logprobs(tokens))
+
+    def finish(
+        self,
+        output: LLMEngineOutput,
+        reason: FinishReason,
+        *,
+        stop_reason: int | None,
+        error: str | None,
+        num_speculative_tokens: int,
+    ) -> LLMEngineOutput:
+        """Turn `output` into the final one: finish reason, usage (cached tokens from the
+        simulated prefix cache) and, with speculation, the request's statistics."""
+        output.finish_reason = reason
+        output.stop_reason = stop_reason
+        output.error = error
+        output.completion_usage = CompletionUsage(
+            prompt_tokens=self.prompt_len,
+            completion_tokens=self.num_output,
+            total_tokens=len(self.tokens),
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens or 0),
+        )
+        if num_speculative_tokens:
+            output.spec_decode_stats = self.spec.stats(num_speculative_tokens)
+        self.phase = Phase.FINISHED
+        return output
+
+    def _logprobs(self, tokens: list[int]) -> list[TokenLogprob] | None:
+        if self.logprobs is None:
+            return None
+        logprob = self.sampler.logprob
+        return [
+            TokenLogprob(
+                token_id=token,
+                logprob=logprob,
+                top=[
+                    TopLogprob(t, logprob)
+                    for t in [token, *self.sampler.alternatives(self.logprobs, token)]
+                ],
+            )
+            for token in tokens
+        ]
+
+
+def admit_request(
+    request: PreprocessedRequest, request_id: str, config: MockEngineConfig
+) -> MockRequest:
+    """Validate a request and fix its limits; raises RequestRejected."""
+    prompt = list(request.token_ids)
+    if not prompt:
+        raise RequestRejected("the prompt is empty")
+    if len(prompt) >= config.max_model_len:
+        raise RequestRejected(
+            f"the prompt has {len(prompt)} tokens; the context length is {config.max_model_len}"
+        )
+    bad = next((t for t in prompt if not 0 <= t < config.vocab_size), None)
+    if bad is not None:
+        raise RequestRejected(f"token id {bad} is out of vocabulary (size {config.vocab_size})")
+    stop = request.stop_conditions
+    if stop.max_tokens is not None and stop.max_tokens < 1:
+        raise RequestRejected(f"max_tokens must be at least 1, got {stop.max_tokens}")
+    room = config.max_model_len - len(prompt)
+    max_tokens = room if stop.max_tokens is None else min(stop.max_tokens, room)
+    eos = () if stop.ignore_eos else (request.eos_token_ids or config.eos_token_ids)
+    # One seed per request: the same request produces the same tokens anywhere.
+    rng = random.Random(request_seed(config.seed, request.sampling_options.seed, prompt))
+    return MockRequest(
+        request_id=request_id,
+        prompt_len=len(prompt),
+        tokens=prompt,
+        max_tokens=max_tokens,
+        min_tokens=max(stop.min_tokens or 0, 0),
+        stop_token_ids=frozenset(stop.stop_token_ids or ()),
+        eos_token_ids=frozenset(eos),
+        logprobs=request.output_options.logprobs,
+        sampler=TokenSampler(
+            prompt,
+            random.Random(rng.getrandbits(64)),
+            vocab_size=config.vocab_size,
+            excluded=config.special_token_ids | frozenset(config.eos_token_ids),
+        ),
+        accept_rng=random.Random(rng.getrandbits(64)),
+    )

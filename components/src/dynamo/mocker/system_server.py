@@ -1,0 +1,211 @@
+"""`--system-port`: `/metrics`, `/health` and `/live` for every simulated worker of the
+process. Series carry a `worker` label (instance id in hex) and are read from the engines
+at scrape time, so the step loop does no metrics work. A private registry keeps several
+servers in one process (tests) from colliding."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dynamo.mocker.worker import MockerWorker
+
+log = logging.getLogger(__name__)
+
+
+class MockerCollector(Collector):
+    """Per-worker series named like the vLLM worker's `dynamo_worker_*` ones, plus
+    simulator-only ones under `dynamo_mocker_*`."""
+
+    def __init__(self, workers: Sequence[MockerWorker], model: str) -> None:
+        self.workers = workers
+        self.model = model
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model", "worker"]
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+
+        def add(kind: type, name: str, doc: str, value: float, worker: str, **extra: str) -> None:
+            family = families.get(name)
+            if family is None:
+                family = kind(name, doc, labels=[*labels, *extra])
+                families[name] = family
+            family.add_metric([self.model, worker, *extra.values()], value)
+
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        for worker in self.workers:
+            if worker.runtime is None:
+                continue
+            hex_id = worker.runtime.instance_hex
+            engine = worker.engine
+            c = engine.counters
+            pool = engine.pool
+            add(
+                gauge,
+                "dynamo_worker_running_requests",
+                "Requests running",
+                engine.num_running,
+                hex_id,
+            )
+            add(
+                gauge,
+                "dynamo_worker_waiting_requests",
+                "Requests waiting",
+                engine.num_waiting,
+                hex_id,
+            )
+            add(
+                gauge,
+                "dynamo_worker_kv_cache_usage",
+                "Fraction of KV blocks in use",
+                pool.usage,
+                hex_id,
+            )
+            add(
+                gauge,
+                "dynamo_mocker_active_blocks",
+                "KV blocks held by running requests",
+                pool.active_blocks,
+                hex_id,
+            )
+            add(
+                gauge,
+                "dynamo_mocker_cached_blocks",
+                "KV blocks named by a content hash",
+                pool.cached_blocks,
+                hex_id,
+            )
+            add(
+                counter,
+                "dynamo_mocker_evicted_blocks",
+                "Cached blocks evicted",
+                pool.evictions,
+                hex_id,
+            )
+            add(counter, "dynamo_mocker_steps", "Engine steps simulated", c.steps, hex_id)
+            add(
+                counter,
+                "dynamo_mocker_preemptions",
+                "Requests preempted for lack of blocks",
+                c.preemptions,
+                hex_id,
+            )
+            add(
+                counter,
+                "dynamo_worker_prompt_tokens",
+                "Prompt tokens received",
+                c.prompt_tokens,
+                hex_id,
+            )
+            add(
+                counter,
+                "dynamo_worker_cached_prompt_tokens",
+                "Prompt tokens served from the prefix cache",
+                c.cached_prompt_tokens,
+                hex_id,
+            )
+            add(
+                counter,
+                "dynamo_mocker_generated_tokens",
+                "Tokens generated",
+                c.generated_tokens,
+                hex_id,
+            )
+            for reason, count in sorted(c.finished.items()):
+                add(
+                    counter,
+                    "dynamo_worker_requests",
+                    "Finished requests by reason",
+                    count,
+                    hex_id,
+                    reason=reason,
+                )
+            if engine.k:
+                add(
+                    gauge,
+                    "dynamo_worker_spec_decode_acceptance_rate",
+                    "Accepted draft tokens / proposed draft tokens since start",
+                    c.acceptance_rate,
+                    hex_id,
+                )
+                add(
+                    gauge,
+                    "dynamo_worker_spec_decode_mean_acceptance_length",
+                    "Tokens produced per verification step (bonus token included) since start",
+                    c.mean_acceptance_length,
+                    hex_id,
+                )
+                for position, rate in enumerate(c.per_position_rate()):
+                    add(
+                        gauge,
+                        "dynamo_worker_spec_decode_acceptance_per_position",
+                        "Fraction of drafts whose token at this position was accepted",
+                        rate,
+                        hex_id,
+                        position=str(position),
+                    )
+        yield from families.values()
+
+
+class SystemServer:
+    """Small aiohttp app over all workers of the process; healthy when every one is."""
+
+    def __init__(self, host: str, port: int, workers: Sequence[MockerWorker], model: str) -> None:
+        self.host = host
+        self.port = port
+        self.workers = workers
+        self.registry = CollectorRegistry()
+        self.registry.register(MockerCollector(workers, model))
+        self._runner: web.AppRunner | None = None
+
+    def health(self) -> tuple[bool, dict[str, str]]:
+        states = {}
+        ok = bool(self.workers)
+        for index, worker in enumerate(self.workers):
+            healthy, detail = worker.health()
+            key = worker.runtime.instance_hex if worker.runtime is not None else f"#{index}"
+            states[key] = detail
+            ok = ok and healthy
+        return ok, states
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.registry),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
+    async def _health(self, _: web.Request) -> web.Response:
+        ok, states = self.health()
+        return web.json_response(
+            {"status": "healthy" if ok else "unhealthy", "workers": states},
+            status=200 if ok else 503,
+        )
+
+    async def _live(self, _: web.Request) -> web.Response:
+        return web.json_response({"status": "alive"})
+
+    async def start(self) -> int:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/live", self._live)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        if sockets:
+            self.port = sockets[0].getsockname()[1]
+        log.info("system server on http://%s:%d (/metrics /health /live)", self.host, self.port)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

@@ -1,0 +1,308 @@
+"""Mocker workers behind a real frontend in `--router-mode kv`, over a real nats-server.
+
+Claims: the KV router learns the mockers' caches from their events and sends requests
+sharing a prefix to the worker holding it (which reports the hit as cached tokens); the
+router sees the K speculative slots the mockers advertise; a client that drops a stream
+frees the mocker's blocks at once; `python -m dynamo.mocker` with several workers serves,
+clears its cache on request and leaves cleanly on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import pytest_asyncio
+
+from dynamo.frontend.frontend import FrontendConfig, run_frontend
+from dynamo.frontend.routing import RouterMode
+from dynamo.llm.protocols import (
+    ClearKvBlocksResult,
+    LLMEngineOutput,
+    PreprocessedRequest,
+    StopConditions,
+)
+from dynamo.mocker.args import WorkerSettings
+from dynamo.mocker.config import MockEngineConfig
+from dynamo.mocker.model_info import ModelInfo
+from dynamo.mocker.timing import TimingModel
+from dynamo.mocker.worker import MockerWorker
+from dynamo.runtime import DistributedRuntime
+
+MODEL = "mock-smollm2"
+BLOCK = 16
+K = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _get_json(url: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        return await resp.json(content_type=None)
+
+
+async def _eventually(check: Callable[[], Awaitable[bool]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
+
+
+@dataclass
+class Cluster:
+    namespace: str
+    base: str
+    workers: list[MockerWorker]
+
+    async def router_view(self) -> dict[str, Any]:
+        models = (await _get_json(f"{self.base}/debug/kv"))["models"]
+        return models[MODEL][f"{self.namespace}/backend/generate"]
+
+    async def router_knows_every_cache(self) -> bool:
+        """The router's indexer holds exactly the blocks each mocker caches."""
+        try:
+            workers = (await self.router_view())["workers"]
+        except (KeyError, aiohttp.ClientError):
+            return False
+        return all(
+            workers.get(w.runtime.instance_hex, {}).get("cached_blocks")  # type: ignore[union-attr]
+            == w.engine.pool.cached_blocks
+            for w in self.workers
+        )
+
+
+@pytest_asyncio.fixture(scope="module")
+async def cluster(
+    nats_url: str, embedded_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Cluster]:
+    namespace = "mock" + uuid.uuid4().hex[:8]
+    info = ModelInfo.load(embedded_model)
+    engine_config = MockEngineConfig(
+        block_size=BLOCK,
+        num_gpu_blocks=2048,
+        max_model_len=4096,
+        num_speculative_tokens=K,
+        # ~2 ms per step: long streams stay in flight while the test cancels them.
+        timing=TimingModel(prefill_ms_per_token=0.001, decode_ms_per_step=2.0),
+        vocab_size=info.vocab_size,
+        eos_token_ids=info.eos_token_ids,
+        special_token_ids=info.special_token_ids,
+    )
+    # A long lease: a heavily loaded test host can miss heartbeats, and nothing here
+    # depends on how fast a dead worker expires.
+    settings = WorkerSettings(namespace=namespace, nats_server=nats_url, lease_ttl=10.0)
+    workers = [
+        MockerWorker(
+            settings,
+            engine_config,
+            model_path=embedded_model,
+            served_model_name=MODEL,
+            name=f"mocker-{i}",
+        )
+        for i in range(2)
+    ]
+    port = _free_port()
+    stop = asyncio.Event()
+    config = FrontendConfig(
+        http_host="127.0.0.1",
+        http_port=port,
+        namespace=namespace,
+        nats_server=nats_url,
+        router_mode=RouterMode.KV,
+        tokenizer_cache=tmp_path_factory.mktemp("tok"),
+    )
+    frontend = asyncio.create_task(run_frontend(config, stop))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        await asyncio.gather(*(w.start() for w in workers))
+
+        async def both_ready() -> bool:
+            try:
+                health = await _get_json(f"{base}/health")
+            except aiohttp.ClientError:
+                return False
+            return len(health["models"].get(MODEL, {}).get("instances", [])) == 2
+
+        # The frontend loads the tokenizer first (seconds; much longer on a busy host).
+        await _eventually(both_ready, timeout=60)
+        yield Cluster(namespace, base, workers)
+    finally:
+        stop.set()
+        await asyncio.wait_for(frontend, 15)
+        await asyncio.gather(*(w.stop(drain_timeout=1.0) for w in workers))
+
+
+async def test_shared_prefixes_land_on_the_mocker_holding_them(cluster: Cluster) -> None:
+    served = lambda: [w.engine.counters.requests for w in cluster.workers]  # noqa: E731
+    async with openai.AsyncOpenAI(
+        base_url=f"{cluster.base}/v1", api_key="x", max_retries=0
+    ) as client:
+        for group in range(3):
+            system = f"Tenant {group}. " + " ".join(f"rule{group}-{i}" for i in range(80))
+            owners, cached = [], []
+            for question in ("Summarise.", "List three rules.", "Which rule is first?"):
+                before = served()
+                response = await client.chat.completions.create(
+                    model=MODEL,
+                    messages=[
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": question},
+                    ],
+                    max_tokens=3,
+                )
+                assert response.choices[0].finish_reason == "length"
+                assert response.choices[0].message.content
+                owners.append(next(i for i, n in enumerate(served()) if n > before[i]))
+                details = response.usage.prompt_tokens_details  # type: ignore[union-attr]
+                cached.append(details.cached_tokens if details else 0)
+                # Route the next request only once the router applied this one's events.
+                await _eventually(cluster.router_knows_every_cache, timeout=5)
+            assert owners == [owners[0]] * 3, f"group {group} was split: {owners}"
+            assert cached[0] == 0
+            assert all(c >= 10 * BLOCK for c in cached[1:]), cached
+
+    view = await cluster.router_view()
+    assert view["routing"]["hit_rate"] > 0.5
+    for worker in cluster.workers:
+        entry = view["workers"][worker.runtime.instance_hex]  # type: ignore[union-attr]
+        assert entry["num_speculative_tokens"] == K
+
+
+async def test_dropping_a_stream_frees_the_mockers_blocks(cluster: Cluster) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Count to a thousand, slowly."}],
+        "max_tokens": 3000,
+        "stream": True,
+    }
+    before = [w.engine.counters.finished.get("cancelled", 0) for w in cluster.workers]
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{cluster.base}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            await resp.content.readline()  # the first SSE line: the stream is running
+            busy = [w for w in cluster.workers if w.engine.num_running]
+            assert len(busy) == 1 and busy[0].engine.pool.active_blocks > 0
+        # Leaving the block closed the connection mid-stream.
+    worker = busy[0]
+
+    async def freed() -> bool:
+        return worker.engine.num_running == 0 and worker.engine.pool.active_blocks == 0
+
+    began = time.monotonic()
+    await _eventually(freed, timeout=2.0)
+    assert time.monotonic() - began < 2.0
+    after = [w.engine.counters.finished.get("cancelled", 0) for w in cluster.workers]
+    assert sum(after) - sum(before) == 1
+    assert worker.engine.sequences.active_requests == 0
+
+
+async def test_mocker_process_serves_clears_and_stops_on_sigterm(
+    nats_url: str, embedded_model: Path, tmp_path: Path
+) -> None:
+    namespace = "mockp" + uuid.uuid4().hex[:8]
+    log_path = tmp_path / "mocker.log"
+    with log_path.open("wb") as log_file:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "dynamo.mocker",
+            "--model",
+            str(embedded_model),
+            "--nats-server",
+            nats_url,
+            "--namespace",
+            namespace,
+            "--num-workers",
+            "3",
+            "--speed-up",
+            "20",
+            "--lease-ttl",
+            "10",
+            stdout=subprocess.DEVNULL,
+            stderr=log_file,
+        )
+    runtime = await DistributedRuntime.connect(nats_url)
+    try:
+        component = runtime.namespace(namespace).component("backend")
+        generate = await component.endpoint("generate").client()
+        clear = await component.endpoint("clear_kv_blocks").client()
+
+        async def three_workers() -> bool:
+            assert proc.returncode is None, log_path.read_text()
+            return len(generate.instance_ids()) == 3 and len(clear.instance_ids()) == 3
+
+        await _eventually(three_workers, timeout=20)
+        request = PreprocessedRequest(
+            request_id="p1",
+            model="smollm2-135m-instruct",
+            token_ids=list(range(1000, 1040)),
+            stop_conditions=StopConditions(max_tokens=5),
+        )
+        target = generate.instance_ids()[0]
+        outputs = [
+            o
+            async for o in generate.direct(
+                request, target, response_type=LLMEngineOutput, request_id="p1"
+            )
+        ]
+        assert sum(len(o.token_ids) for o in outputs) == 5
+        assert outputs[-1].finish_reason is not None
+        results = [r async for r in clear.direct({}, target, response_type=ClearKvBlocksResult)]
+        assert [(r.worker_id, r.cleared) for r in results] == [(target, True)]
+
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = await asyncio.wait_for(proc.wait(), 15)
+        except asyncio.TimeoutError:
+            raise AssertionError(f"no exit 15 s after SIGTERM:\n{log_path.read_text()}") from None
+        assert code == 0, log_path.read_text()
+
+        async def gone() -> bool:
+            return not generate.instance_ids()
+
+        # Deregistered, not expired: well within the 10 s lease.
+        await _eventually(gone, timeout=2.0)
+        await generate.close()
+        await clear.close()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await runtime.shutdown(drain_timeout=0)
+
+
+async def test_system_server_reports_health_and_metrics_per_worker(cluster: Cluster) -> None:
+    from dynamo.mocker.system_server import SystemServer
+
+    server = SystemServer("127.0.0.1", 0, cluster.workers, MODEL)
+    port = await server.start()
+    try:
+        health = await _get_json(f"http://127.0.0.1:{port}/health")
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                metrics = await resp.text()
+    finally:
+        await server.stop()
+    assert health["status"] == "healthy" and len(health["workers"]) == 2
+    for worker in cluster.workers:
+        label = f'worker="{worker.runtime.instance_hex}"'  # type: ignore[union-attr]
+        assert f'dynamo_mocker_cached_blocks{{model="{MODEL}",{label}}}' in metrics
+    assert "dynamo_worker_spec_decode_mean_acceptance_length" in metrics
+    assert 'dynamo_worker_requests_total{model="mock-smollm2"' in metrics
