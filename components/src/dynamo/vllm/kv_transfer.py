@@ -27,6 +27,8 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from dynamo.runtime.tasks import cancel_and_wait
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 120.0
@@ -114,11 +116,8 @@ class KvTransferJanitor:
             self._task = asyncio.create_task(self._run(period), name="kv-transfer-janitor")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self, period: float) -> None:
         while True:

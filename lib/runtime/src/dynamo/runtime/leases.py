@@ -12,7 +12,6 @@ on reconnect and whenever a heartbeat fails — recreates them and puts every ke
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from nats.aio.client import Client as NatsClient
@@ -21,6 +20,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import Error as JetStreamError
 
 from dynamo.runtime.kv import ensure_registry, key_subject, ttl_header
+from dynamo.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +83,8 @@ class LeaseKeeper:
 
     async def close(self, *, delete: bool = True) -> None:
         """Stop heartbeating; delete every key unless `delete` is False."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if delete:
             for bucket, key in list(self._keys):
                 await self.delete(bucket, key)

@@ -30,6 +30,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from dynamo.runtime import wire
+from dynamo.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -152,10 +153,7 @@ class EndpointServer:
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=timeout)
         leftover = list(self._tasks)
-        for task in leftover:
-            task.cancel()
-        if leftover:
-            await asyncio.gather(*leftover, return_exceptions=True)
+        await asyncio.gather(*(cancel_and_wait(task) for task in leftover))
         return len(leftover)
 
     async def _on_request(self, msg: Msg) -> None:

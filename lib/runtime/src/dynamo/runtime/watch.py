@@ -18,6 +18,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from dynamo.runtime.kv import ensure_registry
+from dynamo.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +63,8 @@ class BucketWatcher:
 
     async def close(self) -> None:
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         while not self._closed:

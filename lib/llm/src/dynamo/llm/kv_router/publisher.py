@@ -14,7 +14,6 @@ publisher and stat logger, or a simulation) is the caller's business.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from dynamo.llm.kv_router.subjects import (
 from dynamo.llm.protocols import KvAllCleared, LoadMetrics, RouterEvent, encode
 from dynamo.runtime.events import EventStream
 from dynamo.runtime.runtime import DistributedRuntime
+from dynamo.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -165,10 +165,7 @@ class LoadPublisher:
     async def stop(self) -> None:
         """Stop publishing (idempotent); routers age the last report out."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def publish_if_due(self, *, force: bool = False) -> bool:
         """Sample the source; publish when it changed, the heartbeat is due, or `force`.

@@ -37,7 +37,6 @@ Publishing is injected (`on_event`): the worker wires it to NATS; tests collect.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from dynamo.llm.kv_router.vllm_events import (
     decode_event_batch,
 )
 from dynamo.llm.protocols import RouterEvent
+from dynamo.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -138,10 +138,7 @@ class KvEventRelay:
     async def stop(self) -> None:
         """Stop forwarding and close the sockets (idempotent)."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         for sock in (self._sub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
