@@ -89,6 +89,23 @@ wait_for_model() {
   done
 }
 
+# wait_for_instances N: until the frontend's /health lists N instances of the model
+wait_for_instances() {
+  local want=$1 deadline=$((SECONDS + READY_TIMEOUT))
+  log "waiting for $want workers behind the frontend"
+  until curl -sf "http://127.0.0.1:$HTTP_PORT/health" 2>/dev/null | "$PYTHON" -c '
+import json, sys
+models = json.load(sys.stdin)["models"].values()
+sys.exit(0 if max((len(m["instances"]) for m in models), default=0) >= int(sys.argv[1]) else 1)
+' "$want"; do
+    for pid in "${CHILDREN[@]}"; do
+      kill -0 "$pid" 2>/dev/null || { log "a process exited early"; tail -n 20 "$LOG_DIR"/*.log >&2; exit 1; }
+    done
+    ((SECONDS < deadline)) || { log "workers not ready after ${READY_TIMEOUT}s; logs in $LOG_DIR"; exit 1; }
+    sleep 1
+  done
+}
+
 print_usage_hint() {
   local model=$1
   cat >&2 <<HINT

@@ -19,23 +19,6 @@ ROUTER_MODE=${ROUTER_MODE:-kv}
 SERVED=${SERVED_MODEL_NAME:-$(basename "$MODEL")}
 READY_TIMEOUT=${READY_TIMEOUT:-60}
 
-# wait_for_instances N: until the frontend's /health lists N instances of the model
-wait_for_instances() {
-  local want=$1 deadline=$((SECONDS + READY_TIMEOUT))
-  log "waiting for $want simulated workers behind the router"
-  until curl -sf "http://127.0.0.1:$HTTP_PORT/health" 2>/dev/null | "$PYTHON" -c '
-import json, sys
-models = json.load(sys.stdin)["models"].values()
-sys.exit(0 if max((len(m["instances"]) for m in models), default=0) >= int(sys.argv[1]) else 1)
-' "$want"; do
-    for pid in "${CHILDREN[@]}"; do
-      kill -0 "$pid" 2>/dev/null || { log "a process exited early"; tail -n 20 "$LOG_DIR"/*.log >&2; exit 1; }
-    done
-    ((SECONDS < deadline)) || { log "workers not ready after ${READY_TIMEOUT}s; logs in $LOG_DIR"; exit 1; }
-    sleep 0.5
-  done
-}
-
 ensure_nats
 start frontend "$PYTHON" -m dynamo.frontend --http-port "$HTTP_PORT" --namespace "$NAMESPACE" \
   --router-mode "$ROUTER_MODE" --kv-overlap-score-weight "${KV_OVERLAP_SCORE_WEIGHT:-1.0}" \
