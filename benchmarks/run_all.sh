@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Runs every benchmark in sequence and prints each one's summary (`make bench`).
+#
+#   benchmarks/run_all.sh           full runs (about 40 minutes on 2 cores), results in
+#                                   benchmarks/results/
+#   QUICK=1 benchmarks/run_all.sh   quick smoke runs (about 20 minutes), results in
+#                                   benchmarks/results/quick/ (full results stay untouched)
+#
+# Order: runtime (NATS), kv indexer (alone), overhead (vLLM direct vs dynamo), kv routing
+# (kv vs round-robin, two workers), disaggregation (1 prefill + 1 decode vs 1 worker), once
+# with both engines on all cores (as launch/disagg.sh) and once with split cores.
+# Each benchmark's whole console output goes to <results>/<name>.log as well. A benchmark
+# that fails does not stop the others; the script exits 1 at the end if any failed.
+# Run it on a quiet machine: the serving benchmarks measure wall-clock latencies.
+# PYTHON overrides the interpreter (default: .venv/bin/python).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+PY=${PYTHON:-.venv/bin/python}
+if [[ ! -x "$PY" ]]; then
+  echo "run_all.sh: no Python at $PY; run 'make setup' first (or set PYTHON)" >&2
+  exit 1
+fi
+
+QUICK=${QUICK:-0}
+if [[ "$QUICK" == 1 ]]; then
+  OUT=benchmarks/results/quick
+  MODE="quick"
+  RUNTIME_ARGS=(--requests 200 --items 10000)
+  INDEXER_ARGS=(--blocks 100000 --workers 16 --queries 2000)
+  SERVING_ARGS=(--quick)
+else
+  OUT=benchmarks/results
+  MODE="full"
+  RUNTIME_ARGS=()
+  INDEXER_ARGS=()
+  SERVING_ARGS=()
+fi
+mkdir -p "$OUT"
+
+NAMES=()
+FAILED=()
+declare -A MARKERS=()
+
+# run NAME SUMMARY_REGEX CMD...: run CMD with its output shown and saved to $OUT/NAME.log;
+# the summary is the log from the first line matching SUMMARY_REGEX to the end.
+run() {
+  local name=$1 marker=$2
+  shift 2
+  local log="$OUT/$name.log" started=$SECONDS
+  NAMES+=("$name")
+  MARKERS[$name]=$marker
+  printf '\n=== %s (%s): %s\n' "$name" "$MODE" "$*"
+  if "$@" 2>&1 | tee "$log"; then
+    printf '=== %s done in %ds\n' "$name" $((SECONDS - started))
+  else
+    printf '=== %s FAILED after %ds (log: %s)\n' "$name" $((SECONDS - started)) "$log"
+    FAILED+=("$name")
+  fi
+}
+
+summary() {
+  local name=$1
+  printf '\n--- %s\n' "$name"
+  if [[ " ${FAILED[*]-} " == *" $name "* ]]; then
+    echo "FAILED; last lines of $OUT/$name.log:"
+    tail -n 15 "$OUT/$name.log"
+  else
+    sed -n "/${MARKERS[$name]}/,\$p" "$OUT/$name.log"
+  fi
+}
+
+run runtime '^runtime benchmark' \
+  "$PY" benchmarks/runtime_bench.py "${RUNTIME_ARGS[@]}"
+# runtime_bench.py writes no JSON: its console output is the result.
+cp "$OUT/runtime.log" "$OUT/runtime.txt"
+run kv_indexer '^KV indexer' \
+  "$PY" benchmarks/kv_indexer_bench.py "${INDEXER_ARGS[@]}" --output "$OUT/kv_indexer.json"
+run overhead '^metric ' \
+  "$PY" benchmarks/overhead_bench.py "${SERVING_ARGS[@]}" --json "$OUT/overhead.json"
+run kv_routing '^kv vs round-robin' \
+  "$PY" benchmarks/kv_routing_bench.py "${SERVING_ARGS[@]}" --out "$OUT/kv_routing.json"
+run disagg '^disaggregated vs aggregated' \
+  "$PY" benchmarks/disagg_bench.py "${SERVING_ARGS[@]}" --json "$OUT/disagg.json"
+# The same with the prefill and decode engines on separate halves of the cores.
+run disagg_split '^disaggregated vs aggregated' \
+  "$PY" benchmarks/disagg_bench.py "${SERVING_ARGS[@]}" --split-cores --json "$OUT/disagg_split.json"
+
+printf '\n=================== summaries (%s runs, %s cores, load average %s)\n' \
+  "$MODE" "$(nproc)" "$(cut -d' ' -f1-3 /proc/loadavg)"
+for name in "${NAMES[@]}"; do
+  summary "$name"
+done
+printf '\nresults and logs: %s/\n' "$OUT"
+echo "what each benchmark measures, the commands and the targets: docs/benchmarks.md"
+if ((${#FAILED[@]})); then
+  echo "FAILED: ${FAILED[*]}" >&2
+  exit 1
+fi
