@@ -16,12 +16,13 @@ a prefix-cache hit rate >= 80% with kv. Each group's first request must miss, so
 can beat the *best possible* hit rate, printed beside the measured one: the block-aligned
 prefix every request shares with an earlier one, over all prompt tokens (the prompts are
 tokenized here with the model's chat template, as the frontend does; the count is checked
-against the workers'). The default 8 groups x 12 questions allow 0.89 (the old 8 x 4
-allowed only 0.73). The same bound for round-robin over two workers (each worker misses
-each group once) is printed too: 0.81 here. With caches large enough for every prefix,
-round-robin's p50 request is then a hit as well, so the p50 TTFT ratio mostly reflects
-queueing behind the extra misses; `--kv-blocks` adds cache pressure that round-robin feels
-and kv (one worker per prefix) much less.
+against the workers'). The default 8 groups x 12 questions allow 0.89. The same bound for
+round-robin over two workers (each worker misses each group once) is 0.81 with unbounded
+caches. By default each worker's KV cache is capped at 256 blocks (`--kv-blocks`, 0 for
+no cap): room for about half the tenants' prefixes, as in a shared cluster. Round-robin
+then thrashes while kv keeps each prefix on one worker. With one request in flight
+(`--concurrency 1`, the default) kv can follow every prefix; with two, it also weighs
+load (`--kv-overlap-score-weight`) and gives up some hits to use the idle worker.
 
     .venv/bin/python benchmarks/kv_routing_bench.py [--groups 8] [--per-group 12]
         [--prefix-tokens 1000] [--kv-blocks N]
@@ -109,11 +110,17 @@ QUESTIONS = (
 # --------------------------------------------------------------------------- processes
 
 
+# Room for about half of the default workload's prefixes (8 x ~1,000 tokens = ~250 blocks)
+# plus requests in flight: a shared cluster's cache cannot hold every tenant on every
+# worker, which is where routing by cache content pays.
+DEFAULT_KV_BLOCKS = 256
+
+
 def engine_flags(kv_blocks: int | None, max_model_len: int) -> list[str]:
     """The workers' engine flags; `kv_blocks` caps the KV cache (None: vLLM sizes it)."""
     flags = ["--enforce-eager", "--block-size", str(BLOCK_SIZE)]
     flags += ["--max-model-len", str(max_model_len), "--seed", "0"]
-    if kv_blocks is not None:
+    if kv_blocks:
         flags += ["--num-gpu-blocks-override", str(kv_blocks)]
     return flags
 
@@ -438,9 +445,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--groups", type=int, default=None, help="distinct shared prefixes (8)")
     parser.add_argument("--per-group", type=int, default=None, help="requests per prefix (12)")
     parser.add_argument("--prefix-tokens", type=int, default=1000, help="approx. prefix length")
-    parser.add_argument("--concurrency", type=int, default=2, help="requests in flight")
+    parser.add_argument(
+        "--concurrency", type=int, default=1, help="requests in flight (1; 2 loads both workers)"
+    )
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
-    parser.add_argument("--kv-blocks", type=int, default=None, help="cap each worker's KV cache")
+    parser.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=DEFAULT_KV_BLOCKS,
+        help=f"cap each worker's KV cache in blocks (default {DEFAULT_KV_BLOCKS}; 0: no cap)",
+    )
     parser.add_argument(
         "--kv-overlap-score-weight", type=float, default=1.0, help="the kv frontend's weight"
     )

@@ -81,6 +81,9 @@ run overhead '^metric ' \
   "$PY" benchmarks/overhead_bench.py "${SERVING_ARGS[@]}" --json "$OUT/overhead.json"
 run kv_routing '^kv vs round-robin' \
   "$PY" benchmarks/kv_routing_bench.py "${SERVING_ARGS[@]}" --out "$OUT/kv_routing.json"
+# The same with two requests in flight: the router now trades cache hits for load balance.
+run kv_routing_c2 '^kv vs round-robin' \
+  "$PY" benchmarks/kv_routing_bench.py "${SERVING_ARGS[@]}" --concurrency 2 --out "$OUT/kv_routing_c2.json"
 run disagg '^disaggregated vs aggregated' \
   "$PY" benchmarks/disagg_bench.py "${SERVING_ARGS[@]}" --json "$OUT/disagg.json"
 # The same with the prefill and decode engines on separate halves of the cores.
