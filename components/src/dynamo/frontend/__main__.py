@@ -18,6 +18,7 @@ from typing import Any
 
 import prometheus_client
 
+from dynamo.frontend.disagg import DEFAULT_PREFILL_TIMEOUT_S
 from dynamo.frontend.frontend import FrontendConfig, default_tokenizer_cache, run_frontend
 from dynamo.frontend.http_server import DEFAULT_MAX_REQUEST_BYTES
 from dynamo.frontend.routing import RouterMode, RouterUnavailableError
@@ -82,12 +83,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="Directory where tokenizer files fetched from the model cards are kept.",
     )
     parser.add_argument(
+        "--prefill-timeout",
+        type=_positive_float,
+        default=DEFAULT_PREFILL_TIMEOUT_S,
+        help="Seconds a disaggregated request waits for its prefill worker before the decode "
+        "worker prefills it itself (counted in dynamo_frontend_prefill_fallbacks_total).",
+    )
+    parser.add_argument(
         "--log-level",
         default=os.environ.get("DYN_LOG", "INFO").upper(),
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="Log verbosity; $DYN_LOG overrides the default.",
     )
     return parser
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
@@ -101,6 +119,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         router_temperature=args.router_temperature,
         max_request_bytes=args.max_request_bytes,
         tokenizer_cache=args.tokenizer_cache,
+        prefill_timeout_s=args.prefill_timeout,
     )
 
 

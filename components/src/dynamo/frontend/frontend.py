@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dynamo.frontend.disagg import DEFAULT_PREFILL_TIMEOUT_S
 from dynamo.frontend.engine_client import EngineClient, RuntimeEngineClient
 from dynamo.frontend.http_server import DEFAULT_MAX_REQUEST_BYTES, HttpService
 from dynamo.frontend.metrics import FrontendMetrics
@@ -49,6 +50,7 @@ class FrontendConfig:
     router_temperature: float = 0.0
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     tokenizer_cache: Path | None = None
+    prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT_S
 
 
 class ModelCardSync:
@@ -135,7 +137,9 @@ async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None
         config.nats_server, name="frontend", wait_for_server=30
     )
     metrics = FrontendMetrics()
-    manager = ModelManager(on_prefill_fallback=metrics.prefill_fallback)
+    manager = ModelManager(
+        on_prefill_fallback=metrics.prefill_fallback, prefill_timeout_s=config.prefill_timeout_s
+    )
     service = HttpService(
         manager,
         metrics=metrics,

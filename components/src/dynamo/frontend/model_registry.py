@@ -21,7 +21,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynamo.frontend.disagg import DisaggregatedEngineClient, FallbackHook
+from dynamo.frontend.disagg import (
+    DEFAULT_PREFILL_TIMEOUT_S,
+    DisaggregatedEngineClient,
+    FallbackHook,
+)
 from dynamo.frontend.engine_client import EngineClient
 from dynamo.frontend.preprocessor import Preprocessor
 from dynamo.llm.protocols import ModelCard, WorkerType
@@ -80,9 +84,11 @@ class ModelManager:
         self,
         load_preprocessor: PreprocessorLoader = Preprocessor.from_dir,
         on_prefill_fallback: FallbackHook | None = None,
+        prefill_timeout_s: float | None = DEFAULT_PREFILL_TIMEOUT_S,
     ) -> None:
         self._load_preprocessor = load_preprocessor
         self._on_prefill_fallback = on_prefill_fallback
+        self._prefill_timeout_s = prefill_timeout_s
         self._models: dict[str, ServedModel] = {}
         self._instance_models: dict[int, set[str]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -167,7 +173,7 @@ class ModelManager:
             model.endpoints[key] = endpoint
         endpoint.instance_ids.add(card.instance_id)
         model.cards[card.instance_id] = card
-        _compose_engine(model, self._on_prefill_fallback)
+        _compose_engine(model, self._on_prefill_fallback, self._prefill_timeout_s)
 
     async def _detach(self, name: str, instance_id: int) -> bool:
         """Drop one instance of `name`; True when the model went away with it."""
@@ -184,7 +190,7 @@ class ModelManager:
             if not endpoint.instance_ids:
                 del model.endpoints[key]
                 await _close_quietly(endpoint.client)
-        _compose_engine(model, self._on_prefill_fallback)
+        _compose_engine(model, self._on_prefill_fallback, self._prefill_timeout_s)
         if model.cards:
             return False
         del self._models[name]
@@ -192,7 +198,9 @@ class ModelManager:
         return True
 
 
-def _compose_engine(model: ServedModel, on_fallback: FallbackHook | None) -> None:
+def _compose_engine(
+    model: ServedModel, on_fallback: FallbackHook | None, prefill_timeout_s: float | None = None
+) -> None:
     """Pick the client requests go to: decode/aggregated workers, with prefill workers in
     front of them when the model has both."""
     serving = [e for e in model.endpoints.values() if e.worker_type is not WorkerType.PREFILL]
@@ -207,7 +215,9 @@ def _compose_engine(model: ServedModel, on_fallback: FallbackHook | None) -> Non
             current.prefill is prefill[0].client and current.decode is decode
         ):
             return
-        model.engine = DisaggregatedEngineClient(prefill[0].client, decode, on_fallback)
+        model.engine = DisaggregatedEngineClient(
+            prefill[0].client, decode, on_fallback, prefill_timeout_s=prefill_timeout_s
+        )
     else:
         model.engine = decode
 
