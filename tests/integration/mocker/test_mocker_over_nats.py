@@ -289,9 +289,9 @@ async def test_mocker_process_serves_clears_and_stops_on_sigterm(
 
 
 async def test_system_server_reports_health_and_metrics_per_worker(cluster: Cluster) -> None:
-    from dynamo.mocker.system_server import SystemServer
+    from dynamo.mocker.system_server import mocker_system_server
 
-    server = SystemServer("127.0.0.1", 0, cluster.workers, MODEL)
+    server = mocker_system_server("127.0.0.1", 0, cluster.workers, MODEL)
     port = await server.start()
     try:
         health = await _get_json(f"http://127.0.0.1:{port}/health")

@@ -29,8 +29,8 @@ from dynamo.mocker.config import MockEngineConfig
 from dynamo.mocker.model_info import ModelInfo
 
 if TYPE_CHECKING:  # the NATS-side modules load only once a process is built
-    from dynamo.mocker.system_server import SystemServer
     from dynamo.mocker.worker import MockerWorker
+    from dynamo.runtime.system_server import SystemServer
 
 log = logging.getLogger("dynamo.mocker")
 
@@ -94,9 +94,11 @@ class MockerProcess:
     async def _start_system_server(self) -> None:
         if self.args.system_port is None:
             return
-        from dynamo.mocker.system_server import SystemServer
+        from dynamo.mocker.system_server import mocker_system_server
 
-        self.system = SystemServer("0.0.0.0", self.args.system_port, self.workers, self.served_name)
+        self.system = mocker_system_server(
+            "0.0.0.0", self.args.system_port, self.workers, self.served_name
+        )
         port = await self.system.start()
         for worker in self.workers:
             worker.system_port = port

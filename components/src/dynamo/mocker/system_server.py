@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from typing import Any
 
-from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from dynamo.mocker.worker import MockerWorker
+from dynamo.runtime.system_server import SystemServer
 
 log = logging.getLogger(__name__)
 
@@ -152,60 +153,23 @@ class MockerCollector(Collector):
         yield from families.values()
 
 
-class SystemServer:
-    """Small aiohttp app over all workers of the process; healthy when every one is."""
+def mocker_system_server(
+    host: str, port: int, workers: Sequence[MockerWorker], model: str
+) -> SystemServer:
+    """The shared system server over all simulated workers of the process: healthy when
+    every one is. A private registry keeps several mocker processes' worth of servers in
+    one test process from colliding."""
+    registry = CollectorRegistry()
+    registry.register(MockerCollector(workers, model))
 
-    def __init__(self, host: str, port: int, workers: Sequence[MockerWorker], model: str) -> None:
-        self.host = host
-        self.port = port
-        self.workers = workers
-        self.registry = CollectorRegistry()
-        self.registry.register(MockerCollector(workers, model))
-        self._runner: web.AppRunner | None = None
-
-    def health(self) -> tuple[bool, dict[str, str]]:
+    def health() -> tuple[bool, dict[str, Any]]:
         states = {}
-        ok = bool(self.workers)
-        for index, worker in enumerate(self.workers):
+        ok = bool(workers)
+        for index, worker in enumerate(workers):
             healthy, detail = worker.health()
             key = worker.runtime.instance_hex if worker.runtime is not None else f"#{index}"
             states[key] = detail
             ok = ok and healthy
-        return ok, states
+        return ok, {"workers": states}
 
-    async def _metrics(self, _: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(self.registry),
-            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
-        )
-
-    async def _health(self, _: web.Request) -> web.Response:
-        ok, states = self.health()
-        return web.json_response(
-            {"status": "healthy" if ok else "unhealthy", "workers": states},
-            status=200 if ok else 503,
-        )
-
-    async def _live(self, _: web.Request) -> web.Response:
-        return web.json_response({"status": "alive"})
-
-    async def start(self) -> int:
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/live", self._live)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        if sockets:
-            self.port = sockets[0].getsockname()[1]
-        log.info("system server on http://%s:%d (/metrics /health /live)", self.host, self.port)
-        return self.port
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+    return SystemServer(host, port, health, registry)

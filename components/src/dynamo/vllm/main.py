@@ -121,17 +121,25 @@ class Worker:
     async def _start_system_server(self) -> None:
         if self.cfg.system_port is None:  # disabled; 0 picks a free port
             return
-        from dynamo.vllm.system_server import SystemServer, WorkerCollector
+        from prometheus_client import REGISTRY
 
-        self.system = SystemServer("0.0.0.0", self.cfg.system_port, self.health)
-        self.system.add_collector(
+        from dynamo.runtime.system_server import SystemServer
+        from dynamo.vllm.system_server import WorkerCollector
+
+        # vLLM's own series live in the process-global registry; ours join them there.
+        REGISTRY.register(
             WorkerCollector(
                 self.engine.stats,
                 self.counters,
                 {"model": self.cfg.served_model_name, "worker_type": self.worker_type.value},
             )
         )
+        self.system = SystemServer("0.0.0.0", self.cfg.system_port, self._health_fields, REGISTRY)
         await self.system.start()
+
+    def _health_fields(self) -> tuple[bool, dict[str, str]]:
+        ok, detail = self.health()
+        return ok, {"detail": detail}
 
     async def _start_serving(self) -> None:
         from dynamo.llm.model_card import publish_model_card

@@ -1,4 +1,5 @@
-"""The worker's system HTTP server (`--system-port`): `/metrics`, `/health`, `/live`.
+"""The vLLM worker's metrics for its system server (`--system-port`, served by
+`dynamo.runtime.system_server.SystemServer`).
 
 `/metrics` re-exposes vLLM's own Prometheus metrics (they live in the process-global
 registry, including `vllm:spec_decode_*`) and adds `dynamo_worker_*` series derived from
@@ -8,10 +9,8 @@ the engine's stat logger, read at scrape time so nothing is updated on the hot p
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
-from aiohttp import web
-from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -85,53 +84,3 @@ class WorkerCollector(Collector):
         for i, rate in enumerate(spec.per_position_rate()):
             per_pos.add_metric([*lv, str(i)], rate)
         yield per_pos
-
-
-class SystemServer:
-    """Small aiohttp app; `is_healthy` is evaluated per request."""
-
-    def __init__(self, host: str, port: int, is_healthy: Callable[[], tuple[bool, str]]) -> None:
-        self.host = host
-        self.port = port
-        self.is_healthy = is_healthy
-        self.registry: CollectorRegistry = REGISTRY
-        self._runner: web.AppRunner | None = None
-
-    def add_collector(self, collector: Collector) -> None:
-        self.registry.register(collector)
-
-    async def _metrics(self, _: web.Request) -> web.Response:
-        body = generate_latest(self.registry)
-        return web.Response(
-            body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
-        )
-
-    async def _health(self, _: web.Request) -> web.Response:
-        ok, detail = self.is_healthy()
-        return web.json_response(
-            {"status": "healthy" if ok else "unhealthy", "detail": detail},
-            status=200 if ok else 503,
-        )
-
-    async def _live(self, _: web.Request) -> web.Response:
-        return web.json_response({"status": "alive"})
-
-    async def start(self) -> int:
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/live", self._live)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        sockets = site._server.sockets if site._server else []
-        if sockets:
-            self.port = sockets[0].getsockname()[1]
-        log.info("system server on http://%s:%d (/metrics /health /live)", self.host, self.port)
-        return self.port
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
