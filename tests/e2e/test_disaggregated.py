@@ -5,7 +5,10 @@ A prefill worker and a decode worker (n-gram speculation) share a KV-transfer di
 request to the prefill worker first, then to the decode worker with the prefill's result.
 
 Claims: the decode worker loads the prompt's KV through the connector instead of
-recomputing it; greedy output equals the aggregated worker's; the transfer directory is
+recomputing it; greedy output equals an aggregated worker's with the same speculative
+config and the same prompt split (cached whole blocks + computed tail), so only the
+transfer can make them differ, not bf16 rounding of differently shaped work; the transfer
+directory is
 emptied as entries are consumed and orphaned entries expire; when the prefill worker is
 killed, requests still succeed (decode prefills itself) and the fallback counter says so.
 """
@@ -117,31 +120,68 @@ def frontend_counter(frontend: FrontendProcess, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
-async def aggregated_text(nats_url: str, tokenizer, prompt: str, max_tokens: int = 32) -> str:
-    """Greedy output of the session's aggregated worker (no speculation) for the same chat."""
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+
+
+def connector_tokens(num_prompt_tokens: int) -> int:
+    """Prompt tokens the ExampleConnector hands over: whole blocks of the first N-1 tokens."""
+    return (num_prompt_tokens - 2) // 32 * 32
+
+
+def partition_stable_prompt(tokenizer, topic: str) -> str:
+    """A long prompt whose KV split matches between the connector and local prefix caching.
+
+    Local prefix caching reuses whole blocks of the first N-1 tokens; the connector whole
+    blocks of the first N-2. They agree unless N-1 is a multiple of the block size, so
+    such prompts get one more word.
+    """
+    prompt = long_prompt(topic)
+    while (len(chat_ids(tokenizer, prompt)) - 1) % 32 == 0:
+        prompt += " Thanks."
+    return prompt
+
+
+async def _generate(client, ids: list[int], max_tokens: int) -> list[LLMEngineOutput]:
+    request = PreprocessedRequest(
+        request_id=uuid.uuid4().hex,
+        model=DEFAULT_MODEL,
+        token_ids=ids,
+        sampling_options=SamplingOptions(temperature=0.0),
+        stop_conditions=StopConditions(max_tokens=max_tokens),
+    )
+    return [out async for out in client.round_robin(request, response_type=LLMEngineOutput)]
+
+
+async def aggregated_reference(
+    nats_url: str, tokenizer, prompt: str, max_tokens: int = 32
+) -> tuple[str, int]:
+    """Greedy output of an aggregated worker computing the prompt the way disagg does.
+
+    The reference is the session's aggregated n-gram worker (the decode worker's
+    speculative config). Its prompt is first computed whole by a one-token request, the
+    way the prefill worker computes it; the real request then reuses the cached whole
+    blocks and computes the tail, the way the decode worker does after loading the
+    transferred blocks. Same numbers in the same shapes, so bf16 rounding cannot make
+    the two differ; only a wrong or missing transfer can. Returns (text, cached tokens).
+    """
     runtime = await DistributedRuntime.connect(nats_url)
     try:
-        client = await runtime.namespace("e2e").component("plain").endpoint("generate").client()
+        client = await runtime.namespace("e2e").component("spec").endpoint("generate").client()
         await client.wait_for_instances(timeout=60)
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
-        request = PreprocessedRequest(
-            request_id=uuid.uuid4().hex,
-            model=DEFAULT_MODEL,
-            token_ids=ids,
-            sampling_options=SamplingOptions(temperature=0.0),
-            stop_conditions=StopConditions(max_tokens=max_tokens),
-        )
-        tokens = [
-            t
-            async for out in client.round_robin(request, response_type=LLMEngineOutput)
-            for t in out.token_ids
-        ]
-        return tokenizer.decode(tokens, skip_special_tokens=True)
+        ids = chat_ids(tokenizer, prompt)
+        await _generate(client, ids, max_tokens=1)
+        outputs = await _generate(client, ids, max_tokens)
+        usage = outputs[-1].completion_usage
+        details = usage.prompt_tokens_details if usage else None
+        cached = details.cached_tokens if details else 0
+        text = tokenizer.decode([t for o in outputs for t in o.token_ids], skip_special_tokens=True)
+        return text, cached
     finally:
         await runtime.shutdown()
 
@@ -156,19 +196,20 @@ def wait_until(predicate, timeout: float, interval: float = 0.25) -> bool:
 
 
 async def test_decode_loads_prompt_from_connector_and_matches_aggregated(
-    disagg, plain_worker, nats_url, tokenizer
+    disagg, ngram_worker, nats_url, tokenizer
 ):
     frontend, decode = disagg["frontend"], disagg["decode"]
     hits_before = decode.metric("vllm:external_prefix_cache_hits_total")
     fallbacks_before = frontend_counter(frontend, "dynamo_frontend_prefill_fallbacks_total")
     for topic in TOPICS[:3]:
-        prompt = long_prompt(topic)
+        prompt = partition_stable_prompt(tokenizer, topic)
         result = chat(frontend, prompt)
         usage = result["usage"]
-        aligned = (usage["prompt_tokens"] - 2) // 32 * 32  # what the connector transfers
-        assert aligned >= 64
-        assert usage["prompt_tokens_details"]["cached_tokens"] >= aligned
-        expected = await aggregated_text(nats_url, tokenizer, prompt)
+        transferred = connector_tokens(usage["prompt_tokens"])
+        assert transferred >= 64
+        assert usage["prompt_tokens_details"]["cached_tokens"] == transferred
+        expected, reference_cached = await aggregated_reference(nats_url, tokenizer, prompt)
+        assert reference_cached == transferred, "reference did not split the prompt the same way"
         assert result["choices"][0]["message"]["content"] == expected
     hits = decode.metric("vllm:external_prefix_cache_hits_total") - hits_before
     assert hits >= 3 * 64, f"decode worker loaded only {hits} tokens through the connector"
