@@ -120,6 +120,10 @@ def test_chat_stream_equals_unary_with_usage_chunk(client: openai.OpenAI) -> Non
         temperature=0,
         max_tokens=24,
     )
+    # Warm the prefix cache first so the unary and streamed requests below split the
+    # prompt identically (cached whole blocks + computed tail): same shapes, same bf16
+    # rounding, so any difference in text is the frontend's, not the arithmetic's.
+    client.chat.completions.create(**{**kwargs, "max_tokens": 1})
     unary = client.chat.completions.create(**kwargs)
     chunks = list(
         client.chat.completions.create(
@@ -145,6 +149,9 @@ def test_chat_stream_equals_unary_with_usage_chunk(client: openai.OpenAI) -> Non
     )
     # The same prompt was just served: its first full KV block came from the prefix cache.
     assert usage.prompt_tokens_details.cached_tokens > 0
+    assert (
+        usage.prompt_tokens_details.cached_tokens == unary.usage.prompt_tokens_details.cached_tokens
+    )
     assert all(c.usage is None for c in content_chunks)
 
 
