@@ -38,17 +38,6 @@ T = TypeVar("T")
 # every other stream on the event loop for milliseconds.
 LARGE_INPUT_CHARS = 8192
 
-_SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
-
 
 @dataclass(frozen=True)
 class OutputPlan:
@@ -324,7 +313,7 @@ def _check_common(req: SamplingFields) -> None:
 
 
 def _sampling_options(req: SamplingFields) -> SamplingOptions:
-    values = {name: getattr(req, name) for name in _SAMPLING_FIELDS}
+    values = {name: getattr(req, name) for name in SamplingOptions.__struct_fields__}
     return SamplingOptions(**{k: v for k, v in values.items() if v is not None})
 
 

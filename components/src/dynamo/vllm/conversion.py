@@ -20,22 +20,14 @@ from dynamo.llm.protocols import (
     LLMEngineOutput,
     PreprocessedRequest,
     PromptTokensDetails,
+    SamplingOptions,
     SpecDecodeStats,
     TokenLogprob,
     TopLogprob,
 )
 
-# Sampling fields copied one-to-one when the request sets them.
-_SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
+# Sampling fields copied one-to-one when the request sets them: the wire type's own.
+_SAMPLING_FIELDS = SamplingOptions.__struct_fields__
 
 
 def to_sampling_params(
