@@ -30,7 +30,9 @@ STEP_S = 0.05
 
 
 async def main(url: str, namespace: str, model_dir: str, prompt_len: int) -> None:
-    runtime = await DistributedRuntime.connect(url, lease_ttl=1.0, name="migration-worker")
+    # A short lease, so the SIGKILLed worker is noticed in seconds; not shorter, so a
+    # heartbeat delayed on a loaded test machine does not expire a live worker.
+    runtime = await DistributedRuntime.connect(url, lease_ttl=2.0, name="migration-worker")
 
     async def generate(request: PreprocessedRequest, ctx):
         await runtime.publish(f"test.{namespace}.serving", str(runtime.instance_id).encode())

@@ -135,6 +135,9 @@ class Frontend:
         return self.service.url
 
 
+WORKER_WAIT_S = 0.3
+
+
 async def start_frontend(
     tokenizer: Any, card: ModelCard | None = None, **service_kwargs: Any
 ) -> Frontend:
@@ -147,6 +150,8 @@ async def start_frontend(
         return client
 
     await manager.add_instance(card, "/unused", factory)
+    # A short wait for workers, so the tests that take the worker away get their 503 soon.
+    service_kwargs.setdefault("worker_wait_s", WORKER_WAIT_S)
     service = HttpService(
         manager, metrics=FrontendMetrics(), host="127.0.0.1", port=0, **service_kwargs
     )

@@ -33,13 +33,14 @@ def test_flags_are_parsed() -> None:
     args = build_parser().parse_args(
         "--http-host 127.0.0.1 --http-port 9000 --namespace ns --nats-server nats://h:1 "
         "--router-mode kv --kv-overlap-score-weight 0.5 --router-temperature 0.2 "
-        "--log-level DEBUG".split()
+        "--prefill-timeout 7.5 --worker-wait-timeout 0 --log-level DEBUG".split()
     )
     config = config_from_args(args)
     assert (config.http_host, config.http_port, config.namespace) == ("127.0.0.1", 9000, "ns")
     assert config.nats_server == "nats://h:1"
     assert config.router_mode is RouterMode.KV
     assert (config.kv_overlap_score_weight, config.router_temperature) == (0.5, 0.2)
+    assert (config.prefill_timeout_s, config.worker_wait_s) == (7.5, 0.0)
     assert args.log_level == "DEBUG"
 
 
@@ -51,6 +52,21 @@ def test_every_flag_has_help() -> None:
 def test_bad_router_mode_is_rejected() -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--router-mode", "fastest"])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--worker-wait-timeout", "-1"],
+        ["--worker-wait-timeout", "soon"],
+        ["--prefill-timeout", "0"],
+    ],
+)
+def test_bad_timeouts_are_rejected(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    assert argv[0] in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from frontend_support import MODEL, Frontend, Script, parse_sse
+from frontend_support import MODEL, WORKER_WAIT_S, Frontend, Script, parse_sse
 
 from dynamo.frontend import http_server
 from dynamo.frontend.engine_client import EngineFailedError, EngineUnavailableError
@@ -390,9 +390,27 @@ async def test_unknown_route_and_wrong_method_are_json(frontend: Frontend) -> No
 @pytest.mark.parametrize("stream", [False, True])
 async def test_known_model_without_workers_is_503(frontend: Frontend, stream: bool) -> None:
     await frontend.client.close()  # the in-memory client now has no instances
+    start = asyncio.get_running_loop().time()
     status, body, _ = await post(frontend, "/v1/completions", completion_body(stream=stream))
     assert status == 503
     assert_openai_error(body, code="no_instances")
+    # ... but only after waiting the configured time for one to come back.
+    assert asyncio.get_running_loop().time() - start >= WORKER_WAIT_S
+
+
+async def test_request_waits_for_a_worker_that_comes_back(frontend: Frontend) -> None:
+    frontend.engine.script = Script(reply=REPLY)
+    frontend.client.set_instance_ids([])  # a restart, or a lease heartbeat that came late
+
+    async def come_back() -> None:
+        await asyncio.sleep(WORKER_WAIT_S / 3)
+        frontend.client.set_instance_ids([7])
+
+    returning = asyncio.create_task(come_back())
+    status, body, _ = await post(frontend, "/v1/chat/completions", chat_body())
+    await returning
+    assert status == 200
+    assert body["choices"][0]["message"]["content"] == REPLY
 
 
 async def test_worker_vanishing_before_output_is_503(frontend: Frontend) -> None:

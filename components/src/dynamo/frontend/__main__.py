@@ -20,7 +20,7 @@ import prometheus_client
 
 from dynamo.frontend.disagg import DEFAULT_PREFILL_TIMEOUT_S
 from dynamo.frontend.frontend import FrontendConfig, default_tokenizer_cache, run_frontend
-from dynamo.frontend.http_server import DEFAULT_MAX_REQUEST_BYTES
+from dynamo.frontend.http_server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_WORKER_WAIT_S
 from dynamo.frontend.routing import RouterMode, RouterUnavailableError
 
 
@@ -90,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
         "worker prefills it itself (counted in dynamo_frontend_prefill_fallbacks_total).",
     )
     parser.add_argument(
+        "--worker-wait-timeout",
+        type=_non_negative_float,
+        default=DEFAULT_WORKER_WAIT_S,
+        help="Seconds a request for a served model waits for a ready worker (one restarting, "
+        "a late lease heartbeat) before it fails with 503; 0 fails at once.",
+    )
+    parser.add_argument(
         "--log-level",
         default=os.environ.get("DYN_LOG", "INFO").upper(),
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -98,13 +105,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_float(text: str) -> float:
+def _float(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def _positive_float(text: str) -> float:
+    value = _float(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
@@ -120,6 +138,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         max_request_bytes=args.max_request_bytes,
         tokenizer_cache=args.tokenizer_cache,
         prefill_timeout_s=args.prefill_timeout,
+        worker_wait_s=args.worker_wait_timeout,
     )
 
 

@@ -202,6 +202,10 @@ class InMemoryEngineClient:
     def instance_ids(self) -> list[int]:
         return list(self._instance_ids)
 
+    def set_instance_ids(self, instance_ids: list[int]) -> None:
+        """Workers come and go (an empty list: none can take a request)."""
+        self._instance_ids = list(instance_ids)
+
     async def generate(self, request: PreprocessedRequest) -> AsyncIterator[LLMEngineOutput]:
         if not self._instance_ids:
             raise EngineUnavailableError(f"no instances serve model {request.model}")
@@ -222,4 +226,4 @@ class InMemoryEngineClient:
                 await aclose()
 
     async def close(self) -> None:
-        self._instance_ids = []
+        self.set_instance_ids([])

@@ -24,7 +24,11 @@ from typing import Any
 
 from dynamo.frontend.disagg import DEFAULT_PREFILL_TIMEOUT_S
 from dynamo.frontend.engine_client import EngineClient, RuntimeEngineClient
-from dynamo.frontend.http_server import DEFAULT_MAX_REQUEST_BYTES, HttpService
+from dynamo.frontend.http_server import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_WORKER_WAIT_S,
+    HttpService,
+)
 from dynamo.frontend.metrics import FrontendMetrics
 from dynamo.frontend.model_registry import ModelManager, WorkerEndpoint, endpoint_key
 from dynamo.frontend.routing import RouterFactory, RouterMode, make_router_factory
@@ -51,6 +55,7 @@ class FrontendConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     tokenizer_cache: Path | None = None
     prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT_S
+    worker_wait_s: float = DEFAULT_WORKER_WAIT_S
 
 
 class ModelCardSync:
@@ -146,6 +151,7 @@ async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None
         host=config.http_host,
         port=config.http_port,
         max_request_bytes=config.max_request_bytes,
+        worker_wait_s=config.worker_wait_s,
     )
     watcher: asyncio.Task[None] | None = None
     try:

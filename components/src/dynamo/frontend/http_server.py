@@ -60,6 +60,14 @@ log = logging.getLogger(__name__)
 # rejected with 413 before it is parsed. (aiohttp then reads and drops the rest of the
 # body for a few seconds, "lingering", so the client gets to read the 413.)
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+# How long a request for a known model waits for a ready worker before it gets 503. A
+# model can be momentarily without one: a worker restarting, a heartbeat that arrived
+# late on a loaded host, the first instance of an endpoint still being discovered.
+DEFAULT_WORKER_WAIT_S = 5.0
+# How often that wait looks again. Waiting is the rare path, so polling the registry is
+# simpler than threading change events through every engine client, and costs nothing
+# when a worker is there.
+_WORKER_POLL_S = 0.02
 _READ_CHUNK = 256 * 1024
 # Longest wait for a request body to arrive completely.
 BODY_READ_TIMEOUT_S = 30.0
@@ -131,12 +139,14 @@ class HttpService:
         host: str = "0.0.0.0",
         port: int = 8000,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        worker_wait_s: float = DEFAULT_WORKER_WAIT_S,
     ) -> None:
         self.manager = manager
         self.metrics = metrics or FrontendMetrics()
         self.host = host
         self.port = port
         self.max_request_bytes = max_request_bytes
+        self.worker_wait_s = worker_wait_s
         self._runner: web.AppRunner | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -271,15 +281,32 @@ class HttpService:
         request_id = f"{kind.id_prefix}-{uuid.uuid4().hex}"
         try:
             prepared = await kind.prepare(model.preprocessor, req, request_id)
-            if not model.has_workers() or model.engine is None:
-                raise no_workers(model.name)
+            model = await self._with_workers(model)
         except OpenAIError as exc:
             self.metrics.count_rejected(model.name, kind.name, stream, exc.status)
             raise
+        assert model.engine is not None
         formatter = kind.formatter(request_id, model.name, prepared.plan)
         return await serve(
             request, self._generation(model, model.engine, kind, prepared, formatter)
         )
+
+    async def _with_workers(self, model: ServedModel) -> ServedModel:
+        """`model` (as registered now) once a worker can take a request; 503 if none
+        becomes ready within `worker_wait_s`."""
+        if model.has_workers():
+            return model
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        current: ServedModel | None = model
+        while current is None or not current.has_workers():
+            if loop.time() - start >= self.worker_wait_s:
+                log.warning("no worker for %s after %.1fs: 503", model.name, self.worker_wait_s)
+                raise no_workers(model.name)
+            await asyncio.sleep(_WORKER_POLL_S)
+            current = self.manager.get(model.name)
+        log.info("a request for %s waited %.2fs for a worker", model.name, loop.time() - start)
+        return current
 
     def _generation(
         self,
