@@ -1,16 +1,18 @@
 """Disaggregated prefill/decode with real vLLM engines and a real KV transfer.
 
-A prefill worker and a decode worker (n-gram speculation) share a KV-transfer directory
-(vLLM's ExampleConnector, the CPU connector); a frontend in front of them sends each
-request to the prefill worker first, then to the decode worker with the prefill's result.
+Two prefill workers and a decode worker (n-gram speculation) share a KV-transfer directory
+(vLLM's ExampleConnector, the CPU connector); a frontend in kv mode sends each request to
+a prefill worker first (chosen by cache overlap), then to the decode worker with the
+prefill's result.
 
 Claims: the decode worker loads the prompt's KV through the connector instead of
 recomputing it; greedy output equals an aggregated worker's with the same speculative
 config and the same prompt split (cached whole blocks + computed tail), so only the
 transfer can make them differ, not bf16 rounding of differently shaped work; the transfer
-directory is
-emptied as entries are consumed and orphaned entries expire; when the prefill worker is
-killed, requests still succeed (decode prefills itself) and the fallback counter says so.
+directory is emptied as entries are consumed and orphaned entries expire; a request
+sharing a long prefix with an earlier one is prefilled on the prefill worker that caches
+it; when the prefill workers are killed, requests still succeed (decode prefills itself)
+and the fallback counter says so.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from e2e_processes import FrontendProcess, WorkerProcess, http_get
@@ -72,26 +75,31 @@ def disagg(
     saved = {k: os.environ.get(k) for k in ("DYN_KV_SHARED_STORAGE_PATH", "DYN_KV_TRANSFER_TTL")}
     os.environ["DYN_KV_SHARED_STORAGE_PATH"] = str(transfer_dir)
     os.environ["DYN_KV_TRANSFER_TTL"] = str(TRANSFER_TTL_S)
-    procs: dict[str, object] = {}
+    prefills: list[WorkerProcess] = []
+    procs: dict[str, object] = {"prefill": prefills}
     try:
-        procs["prefill"] = WorkerProcess(
-            "disagg-prefill", embedded_model, nats_url, e2e_log_dir,
-            namespace=NAMESPACE, component="prefill", extra=["--is-prefill-worker"],
-        )  # fmt: skip
-        procs["decode"] = WorkerProcess(
+        for i in range(2):
+            prefills.append(WorkerProcess(
+                f"disagg-prefill-{i}", embedded_model, nats_url, e2e_log_dir,
+                namespace=NAMESPACE, component="prefill", extra=["--is-prefill-worker"],
+            ))  # fmt: skip
+        decode = procs["decode"] = WorkerProcess(
             "disagg-decode", embedded_model, nats_url, e2e_log_dir, namespace=NAMESPACE,
             component="backend", extra=["--is-decode-worker", "--speculative-config", json.dumps(NGRAM)],
         )  # fmt: skip
-        procs["prefill"].wait_ready()
-        procs["decode"].wait_ready()
-        procs["frontend"] = FrontendProcess(
-            "disagg-frontend", nats_url, e2e_log_dir, namespace=NAMESPACE
-        )
-        procs["frontend"].wait_for_model(DEFAULT_MODEL)
+        for worker in [*prefills, decode]:
+            worker.wait_ready()
+        frontend = procs["frontend"] = FrontendProcess(
+            "disagg-frontend", nats_url, e2e_log_dir, namespace=NAMESPACE,
+            extra=["--router-mode", "kv"],
+        )  # fmt: skip
+        frontend.wait_for_model(DEFAULT_MODEL)
+        assert wait_until(lambda: len(prefill_router(frontend)["feed"]["live_workers"]) == 2, 30)
         yield procs
     finally:
-        for proc in procs.values():
-            proc.stop()
+        for proc in [procs.get("frontend"), *prefills, procs.get("decode")]:
+            if proc is not None:
+                proc.stop()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -118,6 +126,19 @@ def chat(frontend: FrontendProcess, prompt: str, max_tokens: int = 32) -> dict:
 def frontend_counter(frontend: FrontendProcess, name: str) -> float:
     _, text = http_get(f"{frontend.base_url}/metrics")
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def prefill_router(frontend: FrontendProcess) -> dict[str, Any]:
+    """The frontend's KV router for the prefill workers (`GET /debug/kv`)."""
+    status, body = http_get(f"{frontend.base_url}/debug/kv")
+    assert status == 200, body
+    return json.loads(body)["models"][DEFAULT_MODEL][f"{NAMESPACE}/prefill/generate"]
+
+
+def prefill_routed(frontend: FrontendProcess) -> dict[str, int]:
+    """Prefill legs the router sent to each prefill worker so far."""
+    workers = prefill_router(frontend)["workers"]
+    return {hex_id: view["routed"]["requests"] for hex_id, view in workers.items()}
 
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:
@@ -244,10 +265,45 @@ async def test_transfer_directory_stays_bounded(disagg, nats_url, tokenizer, tra
     assert wait_until(lambda: not any(transfer_dir.iterdir()), timeout=TRANSFER_TTL_S + 6)
 
 
-async def test_killed_prefill_worker_falls_back_to_local_prefill(disagg):
-    frontend, prefill = disagg["frontend"], disagg["prefill"]
+def test_prefill_legs_follow_the_prefill_worker_that_caches_the_prefix(disagg):
+    """kv mode routes prefill legs by cache overlap too: a request sharing a long prefix
+    with an earlier one is prefilled where that prefix is cached, and reuses it there."""
+    frontend, prefills = disagg["frontend"], disagg["prefill"]
+    for topic in ("volcanoes", "sailing"):
+        context = " ".join(f"Fact {i} about {topic}: it is item number {i}." for i in range(40))
+        before = prefill_routed(frontend)
+        first = chat(frontend, f"{context}\n\nQuestion: name one.", max_tokens=4)
+        after = prefill_routed(frontend)
+        owners = [w for w, n in after.items() if n > before.get(w, 0)]
+        assert len(owners) == 1, (before, after)
+        owner = owners[0]
+        blocks = first["usage"]["prompt_tokens"] // 32
+        assert blocks >= 10, "the shared prefix spans many blocks"
+        # The prefill worker's stored blocks must reach the index before the next decision.
+        assert wait_until(
+            lambda o=owner, n=blocks: prefill_router(frontend)["workers"][o]["cached_blocks"] >= n,
+            timeout=10,
+        )
+        for question in ("name another.", "which is the most famous?"):
+            reused_before = sum(
+                w.metric("dynamo_worker_cached_prompt_tokens_total") for w in prefills
+            )
+            before = prefill_routed(frontend)
+            chat(frontend, f"{context}\n\nQuestion: {question}", max_tokens=4)
+            after = prefill_routed(frontend)
+            chosen = [w for w, n in after.items() if n > before.get(w, 0)]
+            assert chosen == [owner], (
+                f"{topic}: {question!r} prefilled on {chosen}, cache on {owner}"
+            )
+            reused = sum(w.metric("dynamo_worker_cached_prompt_tokens_total") for w in prefills)
+            assert reused - reused_before >= (blocks - 2) * 32, "the prefix was recomputed"
+
+
+async def test_killed_prefill_workers_fall_back_to_local_prefill(disagg):
+    frontend = disagg["frontend"]
     before = frontend_counter(frontend, "dynamo_frontend_prefill_fallbacks_total")
-    prefill.kill()
+    for prefill in disagg["prefill"]:
+        prefill.kill()
     for topic in TOPICS[:2]:
         result = chat(frontend, long_prompt(topic), max_tokens=16)
         assert result["choices"][0]["message"]["content"]
