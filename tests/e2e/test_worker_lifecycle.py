@@ -42,7 +42,7 @@ from dynamo.llm.protocols import (
     StopConditions,
 )
 from dynamo.runtime import Client, DistributedRuntime, RemoteError
-from dynamo.vllm.main import DRAIN_TIMEOUT_S
+from dynamo.vllm.args import DEFAULT_DRAIN_TIMEOUT_S as DRAIN_TIMEOUT_S
 
 NAMESPACE = "e2e-lifecycle"
 MAX_MODEL_LEN = 512

@@ -78,6 +78,7 @@ def test_help_explains_runtime_flags_and_precedence() -> None:
         "--kv-events-port",
         "--nats-server",
         "--lease-ttl",
+        "--drain-timeout",
         "--dry-run",
     ):
         assert flag in text, flag

@@ -61,6 +61,7 @@ def test_runtime_defaults(parse, tiny_model: Path) -> None:
     assert cfg.lease_ttl == 5.0
     assert cfg.system_port is None
     assert cfg.migration_limit == 0
+    assert cfg.drain_timeout_s == 30.0
     assert cfg.dry_run is True
     assert cfg.engine_args.speculative_config is None
     assert cfg.engine_args.kv_transfer_config is None
@@ -88,6 +89,9 @@ def test_runtime_flags_are_validated(parse) -> None:
         parse("--lease-ttl", "0")
     with pytest.raises(ConfigError, match="--migration-limit must not be negative"):
         parse("--migration-limit", "-1")
+    with pytest.raises(ConfigError, match="--drain-timeout must not be negative"):
+        parse("--drain-timeout", "-5")
+    assert parse("--drain-timeout", "2.5").drain_timeout_s == 2.5
     with pytest.raises(ConfigError, match="--system-port must be between"):
         parse("--system-port", "70000")
     with pytest.raises(ConfigError, match="invalid choice"):

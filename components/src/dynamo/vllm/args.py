@@ -70,6 +70,7 @@ PREFILL_COMPONENT = "prefill"
 DEFAULT_ENDPOINT = "generate"
 DEFAULT_NATS = "nats://127.0.0.1:4222"
 DEFAULT_LEASE_TTL = 5.0
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 CPU_BLOCK_MULTIPLE = 32
 KV_SHARED_STORAGE_ENV = "DYN_KV_SHARED_STORAGE_PATH"
 
@@ -161,6 +162,7 @@ class WorkerConfig:
     127.0.0.1); None when KV events are off."""
     migration_limit: int
     dry_run: bool
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     extra_engine_args: Path | None = None
     speculators_checkpoint: Path | None = None
     """The speculators checkpoint given as --model, now the draft `model`."""
@@ -336,6 +338,13 @@ def _add_worker_flags(parser: FlexibleArgumentParser) -> None:
         help="Seconds a registration outlives a silent worker.",
     )
     group.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="On SIGTERM/SIGINT: seconds in-flight requests get to finish after the worker "
+        "deregisters; what is still running then is aborted.",
+    )
+    group.add_argument(
         "--dry-run",
         action="store_true",
         help="Print the resolved configuration as YAML and exit 0 without loading weights.",
@@ -430,6 +439,7 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> WorkerConfig:
         kv_events_port=kv_events_port,
         migration_limit=_non_negative(full["migration_limit"], "--migration-limit"),
         dry_run=dry_run,
+        drain_timeout_s=_non_negative(full["drain_timeout"], "--drain-timeout"),
         extra_engine_args=Path(full["extra_engine_args"]) if full["extra_engine_args"] else None,
         speculators_checkpoint=checkpoint.path if checkpoint else None,
         sources=sources,
@@ -501,7 +511,7 @@ def _positive(value: float, flag: str) -> float:
     return value
 
 
-def _non_negative(value: int, flag: str) -> int:
+def _non_negative(value: float, flag: str) -> float:
     if value < 0:
         raise ConfigError(f"{flag} must not be negative, got {value}")
     return value

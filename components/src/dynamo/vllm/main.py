@@ -4,7 +4,7 @@ Start-up order matters: the engine loads first (tens of seconds, in a thread, wh
 `/health` answers 503), then the worker connects to NATS, serves its endpoints, and only
 then registers the model card and turns healthy, so a frontend never routes to a worker
 that cannot answer. Shutdown runs the other way round: deregister (and answer 503), drain
-in-flight requests (bounded by DRAIN_TIMEOUT_S), stop the engine.
+in-flight requests (bounded by `--drain-timeout`), stop the engine.
 Exit codes: 0 after a signal, 1 when the engine died (seen by a request or, when idle, by
 a watchdog; so an orchestrator restarts it), 2 for bad configuration (ours or vLLM's).
 """
@@ -28,7 +28,6 @@ _WORKER_TYPES = {
     "prefill": WorkerType.PREFILL,
     "decode": WorkerType.DECODE,
 }
-DRAIN_TIMEOUT_S = 30.0
 ENGINE_WATCH_INTERVAL_S = 1.0
 
 
@@ -264,7 +263,7 @@ class Worker:
                     from dynamo.llm.model_card import MODELS_BUCKET, card_key
 
                     await self.runtime.delete_leased(MODELS_BUCKET, card_key(self.card))
-                await self.runtime.shutdown(drain_timeout=DRAIN_TIMEOUT_S)
+                await self.runtime.shutdown(drain_timeout=self.cfg.drain_timeout_s)
             except Exception as exc:
                 log.warning("runtime shutdown: %s", exc)
         if self.system is not None:
