@@ -4,7 +4,8 @@ Claims: round-robin spreads requests evenly over two processes; direct targets o
 10,000 frames arrive complete and in order; cancellation reaches the handler within
 100 ms; handler exceptions arrive as RemoteError; a SIGKILLed instance vanishes within
 2×TTL and its in-flight stream raises InstanceGoneError; graceful shutdown deregisters at
-once; the system survives a broker restart.
+once, and a request outliving its drain time ends with InstanceGoneError; the system
+survives a broker restart.
 """
 
 from __future__ import annotations
@@ -195,6 +196,31 @@ async def test_graceful_shutdown_deregisters_at_once(runtime, workers, namespace
     assert leaving.instance_id not in client.instance_ids()
     with pytest.raises((InstanceGoneError, NoInstancesError)):
         await collect(client.direct({"n": 1}, leaving.instance_id))
+
+
+async def test_request_outliving_the_drain_ends_as_instance_gone(runtime, workers, namespace):
+    """A worker shutting down gives in-flight requests `drain_timeout` (2 s here); one that
+    needs longer ends with `InstanceGoneError` (place or migrate it elsewhere), not a
+    `RemoteError` and not silence."""
+    client = await make_client(runtime, namespace, 2)
+    leaving = workers[0]
+    received: list[dict] = []
+
+    async def consume() -> None:
+        request = {"n": 200, "delay": 0.05}  # 10 s of items
+        async for item in client.direct(request, leaving.instance_id):
+            received.append(item)
+
+    stream = asyncio.create_task(consume())
+    while not received:
+        await asyncio.sleep(0.01)
+    leaving.proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    with pytest.raises(InstanceGoneError, match="shut down before the request finished"):
+        await asyncio.wait_for(stream, 10)
+    assert 1.5 < time.monotonic() - signalled < 6
+    assert 0 < len(received) < 200
+    assert await asyncio.to_thread(leaving.proc.wait, 15) == 0
 
 
 async def test_no_instances_error(runtime):

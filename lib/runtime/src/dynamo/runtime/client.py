@@ -357,7 +357,10 @@ class ResponseStream:
             self._release()
             return False
         error_type, message = wire.decode_error(body)
-        self._error = RemoteError(message, error_type)
+        if error_type == wire.SHUTDOWN_ERROR_TYPE:
+            self._error = InstanceGoneError(self.instance_id or 0, message)
+        else:
+            self._error = RemoteError(message, error_type)
         self._done = True
         return False
 

@@ -203,7 +203,10 @@ class EndpointServer:
                 await inflight.producer
             with contextlib.suppress(Exception):
                 await self._nc.publish(
-                    reply, wire.encode_error(seq, "Cancelled", "the worker is shutting down")
+                    reply,
+                    wire.encode_error(
+                        seq, wire.SHUTDOWN_ERROR_TYPE, "it shut down before the request finished"
+                    ),
                 )
             raise
         finally:

@@ -87,6 +87,13 @@ def encode_end(seq: int) -> bytes:
     return _encoder.encode((seq, FrameKind.END, None))
 
 
+# Error type of the terminal frame a server sends for a request it had to abandon because
+# it is shutting down (its drain time ran out). Clients raise `InstanceGoneError` for it,
+# not `RemoteError`: the request did not fail, its worker went away, so a caller may
+# place or migrate it elsewhere exactly as when a worker dies.
+SHUTDOWN_ERROR_TYPE = "WorkerShutdown"
+
+
 def encode_error(seq: int, error_type: str, message: str) -> bytes:
     return _encoder.encode((seq, FrameKind.ERROR, (error_type, message)))
 
