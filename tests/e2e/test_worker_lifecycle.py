@@ -207,14 +207,11 @@ async def test_metrics_have_vllm_and_worker_series(runtime, lifecycle_worker, to
     assert worker.metric("dynamo_worker_requests_total") >= 1
 
 
-# --------------------------------------------------------------------------- SIGTERM
-
-
-async def test_sigterm_deregisters_drains_and_exits_0(runtime, lifecycle_worker, tokenizer) -> None:
-    worker, _ = lifecycle_worker
-    client = await client_of(runtime, worker)
-    (instance,) = client.instance_ids()
-    request = long_request(tokenizer, MAX_MODEL_LEN - 64)
+async def stream_in_flight(
+    client: Client, instance: int, request: PreprocessedRequest
+) -> tuple[asyncio.Task[None], list[LLMEngineOutput]]:
+    """Start streaming `request` from `instance` in a task; return once the first output has
+    arrived (the request is then surely running), with the list the outputs go into."""
     outputs: list[LLMEngineOutput] = []
     streaming = asyncio.Event()
 
@@ -225,6 +222,18 @@ async def test_sigterm_deregisters_drains_and_exits_0(runtime, lifecycle_worker,
 
     stream = asyncio.create_task(consume())
     await asyncio.wait_for(streaming.wait(), 60)
+    return stream, outputs
+
+
+# --------------------------------------------------------------------------- SIGTERM
+
+
+async def test_sigterm_deregisters_drains_and_exits_0(runtime, lifecycle_worker, tokenizer) -> None:
+    worker, _ = lifecycle_worker
+    client = await client_of(runtime, worker)
+    (instance,) = client.instance_ids()
+    request = long_request(tokenizer, MAX_MODEL_LEN - 64)
+    stream, outputs = await stream_in_flight(client, instance, request)
     assert outputs[-1].finish_reason is None  # in flight when the signal arrives
     worker.proc.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
@@ -269,16 +278,7 @@ async def test_sigterm_aborts_what_outlives_the_drain_timeout(
         # Thousands of tokens: several seconds even at the few hundred tokens/s that this
         # repetitive output reaches with Eagle3 drafts (a few hundred finish within 1 s).
         request = long_request(tokenizer, LONG_MODEL_LEN - 64)
-        outputs: list[LLMEngineOutput] = []
-        streaming = asyncio.Event()
-
-        async def consume() -> None:
-            async for out in client.direct(request, instance, response_type=LLMEngineOutput):
-                outputs.append(out)
-                streaming.set()
-
-        stream = asyncio.create_task(consume())
-        await asyncio.wait_for(streaming.wait(), 60)
+        stream, outputs = await stream_in_flight(client, instance, request)
         worker.proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         # The worker went away under the request: the same error as a worker that died, so
@@ -331,15 +331,7 @@ async def test_engine_core_death_deregisters_and_exits_1(
         stream = None
         if in_flight:
             request = long_request(tokenizer, MAX_MODEL_LEN - 64)
-            streaming = asyncio.Event()
-
-            async def consume() -> None:
-                async for out in client.direct(request, instance, response_type=LLMEngineOutput):
-                    outputs.append(out)
-                    streaming.set()
-
-            stream = asyncio.create_task(consume())
-            await asyncio.wait_for(streaming.wait(), 60)
+            stream, outputs = await stream_in_flight(client, instance, request)
             assert outputs[-1].finish_reason is None
         os.kill(engine_core_of(worker.proc.pid).pid, signal.SIGKILL)
 
