@@ -86,3 +86,14 @@ def tokenizer(embedded_model: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(embedded_model))
+
+
+@pytest.fixture(scope="module")
+async def runtime(nats_url: str):
+    """A `DistributedRuntime` client of the session's NATS, for tests that talk to workers
+    directly (without the frontend)."""
+    from dynamo.runtime import DistributedRuntime
+
+    rt = await DistributedRuntime.connect(nats_url)
+    yield rt
+    await rt.shutdown()

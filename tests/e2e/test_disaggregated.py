@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 from e2e_processes import FrontendProcess, WorkerProcess, http_get
+from e2e_prompts import chat_ids
 
 from dynamo.llm.models import DEFAULT_MODEL
 from dynamo.llm.protocols import (
@@ -139,15 +140,6 @@ def prefill_routed(frontend: FrontendProcess) -> dict[str, int]:
     """Prefill legs the router sent to each prefill worker so far."""
     workers = prefill_router(frontend)["workers"]
     return {hex_id: view["routed"]["requests"] for hex_id, view in workers.items()}
-
-
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=False,
-    )
 
 
 def connector_tokens(num_prompt_tokens: int) -> int:

@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 from e2e_processes import FrontendProcess, WorkerProcess, http_get
+from e2e_prompts import chat_ids
 
 from dynamo.llm.models import DEFAULT_MODEL
 
@@ -70,12 +71,7 @@ def frontend_metric(frontend: FrontendProcess, name: str, **labels: str) -> floa
 
 
 def chat_prompt_tokens(tokenizer, content: str) -> int:
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True
-    )
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return len(ids)
+    return len(chat_ids(tokenizer, content))
 
 
 # --------------------------------------------------------------------------- happy paths

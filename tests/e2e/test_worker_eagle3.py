@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from e2e_processes import WorkerProcess
+from e2e_prompts import chat_ids
 from tiny_eagle3 import SPECULATIVE_TOKENS, build_pair
 
 from dynamo.llm.model_card import CardAdded, ModelCardWatcher
@@ -33,6 +34,7 @@ from dynamo.runtime import DistributedRuntime, RemoteError
 NAMESPACE = "e2e-eagle3"  # apart from the shared workers, so no frontend test sees it
 COMPONENT = "eagle3"
 MAX_MODEL_LEN = 512
+PROMPT = "Say something, anything at all."
 
 
 @pytest.fixture(scope="module")
@@ -58,22 +60,6 @@ def eagle3_worker(eagle3_pair, nats_url: str, e2e_log_dir: Path):
         yield worker
     finally:
         worker.stop()
-
-
-@pytest.fixture(scope="module")
-async def runtime(nats_url: str):
-    rt = await DistributedRuntime.connect(nats_url)
-    yield rt
-    await rt.shutdown()
-
-
-def prompt_ids(tokenizer) -> list[int]:
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Say something, anything at all."}],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=False,
-    )
 
 
 async def generate(runtime: DistributedRuntime, token_ids: list[int], max_tokens: int):
@@ -106,7 +92,7 @@ async def registered_card(runtime: DistributedRuntime, timeout: float = 10.0) ->
 
 
 async def test_eagle3_speculates_over_nats(runtime, eagle3_worker, tokenizer) -> None:
-    ids = prompt_ids(tokenizer)
+    ids = chat_ids(tokenizer, PROMPT)
     outputs = await generate(runtime, ids, max_tokens=48)
     final = outputs[-1]
     produced = [t for out in outputs for t in out.token_ids]
@@ -142,7 +128,7 @@ async def test_model_card_advertises_eagle3_and_the_cli_context_length(
 async def test_prompt_beyond_the_cli_context_length_is_refused(
     runtime, eagle3_worker, tokenizer
 ) -> None:
-    ids = prompt_ids(tokenizer)
+    ids = chat_ids(tokenizer, PROMPT)
     too_long = (ids * (MAX_MODEL_LEN // len(ids) + 1))[: MAX_MODEL_LEN + 1]
     with pytest.raises(RemoteError, match=r"maximum context length is 512 tokens"):
         await generate(runtime, too_long, max_tokens=1)

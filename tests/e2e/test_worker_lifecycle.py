@@ -31,6 +31,7 @@ from pathlib import Path
 import psutil
 import pytest
 from e2e_processes import ENGINE_START_TIMEOUT_S, WorkerProcess, http_get
+from e2e_prompts import chat_ids
 from tiny_eagle3 import build_pair
 
 from dynamo.llm.model_card import ModelCardWatcher
@@ -116,13 +117,6 @@ def lifecycle_worker(eagle3_pair, nats_url: str, e2e_log_dir: Path):
         worker.stop()
 
 
-@pytest.fixture(scope="module")
-async def runtime(nats_url: str):
-    rt = await DistributedRuntime.connect(nats_url)
-    yield rt
-    await rt.shutdown()
-
-
 async def client_of(runtime: DistributedRuntime, worker: WorkerProcess) -> Client:
     client = (
         await runtime.namespace(NAMESPACE).component(worker.component).endpoint("generate").client()
@@ -132,16 +126,10 @@ async def client_of(runtime: DistributedRuntime, worker: WorkerProcess) -> Clien
 
 
 def long_request(tokenizer, max_tokens: int) -> PreprocessedRequest:
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Tell me a long story."}],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=False,
-    )
     return PreprocessedRequest(
         request_id=str(uuid.uuid4()),
         model="target",
-        token_ids=ids,
+        token_ids=chat_ids(tokenizer, "Tell me a long story."),
         sampling_options=SamplingOptions(temperature=0.0),
         stop_conditions=StopConditions(max_tokens=max_tokens, ignore_eos=True),
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 
-import pytest
+from e2e_prompts import chat_ids
 
 from dynamo.llm.protocols import (
     FinishReason,
@@ -29,15 +29,6 @@ PROMPTS = [
 ]
 
 
-def chat_ids(tokenizer, text: str) -> list[int]:
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=False,
-    )
-
-
 async def generate(
     runtime: DistributedRuntime, component: str, token_ids: list[int], max_tokens: int = 64
 ):
@@ -54,13 +45,6 @@ async def generate(
     async for out in client.round_robin(req, response_type=LLMEngineOutput):
         outputs.append(out)
     return outputs
-
-
-@pytest.fixture(scope="module")
-async def runtime(nats_url: str):
-    rt = await DistributedRuntime.connect(nats_url)
-    yield rt
-    await rt.shutdown()
 
 
 async def test_ngram_greedy_output_equals_no_speculation(

@@ -6,7 +6,6 @@ card goes."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,15 +24,10 @@ from dynamo.llm.protocols import (
     PreprocessedRequest,
 )
 from dynamo.runtime import DistributedRuntime
+from dynamo.runtime.nats_server import free_port
 
 MODEL = "smollm2-nats"
 REPLY = "Hello from a worker over NATS."
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Worker:
@@ -91,7 +85,7 @@ async def test_frontend_serves_a_worker_discovered_over_nats(
 ) -> None:
     tokenizer = load_tokenizer(model_dir)
     worker_rt = await DistributedRuntime.connect(nats_url, lease_ttl=2.0)
-    port = _free_port()
+    port = free_port()
     stop = asyncio.Event()
     config = FrontendConfig(
         http_host="127.0.0.1",

@@ -8,7 +8,6 @@ shows each worker's cached blocks and the predicted hit rate.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -35,6 +34,7 @@ from dynamo.llm.protocols import (
     RouterEvent,
 )
 from dynamo.runtime import DistributedRuntime
+from dynamo.runtime.nats_server import free_port
 
 MODEL = "smollm2-kv"
 BLOCK = 32
@@ -87,12 +87,6 @@ class CachingWorker:
         self._event_id += 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _get_json(url: str) -> dict[str, Any]:
     """Async on purpose: the frontend runs on this test's event loop."""
     async with aiohttp.ClientSession() as session, session.get(url) as resp:
@@ -120,7 +114,7 @@ async def test_shared_prefixes_follow_the_cache_and_debug_view_shows_it(
     namespace = new_namespace()
     runtimes = [await DistributedRuntime.connect(nats_url, lease_ttl=2.0) for _ in range(2)]
     workers = [CachingWorker(rt, namespace) for rt in runtimes]
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     stop = asyncio.Event()
     config = FrontendConfig(

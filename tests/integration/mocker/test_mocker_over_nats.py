@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,16 +39,11 @@ from dynamo.mocker.model_info import ModelInfo
 from dynamo.mocker.timing import TimingModel
 from dynamo.mocker.worker import MockerWorker
 from dynamo.runtime import DistributedRuntime
+from dynamo.runtime.nats_server import free_port
 
 MODEL = "mock-smollm2"
 BLOCK = 16
 K = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _get_json(url: str) -> dict[str, Any]:
@@ -118,7 +112,7 @@ async def cluster(
         )
         for i in range(2)
     ]
-    port = _free_port()
+    port = free_port()
     stop = asyncio.Event()
     config = FrontendConfig(
         http_host="127.0.0.1",
