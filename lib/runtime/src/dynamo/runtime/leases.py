@@ -63,7 +63,7 @@ class LeaseKeeper:
         try:
             kv = await ensure_registry(self._js, bucket)
             await kv.delete(key)
-        except (NatsError, JetStreamError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, NatsError, JetStreamError) as exc:
             log.warning("could not delete %s/%s (it expires with its lease): %s", bucket, key, exc)
 
     def holds(self, bucket: str, key: str) -> bool:
@@ -76,7 +76,7 @@ class LeaseKeeper:
             for (bucket, key), value in list(self._keys.items()):
                 try:
                     await self._put_one(bucket, key, value)
-                except (NatsError, JetStreamError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, NatsError, JetStreamError) as exc:
                     log.warning("restoring lease %s/%s failed: %s", bucket, key, exc)
                     return
         log.info("restored %d leased keys", len(self._keys))

@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from dynamo.llm.models.recipes import ModelRecipe
@@ -105,7 +105,7 @@ def build_manifest(
         recipe=recipe.name,
         recipe_version=recipe.version,
         source=source,
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
         files=files,
         tools=dict(tools or {}),
     )
