@@ -251,7 +251,7 @@ async def test_broker_restart_reregisters(tmp_path):
             try:
                 result = await asyncio.wait_for(collect(client.round_robin({"n": 2})), 2)
                 break
-            except (NoInstancesError, InstanceGoneError, asyncio.TimeoutError):
+            except (TimeoutError, NoInstancesError, InstanceGoneError):
                 await asyncio.sleep(0.2)
         assert result is not None and [item["i"] for item in result] == [0, 1]
         assert client.instance_ids() == [worker.instance_id]

@@ -6,7 +6,6 @@ import msgspec
 import pytest
 
 from dynamo.runtime import naming, wire
-from dynamo.runtime.server import _MAX_FRAME_BYTES, _frames
 
 
 class Item(msgspec.Struct):
@@ -41,9 +40,9 @@ def test_data_batch_end_error_frames() -> None:
 
 def test_large_bursts_are_split_under_the_frame_limit() -> None:
     big = wire.encode(b"x" * 100_000)
-    frames = _frames(0, [big] * 12)
+    frames = wire.pack_frames(0, [big] * 12)
     assert len(frames) >= 3
-    assert all(len(f) <= _MAX_FRAME_BYTES + 1024 for f in frames)
+    assert all(len(f) <= wire.MAX_FRAME_BYTES + 1024 for f in frames)
     seqs = [wire.decode_frame(f)[0] for f in frames]
     assert seqs == list(range(len(frames)))
     total = 0
@@ -51,7 +50,7 @@ def test_large_bursts_are_split_under_the_frame_limit() -> None:
         _, kind, body = wire.decode_frame(frame)
         total += 1 if kind is wire.FrameKind.DATA else len(wire.decode_batch(body))
     assert total == 12
-    assert wire.decode_frame(_frames(5, [big])[0])[1] is wire.FrameKind.DATA
+    assert wire.decode_frame(wire.pack_frames(5, [big])[0])[1] is wire.FrameKind.DATA
 
 
 def test_instance_record_and_control_round_trip() -> None:

@@ -1,33 +1,41 @@
-"""The calling side of an endpoint: pick an instance, send, and iterate the response stream.
+"""The calling side of an endpoint: the live instances, and one response stream per request.
 
-`Client` mirrors the endpoint's live instances from the discovery bucket (so
-`instance_ids()` is a local read) and hands out `ResponseStream`s:
+`Client` mirrors the endpoint's instances from the discovery bucket (so
+`instance_ids()` is a local read) and opens `ResponseStream`s:
 
-* `round_robin(req)`, `random(req)`: choose among ready instances; if the chosen one has
-  no subscriber any more (NATS answers "no responders" at once), the next one is tried —
-  nothing was processed, so retrying is safe;
-* `direct(req, instance_id)`: that instance or `InstanceGoneError`.
+* `direct(req, instance_id)`: send to that instance;
+* `round_robin(req)`, `random(req)`: choose among the routable instances
+  (`dynamo.runtime.selection`), then send there.
 
-A stream fails with `InstanceGoneError` when its instance's key leaves the bucket (lease
-expired or deregistered) before the END frame: a worker that was SIGKILLed mid-stream is
-detected within the lease window instead of hanging the caller forever. Closing the
-stream early (`aclose()`, `async with`, or breaking out and closing) sends a STOP on the
-instance's control subject, which cancels the handler.
+A stream talks to exactly one instance and never retries: where a request should go
+next when its instance fails is a placement decision, made by the caller (the LLM
+layer's engine client re-places or migrates through its router). The stream only reports
+*why* it failed, with typed errors:
+
+* `InstanceGoneError` when the instance had no subscriber any more (NATS answers "no
+  responders" at once; nothing was processed, so sending elsewhere is safe; the instance
+  is also left out of `routable_ids()` for one lease TTL), when its key leaves the bucket
+  before the END frame (a SIGKILLed worker is detected within the lease window instead of
+  hanging the caller), or when it shut down before finishing;
+* `NoInstancesError` when there is nobody to send to.
+
+Closing a stream early (`aclose()`, `async with`, or breaking out and closing) sends a
+STOP on the instance's control subject, which cancels the handler.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import logging
-import random as _random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
+from nats.aio.client import NO_RESPONDERS_STATUS
 from nats.aio.msg import Msg
+from nats.js.api import Header
 
 from dynamo.runtime import naming, wire
 from dynamo.runtime.errors import (
@@ -37,12 +45,14 @@ from dynamo.runtime.errors import (
     StreamProtocolError,
     StreamTimeoutError,
 )
-from dynamo.runtime.watch import BucketWatcher
+from dynamo.runtime.selection import RandomChoice, RoundRobin
 
 if TYPE_CHECKING:
     from dynamo.runtime.runtime import DistributedRuntime, Endpoint
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 InstancesListener = Callable[[list[int]], None]
 
@@ -51,17 +61,19 @@ class Client:
     """Client of one endpoint (namespace/component/endpoint)."""
 
     def __init__(self, runtime: DistributedRuntime, endpoint: Endpoint) -> None:
-        self._runtime = runtime
+        self.runtime = runtime
         self.endpoint = endpoint
         self._instances: dict[int, wire.InstanceInfo] = {}
         self._ready: list[int] = []
         self._suspect: dict[int, float] = {}  # instance -> monotonic time it is excluded until
-        self._streams_by_instance: dict[int, set[ResponseStream]] = collections.defaultdict(set)
-        self._rr = itertools.count()
+        self._streams_by_instance: dict[int, set[ResponseStream[Any]]] = collections.defaultdict(
+            set
+        )
+        self._round_robin = RoundRobin()
+        self._random = RandomChoice()
         self._changed = asyncio.Event()
         self._listeners: list[InstancesListener] = []
-        self._watcher = BucketWatcher(
-            runtime.js,
+        self._watcher = runtime.watch_bucket(
             naming.INSTANCES_BUCKET,
             naming.instance_key_filter(endpoint.namespace, endpoint.component, endpoint.name),
             on_put=self._on_put,
@@ -70,18 +82,27 @@ class Client:
 
     async def start(self) -> Client:
         await self._watcher.start()
-        self._runtime._register_watcher(self._watcher)
         return self
 
     async def close(self) -> None:
-        self._runtime._unregister_watcher(self._watcher)
-        await self._watcher.close()
+        await self.runtime.close_watcher(self._watcher)
 
     # ------------------------------------------------------------------ instances
 
     def instance_ids(self) -> list[int]:
-        """Ready (routable) instances, sorted."""
+        """Ready instances (registered and not draining), sorted."""
         return list(self._ready)
+
+    def routable_ids(self) -> list[int]:
+        """Ready instances minus those that just answered "no responders" (left out for
+        one lease TTL, or until they re-register): where a new request may be sent."""
+        if not self._suspect:
+            return list(self._ready)
+        now = time.monotonic()
+        for instance_id, until in list(self._suspect.items()):
+            if until <= now:
+                del self._suspect[instance_id]
+        return [i for i in self._ready if i not in self._suspect]
 
     def instances(self) -> dict[int, wire.InstanceInfo]:
         """Every known instance, ready or draining."""
@@ -101,7 +122,7 @@ class Client:
                 )
             try:
                 await asyncio.wait_for(self._changed.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
         return self.instance_ids()
 
@@ -120,6 +141,30 @@ class Client:
             self._changed.clear()
             await self._changed.wait()
 
+    def request_subject(self, instance_id: int) -> str:
+        """The subject `instance_id` takes requests on (as it registered it)."""
+        info = self._instances.get(instance_id)
+        if info is not None:
+            return info.subject
+        ep = self.endpoint
+        return naming.request_subject(ep.namespace, ep.component, ep.name, instance_id)
+
+    def mark_unreachable(self, instance_id: int) -> None:
+        """`instance_id` had no responder: leave it out of `routable_ids()` for one
+        lease TTL (by then its key has expired, or it re-registered)."""
+        self._suspect[instance_id] = time.monotonic() + self.runtime.lease_ttl
+
+    def track(self, stream: ResponseStream[Any], instance_id: int) -> None:
+        """Fail `stream` with `InstanceGoneError` if `instance_id` leaves the bucket."""
+        self._streams_by_instance[instance_id].add(stream)
+
+    def untrack(self, stream: ResponseStream[Any], instance_id: int) -> None:
+        streams = self._streams_by_instance.get(instance_id)
+        if streams is not None:
+            streams.discard(stream)
+            if not streams:
+                del self._streams_by_instance[instance_id]
+
     def _on_put(self, key: str, value: bytes) -> None:
         try:
             info = wire.decode_instance(value)
@@ -137,7 +182,7 @@ class Client:
         self._suspect.pop(instance_id, None)
         self._refresh()
         for stream in list(self._streams_by_instance.pop(instance_id, ())):
-            stream._fail(InstanceGoneError(instance_id, "its lease expired or it deregistered"))
+            stream.fail(InstanceGoneError(instance_id, "its lease expired or it deregistered"))
 
     def _refresh(self) -> None:
         ready = sorted(
@@ -152,113 +197,102 @@ class Client:
                     log.exception("instance listener failed")
         self._changed.set()
 
-    def _routable(self) -> list[int]:
-        if not self._suspect:
-            return self._ready
-        now = time.monotonic()
-        for instance_id, until in list(self._suspect.items()):
-            if until <= now:
-                del self._suspect[instance_id]
-        return [i for i in self._ready if i not in self._suspect]
-
-    def _mark_suspect(self, instance_id: int) -> None:
-        self._suspect[instance_id] = time.monotonic() + self._runtime.lease_ttl
-
     # ------------------------------------------------------------------ requests
 
-    def round_robin(self, request: Any, **kwargs: Any) -> ResponseStream:
-        """Send to the next ready instance in turn."""
-        return ResponseStream(self, request, _RoundRobin(self), **kwargs)
+    @overload
+    def direct(
+        self,
+        request: object,
+        instance_id: int,
+        *,
+        response_type: type[T],
+        request_id: str | None = ...,
+        timeout: float | None = ...,
+    ) -> ResponseStream[T]: ...
 
-    def random(self, request: Any, **kwargs: Any) -> ResponseStream:
-        """Send to a uniformly random ready instance."""
-        return ResponseStream(self, request, _Random(), **kwargs)
+    @overload
+    def direct(
+        self,
+        request: object,
+        instance_id: int,
+        *,
+        response_type: None = ...,
+        request_id: str | None = ...,
+        timeout: float | None = ...,
+    ) -> ResponseStream[Any]: ...
 
-    def direct(self, request: Any, instance_id: int, **kwargs: Any) -> ResponseStream:
-        """Send to `instance_id` only."""
-        return ResponseStream(self, request, _Direct(instance_id), **kwargs)
+    def direct(
+        self,
+        request: object,
+        instance_id: int,
+        *,
+        response_type: type[Any] | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> ResponseStream[Any]:
+        """A stream of `request` sent to `instance_id` (nothing is sent before the first
+        `__anext__`). Items are decoded as `response_type` (plain data when None)."""
+        return ResponseStream(
+            self,
+            request,
+            instance_id,
+            response_type=response_type,
+            request_id=request_id,
+            timeout=timeout,
+        )
 
-    def generate(
-        self, request: Any, instance_id: int | None = None, **kwargs: Any
-    ) -> ResponseStream:
-        """`direct` when an instance is given, else `round_robin`."""
-        if instance_id is None:
-            return self.round_robin(request, **kwargs)
-        return self.direct(request, instance_id, **kwargs)
+    def round_robin(self, request: object, **kwargs: Any) -> ResponseStream[Any]:
+        """`direct` to the next routable instance in turn."""
+        return self._to_one_of(request, self._round_robin.pick, kwargs)
 
-    def _subject(self, instance_id: int) -> str:
-        info = self._instances.get(instance_id)
-        if info is not None:
-            return info.subject
-        ep = self.endpoint
-        return naming.request_subject(ep.namespace, ep.component, ep.name, instance_id)
+    def random(self, request: object, **kwargs: Any) -> ResponseStream[Any]:
+        """`direct` to a uniformly random routable instance."""
+        return self._to_one_of(request, self._random.pick, kwargs)
 
-
-class _RoundRobin:
-    def __init__(self, client: Client) -> None:
-        self._client = client
-
-    def pick(self, candidates: list[int], tried: set[int]) -> int | None:
-        left = [i for i in candidates if i not in tried]
-        if not left:
-            return None
-        return left[next(self._client._rr) % len(left)]
-
-
-class _Random:
-    def pick(self, candidates: list[int], tried: set[int]) -> int | None:
-        left = [i for i in candidates if i not in tried]
-        return _random.choice(left) if left else None
-
-
-class _Direct:
-    def __init__(self, instance_id: int) -> None:
-        self.instance_id = instance_id
-
-    def pick(self, candidates: list[int], tried: set[int]) -> int | None:
-        return None if self.instance_id in tried else self.instance_id
-
-
-_NO_RESPONDERS = object()
+    def _to_one_of(
+        self, request: object, pick: Callable[[list[int]], int], kwargs: dict[str, Any]
+    ) -> ResponseStream[Any]:
+        candidates = self.routable_ids()
+        if not candidates:
+            raise NoInstancesError(f"no ready instance of {self.endpoint.path}")
+        return self.direct(request, pick(candidates), **kwargs)
 
 
-class ResponseStream:
-    """Async iterator over one request's responses. Nothing is sent until the first
-    `__anext__`; `aclose()` before the end cancels the request on the server."""
+class ResponseStream(Generic[T]):
+    """Async iterator over one request's responses from one instance. Nothing is sent
+    until the first `__anext__`; `aclose()` before the end cancels the request there."""
 
     def __init__(
         self,
         client: Client,
-        request: Any,
-        selector: _RoundRobin | _Random | _Direct,
+        request: object,
+        instance_id: int,
         *,
-        response_type: Any = None,
+        response_type: type[T] | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> None:
         self._client = client
-        self._selector = selector
+        self.instance_id = instance_id
         self.request_id = request_id or uuid.uuid4().hex
         self._payload = wire.encode_request(self.request_id, request)
         self._decoder = wire.decoder_for(response_type)
         self._timeout = timeout
-        self.instance_id: int | None = None
         self._reply: str | None = None
-        self._frames: collections.deque[Any] = collections.deque()
-        self._items: collections.deque[Any] = collections.deque()
+        self._frames: collections.deque[bytes | None] = collections.deque()  # None: no responder
+        self._items: collections.deque[T] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
         self._seq = 0
         self._started = False
         self._done = False
-        self._tried: set[int] = set()
 
     # ---------------------------------------------------------------- iteration
 
-    def __aiter__(self) -> ResponseStream:
+    def __aiter__(self) -> ResponseStream[T]:
         return self
 
-    async def __anext__(self) -> Any:
+    async def __anext__(self) -> T:
         if self._items:
             return self._items.popleft()
         if not self._started:
@@ -266,20 +300,20 @@ class ResponseStream:
         while True:
             if self._frames:
                 frame = self._frames.popleft()
-                if frame is _NO_RESPONDERS:
-                    await self._retry_elsewhere()
+                if frame is None:
+                    self._no_responder()
                     continue
                 if self._process(frame):
                     return self._items.popleft()
                 continue
             if self._error is not None:
-                await self._finish()
+                self._release()
                 raise self._error
             if self._done:
                 raise StopAsyncIteration
             await self._wait()
 
-    async def __aenter__(self) -> ResponseStream:
+    async def __aenter__(self) -> ResponseStream[T]:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -290,47 +324,35 @@ class ResponseStream:
         if self._started and not self._done and self._error is None:
             await self._cancel_remote()
         self._done = True
-        await self._finish()
+        self._release()
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with `error` unless it already ended (the client calls this
+        when the instance's key leaves the bucket)."""
+        if self._done or self._error is not None:
+            return
+        self._error = error
+        self._wake()
 
     # ---------------------------------------------------------------- internals
 
     async def _start(self) -> None:
         self._started = True
-        runtime = self._client._runtime
-        self._reply = runtime._open_stream(self)
-        await self._send()
-
-    async def _send(self) -> None:
-        candidates = self._client._routable()
-        instance_id = self._selector.pick(candidates, self._tried)
-        if instance_id is None:
-            await self._finish()
-            if isinstance(self._selector, _Direct):
-                raise InstanceGoneError(self._selector.instance_id, "no responder")
-            raise NoInstancesError(f"no ready instance of {self._client.endpoint.path}")
-        if isinstance(self._selector, _Direct) and instance_id not in self._client._instances:
-            await self._finish()
+        client = self._client
+        if self.instance_id not in client.instances():
             raise NoInstancesError(
-                f"instance {instance_id:016x} of {self._client.endpoint.path} is unknown"
+                f"instance {self.instance_id:016x} of {client.endpoint.path} is unknown"
             )
-        self._tried.add(instance_id)
-        self.instance_id = instance_id
-        self._client._streams_by_instance[instance_id].add(self)
-        assert self._reply is not None
-        await self._client._runtime.nc.publish(
-            self._client._subject(instance_id), self._payload, reply=self._reply
+        self._reply = client.runtime.inbox.open(self._on_message)
+        client.track(self, self.instance_id)
+        await client.runtime.nc.publish(
+            client.request_subject(self.instance_id), self._payload, reply=self._reply
         )
 
-    async def _retry_elsewhere(self) -> None:
-        gone = self.instance_id
-        assert gone is not None
-        self._client._streams_by_instance[gone].discard(self)
-        self._client._mark_suspect(gone)
-        log.debug("instance %016x had no responder; retrying", gone)
-        if isinstance(self._selector, _Direct):
-            self._error = InstanceGoneError(gone, "no responder on its subject")
-            return
-        await self._send()
+    def _no_responder(self) -> None:
+        self._client.mark_unreachable(self.instance_id)
+        log.debug("instance %016x had no responder", self.instance_id)
+        self._error = InstanceGoneError(self.instance_id, "no responder on its subject")
 
     def _process(self, data: bytes) -> bool:
         """Decode one frame; True when it produced items."""
@@ -358,7 +380,7 @@ class ResponseStream:
             return False
         error_type, message = wire.decode_error(body)
         if error_type == wire.SHUTDOWN_ERROR_TYPE:
-            self._error = InstanceGoneError(self.instance_id or 0, message)
+            self._error = InstanceGoneError(self.instance_id, message)
         else:
             self._error = RemoteError(message, error_type)
         self._done = True
@@ -372,9 +394,9 @@ class ResponseStream:
                 await self._waiter
             else:
                 await asyncio.wait_for(self._waiter, self._timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._error = StreamTimeoutError(
-                f"no response from instance {self.instance_id or 0:016x} within {self._timeout}s"
+                f"no response from instance {self.instance_id:016x} within {self._timeout}s"
             )
             await self._cancel_remote()
         finally:
@@ -385,35 +407,26 @@ class ResponseStream:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _deliver(self, msg: Msg) -> None:
-        """Called by the runtime's inbox subscription for each message of this stream."""
+    def _on_message(self, msg: Msg) -> None:
+        """Each message of this stream, handed over by the runtime's inbox."""
         headers = msg.headers
-        if headers and headers.get("Status") == "503":
-            self._frames.append(_NO_RESPONDERS)
+        if headers and headers.get(Header.STATUS) == NO_RESPONDERS_STATUS:
+            self._frames.append(None)
         else:
             self._frames.append(msg.data)
         self._wake()
 
-    def _fail(self, error: BaseException) -> None:
-        if self._done or self._error is not None:
-            return
-        self._error = error
-        self._wake()
-
     async def _cancel_remote(self) -> None:
-        if self.instance_id is None or self._reply is None:
+        if self._reply is None:
             return
         data = wire.encode_control(self._reply, wire.ControlAction.STOP)
         try:
-            await self._client._runtime.nc.publish(naming.control_subject(self.instance_id), data)
+            await self._client.runtime.nc.publish(naming.control_subject(self.instance_id), data)
         except Exception as exc:
             log.debug("cancel of %s not sent: %s", self.request_id, exc)
 
     def _release(self) -> None:
-        if self.instance_id is not None:
-            self._client._streams_by_instance[self.instance_id].discard(self)
+        if self._started:
+            self._client.untrack(self, self.instance_id)
         if self._reply is not None:
-            self._client._runtime._close_stream(self._reply)
-
-    async def _finish(self) -> None:
-        self._release()
+            self._client.runtime.inbox.close(self._reply)

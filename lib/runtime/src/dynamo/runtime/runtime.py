@@ -2,9 +2,9 @@
 namespace → component → endpoint handles built on it.
 
 One runtime per process. It owns the NATS connection (reconnecting forever), the process's
-instance id, the lease heartbeat, the inbox subscription through which every response
-stream of this process arrives, and the control subscription through which clients cancel
-requests served here. Everything is restored after a broker restart: subscriptions by
+instance id, the lease heartbeat, the `Inbox` through which every response stream of this
+process arrives, and the control subscription through which clients cancel requests
+served here (applied to the `InflightRegistry` its endpoints share). Everything is restored after a broker restart: subscriptions by
 nats-py itself, leased keys by `LeaseKeeper.restore`, watches by `BucketWatcher.restart`.
 """
 
@@ -18,26 +18,26 @@ import secrets
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import nats
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 from nats.nuid import NUID
 
 from dynamo.runtime import naming, wire
+from dynamo.runtime.client import Client
 from dynamo.runtime.errors import RuntimeClosedError
+from dynamo.runtime.inbox import Inbox
 from dynamo.runtime.kv import ensure_registry
 from dynamo.runtime.leases import LeaseKeeper
 from dynamo.runtime.nats_server import is_reachable, nats_url_from_env
-from dynamo.runtime.server import EndpointServer, Handler, _Inflight, dispatch_control
+from dynamo.runtime.server import EndpointServer, Handler, InflightRegistry
 from dynamo.runtime.watch import BucketWatcher
-
-if TYPE_CHECKING:
-    from dynamo.runtime.client import Client, ResponseStream
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +62,8 @@ class DistributedRuntime:
         self.name = name
         self.lease_ttl = lease_ttl
         self.instance_id = secrets.randbits(63) or 1
-        self._token = NUID().next().decode()
-        self._inbox_prefix = naming.inbox_prefix(self._token)
-        self._streams: dict[str, ResponseStream] = {}
-        self._stream_counter = 0
-        self._inflight: dict[str, _Inflight] = {}
+        self.inbox = Inbox(NUID().next().decode())
+        self.inflight = InflightRegistry()
         self._served: list[ServedEndpoint] = []
         self._watchers: set[BucketWatcher] = set()
         self._reconnect_listeners: list[ReconnectListener] = []
@@ -124,7 +121,7 @@ class DistributedRuntime:
         return runtime
 
     async def _start(self) -> None:
-        await self.nc.subscribe(self._inbox_prefix + "*", cb=self._on_inbox)
+        await self.inbox.start(self.nc)
         await self.nc.subscribe(naming.control_subject(self.instance_id), cb=self._on_control)
         self._leases.start()
         log.info(
@@ -155,6 +152,7 @@ class DistributedRuntime:
         for watcher in list(self._watchers):
             await watcher.close()
         self._closed = True
+        self.inbox.close_all()
         with contextlib.suppress(Exception):
             await self.nc.drain()
         log.info("runtime %s shut down", self.name)
@@ -210,14 +208,13 @@ class DistributedRuntime:
     ) -> BucketWatcher:
         """A watcher restarted on reconnect; call `await watcher.start()`."""
         watcher = BucketWatcher(self.js, bucket, key_filter, on_put=on_put, on_delete=on_delete)
-        self._register_watcher(watcher)
+        self._watchers.add(watcher)
         return watcher
 
-    def _register_watcher(self, watcher: BucketWatcher) -> None:
-        self._watchers.add(watcher)
-
-    def _unregister_watcher(self, watcher: BucketWatcher) -> None:
+    async def close_watcher(self, watcher: BucketWatcher) -> None:
+        """Stop a watcher made by `watch_bucket` (no longer restarted on reconnect)."""
         self._watchers.discard(watcher)
+        await watcher.close()
 
     # ------------------------------------------------------------------ object store
 
@@ -235,28 +232,13 @@ class DistributedRuntime:
 
     async def subscribe(
         self, subject: str, callback: Callable[[Msg], Awaitable[None]], queue: str = ""
-    ) -> Any:
+    ) -> Subscription:
         return await self.nc.subscribe(subject, queue=queue, cb=callback)
 
-    # ------------------------------------------------------------------ streams (internal)
-
-    def _open_stream(self, stream: ResponseStream) -> str:
-        self._check_open()
-        self._stream_counter += 1
-        token = format(self._stream_counter, "x")
-        self._streams[token] = stream
-        return self._inbox_prefix + token
-
-    def _close_stream(self, reply: str) -> None:
-        self._streams.pop(reply[len(self._inbox_prefix) :], None)
-
-    async def _on_inbox(self, msg: Msg) -> None:
-        stream = self._streams.get(msg.subject[len(self._inbox_prefix) :])
-        if stream is not None:
-            stream._deliver(msg)
+    # ------------------------------------------------------------------ internals
 
     async def _on_control(self, msg: Msg) -> None:
-        dispatch_control(self._inflight, msg.data)
+        self.inflight.dispatch_control(msg.data)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -327,7 +309,7 @@ class Endpoint:
         self,
         handler: Handler,
         *,
-        request_type: Any = None,
+        request_type: type | None = None,
         metadata: dict[str, Any] | None = None,
     ) -> ServedEndpoint:
         """Serve `handler` on this endpoint and register the instance (leased)."""
@@ -337,8 +319,6 @@ class Endpoint:
 
     async def client(self, *, wait_for_instances: float | None = None) -> Client:
         """A started client; optionally wait that long for a first instance."""
-        from dynamo.runtime.client import Client
-
         client = await Client(self.runtime, self).start()
         if wait_for_instances is not None:
             await client.wait_for_instances(wait_for_instances)
@@ -351,7 +331,7 @@ class ServedEndpoint:
 
     endpoint: Endpoint
     handler: Handler
-    request_type: Any
+    request_type: type | None
     metadata: dict[str, Any]
     server: EndpointServer | None = field(default=None, init=False)
     _stopped: bool = field(default=False, init=False)
@@ -388,7 +368,7 @@ class ServedEndpoint:
             self.instance_id,
             self.handler,
             self.request_type,
-            runtime._inflight,
+            runtime.inflight,
         )
         await self.server.start()
         await runtime.put_leased(naming.INSTANCES_BUCKET, self.key, wire.encode_instance(info))

@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 Handler = Callable[[Any, "Context"], AsyncIterator[Any]]
 
 _HIGH_WATER_BYTES = 256 * 1024
-_MAX_FRAME_BYTES = 512 * 1024  # NATS' default max payload is 1 MiB
 
 
 class Context:
@@ -95,7 +94,9 @@ class _Outbox:
         self.ready.set()
 
 
-class _Inflight:
+class InflightRequest:
+    """One request being served: its context and the task running its handler."""
+
     __slots__ = ("context", "producer")
 
     def __init__(self, context: Context) -> None:
@@ -108,6 +109,40 @@ class _Inflight:
             self.producer.cancel()
 
 
+class InflightRegistry:
+    """The requests a process is serving, by reply subject.
+
+    One per runtime, shared by all its endpoints, because cancellations arrive on one
+    control subject per process and name the stream by its reply subject only.
+    """
+
+    def __init__(self) -> None:
+        self._requests: dict[str, InflightRequest] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def add(self, reply: str, request: InflightRequest) -> None:
+        self._requests[reply] = request
+
+    def remove(self, reply: str) -> None:
+        self._requests.pop(reply, None)
+
+    def dispatch_control(self, data: bytes) -> bool:
+        """Apply one control message; True if it named a request being served here."""
+        try:
+            reply, action = wire.decode_control(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            log.warning("malformed control message dropped")
+            return False
+        request = self._requests.get(reply)
+        if request is None:
+            return False
+        if action is wire.ControlAction.STOP:
+            request.cancel()
+        return True
+
+
 class EndpointServer:
     """Serves one endpoint of one process on its instance subject."""
 
@@ -118,7 +153,7 @@ class EndpointServer:
         instance_id: int,
         handler: Handler,
         request_type: Any = None,
-        registry: dict[str, _Inflight] | None = None,
+        registry: InflightRegistry | None = None,
     ) -> None:
         self._nc = nc
         self.subject = subject
@@ -127,8 +162,7 @@ class EndpointServer:
         self._decoder = wire.decoder_for(request_type)
         self._sub: Subscription | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        # Shared by every endpoint of the runtime so one control subject reaches all.
-        self._registry: dict[str, _Inflight] = registry if registry is not None else {}
+        self._registry = registry if registry is not None else InflightRegistry()
         self.requests_served = 0
 
     @property
@@ -175,15 +209,15 @@ class EndpointServer:
                 reply, wire.encode_error(seq, "BadRequest", f"undecodable request: {exc}")
             )
             return
-        inflight = _Inflight(Context(request_id, self.instance_id))
-        self._registry[reply] = inflight
+        inflight = InflightRequest(Context(request_id, self.instance_id))
+        self._registry.add(reply, inflight)
         outbox = _Outbox()
         inflight.producer = asyncio.create_task(self._produce(request, inflight.context, outbox))
         try:
             while True:
                 await outbox.ready.wait()
                 items = outbox.take()
-                for frame in _frames(seq, items):
+                for frame in wire.pack_frames(seq, items):
                     await self._nc.publish(reply, frame)
                     seq += 1
                 if outbox.finished and not outbox.items:
@@ -210,7 +244,7 @@ class EndpointServer:
                 )
             raise
         finally:
-            self._registry.pop(reply, None)
+            self._registry.remove(reply)
 
     async def _produce(self, request: Any, context: Context, outbox: _Outbox) -> None:
         agen = self._handler(request, context)
@@ -230,40 +264,3 @@ class EndpointServer:
             outbox.close(exc)
             return
         outbox.close()
-
-
-def _frames(seq: int, items: list[bytes]) -> list[bytes]:
-    """One frame for all `items`, split when they exceed the frame size limit."""
-    if len(items) == 1:
-        return [wire.encode_data(seq, items[0])]
-    frames: list[bytes] = []
-    group: list[bytes] = []
-    size = 0
-    for item in items:
-        if group and size + len(item) > _MAX_FRAME_BYTES:
-            frames.append(_one(seq + len(frames), group))
-            group, size = [], 0
-        group.append(item)
-        size += len(item)
-    if group:
-        frames.append(_one(seq + len(frames), group))
-    return frames
-
-
-def _one(seq: int, group: list[bytes]) -> bytes:
-    return wire.encode_data(seq, group[0]) if len(group) == 1 else wire.encode_batch(seq, group)
-
-
-def dispatch_control(registry: dict[str, _Inflight], data: bytes) -> bool:
-    """Apply one control message to the in-flight registry; True if it hit a request."""
-    try:
-        reply, action = wire.decode_control(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        log.warning("malformed control message dropped")
-        return False
-    inflight = registry.get(reply)
-    if inflight is None:
-        return False
-    if action is wire.ControlAction.STOP:
-        inflight.cancel()
-    return True

@@ -83,6 +83,34 @@ def encode_batch(seq: int, items: list[bytes]) -> bytes:
     return _encoder.encode((seq, FrameKind.BATCH, [msgspec.Raw(i) for i in items]))
 
 
+MAX_FRAME_BYTES = 512 * 1024
+"""Largest BATCH frame the server builds (NATS' default max payload is 1 MiB)."""
+
+
+def pack_frames(seq: int, items: list[bytes], max_bytes: int = MAX_FRAME_BYTES) -> list[bytes]:
+    """Frames carrying encoded `items` from sequence number `seq` on: one DATA frame for a
+    single item, BATCH frames otherwise, split so none exceeds `max_bytes` (an item larger
+    than that travels alone)."""
+    if len(items) == 1:
+        return [encode_data(seq, items[0])]
+    frames: list[bytes] = []
+    group: list[bytes] = []
+    size = 0
+    for item in items:
+        if group and size + len(item) > max_bytes:
+            frames.append(_pack_group(seq + len(frames), group))
+            group, size = [], 0
+        group.append(item)
+        size += len(item)
+    if group:
+        frames.append(_pack_group(seq + len(frames), group))
+    return frames
+
+
+def _pack_group(seq: int, group: list[bytes]) -> bytes:
+    return encode_data(seq, group[0]) if len(group) == 1 else encode_batch(seq, group)
+
+
 def encode_end(seq: int) -> bytes:
     return _encoder.encode((seq, FrameKind.END, None))
 

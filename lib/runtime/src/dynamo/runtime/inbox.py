@@ -1,0 +1,70 @@
+"""The process's response inbox: one wildcard subscription, demultiplexed by reply subject.
+
+Every response stream of a process arrives on `<inbox prefix>.<token>`, one token per
+stream. A single subscription on `<prefix>.*` receives them all (nats-py's own
+request/reply does the same), and `Inbox` is the only owner of the token -> receiver
+table: a stream asks for a reply subject with `open(receiver)` and gives it back with
+`close(reply)`; nobody else reads or writes the table.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from dynamo.runtime import naming
+from dynamo.runtime.errors import RuntimeClosedError
+
+log = logging.getLogger(__name__)
+
+Receiver = Callable[[Msg], None]
+"""Called (on the event loop, in arrival order) with each message of one stream."""
+
+
+class Inbox:
+    """Routes messages arriving on this process's inbox to the stream they belong to."""
+
+    def __init__(self, token: str) -> None:
+        self.prefix = naming.inbox_prefix(token)
+        self._receivers: dict[str, Receiver] = {}
+        self._counter = 0
+        self._subscription: Subscription | None = None
+        self._closed = False
+
+    async def start(self, nc: NatsClient) -> None:
+        """Subscribe to the whole inbox (nats-py restores it after a reconnect)."""
+        self._subscription = await nc.subscribe(self.prefix + "*", cb=self._on_message)
+
+    def open(self, receiver: Receiver) -> str:
+        """A fresh reply subject whose messages go to `receiver` until `close`.
+        Raises `RuntimeClosedError` once the runtime shut down."""
+        if self._closed:
+            raise RuntimeClosedError("the runtime is shut down")
+        self._counter += 1
+        token = format(self._counter, "x")
+        self._receivers[token] = receiver
+        return self.prefix + token
+
+    def close(self, reply: str) -> None:
+        """Stop delivering `reply`'s messages (late ones are dropped). Idempotent."""
+        self._receivers.pop(reply[len(self.prefix) :], None)
+
+    def close_all(self) -> None:
+        """The runtime is shutting down: forget every stream and refuse new ones."""
+        self._closed = True
+        self._receivers.clear()
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._receivers)
+
+    async def _on_message(self, msg: Msg) -> None:
+        receiver = self._receivers.get(msg.subject[len(self.prefix) :])
+        if receiver is None:
+            log.debug("message on closed inbox subject %s dropped", msg.subject)
+            return
+        receiver(msg)
