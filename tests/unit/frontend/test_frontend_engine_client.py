@@ -1,5 +1,7 @@
-"""`RuntimeEngineClient` over a stand-in for `dynamo.runtime.Client`: placement retries,
-error mapping, cancellation and router bookkeeping."""
+"""`RuntimeEngineClient` over a stand-in for `dynamo.runtime.Client`: every placement
+through the router, re-placement that avoids the instance that failed, error mapping,
+cancellation and router bookkeeping. (The real `Client` is tested against a real
+nats-server in tests/integration.)"""
 
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ from dynamo.frontend.engine_client import (
     EngineUnavailableError,
     RuntimeEngineClient,
 )
-from dynamo.frontend.routing import RandomRouter
 from dynamo.llm.protocols import (
     CompletionUsage,
     FinishReason,
@@ -22,13 +23,15 @@ from dynamo.llm.protocols import (
     PromptTokensDetails,
     StopConditions,
 )
+from dynamo.llm.router import RandomRouter, RoundRobinRouter
 from dynamo.runtime import InstanceGoneError, NoInstancesError, RemoteError, StreamTimeoutError
 
 
 class FakeStream:
-    """A response stream scripted as a list of outputs and exceptions."""
+    """A response stream to one instance, scripted as a list of outputs and exceptions."""
 
-    def __init__(self, items: list[Any]) -> None:
+    def __init__(self, instance_id: int, items: list[Any]) -> None:
+        self.instance_id = instance_id
         self._items: Iterator[Any] = iter(items)
         self.closed = False
 
@@ -46,28 +49,27 @@ class FakeStream:
 
 
 class FakeClient:
+    """Answers `direct` with the next scripted stream; `routable_ids` is `ids`."""
+
     def __init__(self, scripts: list[list[Any]], ids: list[int] | None = None) -> None:
         self._scripts = iter(scripts)
         self.ids = [1, 2] if ids is None else ids
-        self.sent: list[tuple[str, int | None]] = []
+        self.sent: list[tuple[str, int]] = []
         self.requests: list[PreprocessedRequest] = []
         self.streams: list[FakeStream] = []
 
     def instance_ids(self) -> list[int]:
         return list(self.ids)
 
-    def round_robin(self, request: Any, **kwargs: Any) -> FakeStream:
-        self.requests.append(request)
-        return self._send(None, kwargs)
+    def routable_ids(self) -> list[int]:
+        return list(self.ids)
 
     def direct(self, request: Any, instance_id: int, **kwargs: Any) -> FakeStream:
-        self.requests.append(request)
-        return self._send(instance_id, kwargs)
-
-    def _send(self, target: int | None, kwargs: dict[str, Any]) -> FakeStream:
+        assert instance_id in self.ids, "the router picks among the routable instances"
         assert kwargs["response_type"] is LLMEngineOutput
-        self.sent.append((kwargs["request_id"], target))
-        stream = FakeStream(next(self._scripts))
+        self.requests.append(request)
+        self.sent.append((kwargs["request_id"], instance_id))
+        stream = FakeStream(instance_id, next(self._scripts))
         self.streams.append(stream)
         return stream
 
@@ -99,6 +101,10 @@ async def _collect(client: RuntimeEngineClient) -> list[LLMEngineOutput]:
     return [out async for out in client.generate(_request())]
 
 
+def _client(fake: FakeClient, **kwargs: Any) -> RuntimeEngineClient:
+    return RuntimeEngineClient(fake, RoundRobinRouter(), **kwargs)
+
+
 async def test_outputs_stream_through_and_the_router_is_told() -> None:
     fake = FakeClient([[LLMEngineOutput(token_ids=[5]), DONE]])
     router = BookkeepingRouter()
@@ -109,17 +115,28 @@ async def test_outputs_stream_through_and_the_router_is_told() -> None:
     assert fake.streams[0].closed
 
 
-async def test_worker_gone_before_first_output_is_retried() -> None:
+async def test_worker_gone_before_first_output_is_placed_again_elsewhere() -> None:
     fake = FakeClient([[InstanceGoneError(1)], [DONE]])
-    outputs = await _collect(RuntimeEngineClient(fake))
+    outputs = await _collect(_client(fake))
     assert outputs == [DONE]
     assert len(fake.sent) == 2
+    first, second = fake.sent[0][1], fake.sent[1][1]
+    assert first != second, "the instance the request was lost on is not offered again"
+
+
+async def test_every_instance_lost_before_output_is_unavailable() -> None:
+    """One instance, gone before its first output: no other candidate, so 503 rather
+    than sending to the same dead worker again."""
+    fake = FakeClient([[InstanceGoneError(1)], [DONE]], ids=[1])
+    with pytest.raises(EngineUnavailableError):
+        await _collect(_client(fake))
+    assert fake.sent == [("req", 1)]
 
 
 async def test_worker_gone_after_output_is_a_failure() -> None:
     fake = FakeClient([[LLMEngineOutput(token_ids=[5]), InstanceGoneError(1)]])
     with pytest.raises(EngineFailedError, match="worker lost"):
-        await _collect(RuntimeEngineClient(fake))
+        await _collect(_client(fake))
     assert len(fake.sent) == 1
 
 
@@ -134,13 +151,13 @@ async def test_worker_gone_after_output_is_a_failure() -> None:
 async def test_runtime_errors_are_mapped(error: Exception, expected: type) -> None:
     fake = FakeClient([[error]] * 3)
     with pytest.raises(expected):
-        await _collect(RuntimeEngineClient(fake))
+        await _collect(_client(fake))
 
 
 async def test_no_instances_is_unavailable_without_sending() -> None:
     fake = FakeClient([], ids=[])
     with pytest.raises(EngineUnavailableError):
-        await _collect(RuntimeEngineClient(fake))
+        await _collect(_client(fake))
     assert fake.sent == []
 
 
@@ -191,6 +208,7 @@ async def test_migration_continues_on_another_worker_with_the_generated_tokens()
     assert usage.prompt_tokens_details.cached_tokens == 2
     assert client.migrations == 1
     assert router.finished == ["req", "req"]
+    assert fake.sent[0][1] != fake.sent[1][1], "migration goes to another instance"
 
 
 async def test_migration_limit_is_respected() -> None:
@@ -200,7 +218,7 @@ async def test_migration_limit_is_respected() -> None:
             [LLMEngineOutput(token_ids=[11]), InstanceGoneError(2)],
         ]
     )
-    client = RuntimeEngineClient(fake, migration_limit=1)
+    client = _client(fake, migration_limit=1)
     with pytest.raises(EngineFailedError, match="worker lost"):
         await _collect(client)
     assert len(fake.sent) == 2 and client.migrations == 1

@@ -7,9 +7,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from dynamo.frontend.engine_client import EngineFailedError, InMemoryEngineClient
+from dynamo.frontend.engine_client import EngineFailedError
 from dynamo.frontend.engine_stream import EngineStream
 from dynamo.llm.protocols import FinishReason, LLMEngineOutput, PreprocessedRequest
+from dynamo.testing.engines import InMemoryEngineClient
 
 
 def _request(rid: str = "r") -> PreprocessedRequest:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ import pytest
 from frontend_support import MODEL, make_card
 
 from dynamo.frontend.disagg import DisaggregatedEngineClient, prefill_leg
-from dynamo.frontend.engine_client import EngineFailedError, InMemoryEngineClient
+from dynamo.frontend.engine_client import EngineFailedError
 from dynamo.frontend.model_registry import ModelManager
 from dynamo.frontend.preprocessor import Preprocessor
 from dynamo.llm.protocols import (
@@ -20,6 +21,7 @@ from dynamo.llm.protocols import (
     PreprocessedRequest,
     WorkerType,
 )
+from dynamo.testing.engines import InMemoryEngineClient
 
 
 class Clients:
@@ -125,6 +127,40 @@ async def test_prefill_workers_put_a_disaggregated_client_in_front(manager: Any)
     assert model.engine.decode is clients.built[("dynamo", "backend", "generate")]
     await mgr.remove_instance(7)
     assert model.engine is clients.built[("dynamo", "backend", "generate")]
+
+
+async def test_a_waiting_request_is_woken_when_an_instance_becomes_ready(manager: Any) -> None:
+    """`wait_for_workers` waits on the endpoint's instance changes, not a poll: it
+    returns as soon as the worker is back, long before its timeout."""
+    mgr, _ = manager
+    clients = Clients()
+    model = await mgr.add_instance(make_card(1), "/t", clients)
+    client = clients.built[("dynamo", "backend", "generate")]
+    client.set_instance_ids([])
+    assert not model.has_workers()
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.05, client.set_instance_ids, [1])
+    started = loop.time()
+    assert await mgr.wait_for_workers(MODEL, timeout=30.0) is model
+    assert loop.time() - started < 5.0
+
+
+async def test_waiting_for_a_model_that_appears(manager: Any) -> None:
+    mgr, _ = manager
+    waiter = asyncio.create_task(mgr.wait_for_workers(MODEL, timeout=30.0))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    model = await mgr.add_instance(make_card(1), "/t", Clients())
+    assert await asyncio.wait_for(waiter, 5.0) is model
+
+
+async def test_waiting_gives_up_after_the_timeout(manager: Any) -> None:
+    mgr, _ = manager
+    clients = Clients()
+    await mgr.add_instance(make_card(1), "/t", clients)
+    clients.built[("dynamo", "backend", "generate")].set_instance_ids([])
+    assert await mgr.wait_for_workers(MODEL, timeout=0.05) is None
+    assert await mgr.wait_for_workers("no-such-model", timeout=0.05) is None
 
 
 # ---------------------------------------------------------------------- disaggregation

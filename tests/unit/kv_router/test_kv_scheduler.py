@@ -10,11 +10,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from dynamo.frontend.routing import Router
 from dynamo.llm.kv_router.hashing import compute_block_hashes
 from dynamo.llm.kv_router.scheduler import (
     KvScheduler,
-    WorkerConfig,
+    KvWorkerSpec,
     WorkerScore,
     build_kv_router,
     choose,
@@ -30,6 +29,7 @@ from dynamo.llm.protocols import (
     RoutingHints,
     SpeculativeInfo,
 )
+from dynamo.llm.router import Router
 
 B = 16
 PROMPT = list(range(1000, 1064))  # exactly 4 blocks
@@ -81,9 +81,9 @@ async def test_select_keeps_existing_routing_hints() -> None:
 
 def test_deeper_speculation_looks_fuller() -> None:
     scheduler = KvScheduler(B, rng=random.Random(0))
-    scheduler.update_worker(WorkerConfig(1, B))
+    scheduler.update_worker(KvWorkerSpec(1, B))
     scheduler.update_worker(
-        WorkerConfig(2, B, SpeculativeInfo(method="eagle3", num_speculative_tokens=4))
+        KvWorkerSpec(2, B, SpeculativeInfo(method="eagle3", num_speculative_tokens=4))
     )
     scores = {s.worker_id: s for s in scheduler.score(PROMPT, [1, 2])}
     assert scores[1].active_blocks == 4  # 64 tokens, no slots ahead
@@ -230,10 +230,10 @@ async def test_feeds_apply_events_cards_and_metrics() -> None:
         yield "garbage"  # logged and skipped, the feed keeps going
         yield LoadMetrics(worker_id=1, active_blocks=1)
 
-    router = build_kv_router(card(1), sources=[source()])  # type: ignore[list-item]
-    await asyncio.wait_for(asyncio.gather(*router._feeds), 1.0)
+    router = build_kv_router(card(1))
+    await asyncio.wait_for(router.feed(source()), 1.0)  # type: ignore[arg-type]
     assert router.scheduler.indexer.find_matches_for_tokens(PROMPT).scores == {2: 4}
-    assert router.scheduler.worker_config(2).num_speculative_tokens(1) == 3
+    assert router.scheduler.worker_spec(2).num_speculative_tokens(1) == 3
     await router.close()
     with pytest.raises(RuntimeError):
         router.feed(source())  # type: ignore[arg-type]
@@ -246,8 +246,8 @@ async def test_close_cancels_endless_feeds() -> None:
         await never.wait()
         yield RouterEvent(1, 0, KvBlockStored(block_hashes=[]))
 
-    router = build_kv_router(card(1), sources=[endless()])
-    (task,) = list(router._feeds)
+    router = build_kv_router(card(1))
+    task = router.feed(endless())
     await router.close()
     assert task.cancelled()
 

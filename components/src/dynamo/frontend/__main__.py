@@ -12,16 +12,17 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import prometheus_client
+import uvloop
 
 from dynamo.frontend.disagg import DEFAULT_PREFILL_TIMEOUT_S
 from dynamo.frontend.frontend import FrontendConfig, default_tokenizer_cache, run_frontend
 from dynamo.frontend.http_server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_WORKER_WAIT_S
-from dynamo.frontend.routing import RouterMode, RouterUnavailableError
+from dynamo.frontend.routing import RouterMode
+from dynamo.runtime.cli import non_negative_float, port, positive_float, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--http-host", default="0.0.0.0", help="Address the HTTP server binds to.")
-    parser.add_argument("--http-port", type=int, default=8000, help="TCP port of the HTTP server.")
+    parser.add_argument("--http-port", type=port, default=8000, help="TCP port of the HTTP server.")
     parser.add_argument(
         "--namespace",
         default="dynamo",
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--kv-overlap-score-weight",
-        type=float,
+        type=non_negative_float,
         default=1.0,
         help=(
             "kv mode: weight of the prompt blocks a worker would still have to prefill, "
@@ -66,13 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--router-temperature",
-        type=float,
+        type=non_negative_float,
         default=0.0,
         help="kv mode: softmax temperature over worker costs; 0 always picks the cheapest.",
     )
     parser.add_argument(
         "--max-request-bytes",
-        type=int,
+        type=positive_int,
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="Largest accepted request body; larger ones get HTTP 413.",
     )
@@ -84,14 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--prefill-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=DEFAULT_PREFILL_TIMEOUT_S,
         help="Seconds a disaggregated request waits for its prefill worker before the decode "
         "worker prefills it itself (counted in dynamo_frontend_prefill_fallbacks_total).",
     )
     parser.add_argument(
         "--worker-wait-timeout",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=DEFAULT_WORKER_WAIT_S,
         help="Seconds a request for a served model waits for a ready worker (one restarting, "
         "a late lease heartbeat) before it fails with 503; 0 fails at once.",
@@ -103,27 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="Log verbosity; $DYN_LOG overrides the default.",
     )
     return parser
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-
-
-def _positive_float(text: str) -> float:
-    value = _float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
 
 
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
@@ -151,15 +131,6 @@ async def _serve(config: FrontendConfig) -> None:
     await run_frontend(config, stop)
 
 
-def _event_loop_runner() -> Callable[[Coroutine[Any, Any, None]], None]:
-    """uvloop when installed (faster socket I/O for many streams), else asyncio."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run
-    return uvloop.run
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -172,11 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # library code that tests embed.
     prometheus_client.disable_created_metrics()
     config = config_from_args(args)
-    try:
-        _event_loop_runner()(_serve(config))
-    except RouterUnavailableError as exc:
-        logging.getLogger("dynamo.frontend").error("--router-mode %s: %s", args.router_mode, exc)
-        return 2
+    uvloop.run(_serve(config))  # faster socket I/O than asyncio's loop for many streams
     return 0
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 import msgspec
 
@@ -52,7 +52,7 @@ class DisaggregatedEngineClient:
     def instance_ids(self) -> list[int]:
         return self.decode.instance_ids()
 
-    async def generate(self, request: PreprocessedRequest) -> AsyncIterator[LLMEngineOutput]:
+    async def generate(self, request: PreprocessedRequest) -> AsyncGenerator[LLMEngineOutput, None]:
         result = await self._prefill(request)
         decode_request = msgspec.structs.replace(request, prefill_result=result)
         stream = self.decode.generate(decode_request)
@@ -60,7 +60,7 @@ class DisaggregatedEngineClient:
             async for output in stream:
                 yield output
         finally:
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
 
     async def close(self) -> None:
         """Nothing to release: both legs' clients belong to the model registry."""
@@ -87,7 +87,7 @@ class DisaggregatedEngineClient:
         except (EngineUnavailableError, EngineFailedError) as exc:
             return self._fallback(request, str(exc))
         finally:
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
         if not params:
             return self._fallback(request, "prefill worker returned no transfer parameters")
         self.remote_prefills += 1

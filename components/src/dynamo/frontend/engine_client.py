@@ -1,28 +1,41 @@
-"""How the frontend talks to an engine: the `EngineClient` interface and its two
-implementations.
+"""How the frontend talks to an engine: the `EngineClient` interface and its
+implementation over the runtime.
 
 `generate(request)` is an async generator of `LLMEngineOutput`s; closing it early (or
 cancelling the task iterating it) cancels the request on the worker. The HTTP layer only
 sees this interface and the two exceptions below, never the transport's own errors.
 
-- `RuntimeEngineClient`: the real one, over `dynamo.runtime.Client` (NATS), with a
-  `Router` choosing the instance.
-- `InMemoryEngineClient`: calls a Python handler in-process; used by unit tests of the
-  HTTP/preprocessing/streaming logic so they need no broker.
+`RuntimeEngineClient` serves one worker endpoint over `dynamo.runtime.Client` (NATS). It
+is the one layer that decides where a request goes *again*: every placement, the first
+one, a re-placement after a worker vanished before its first output, and a migration
+mid-stream, asks the endpoint's `Router` and sends with `Client.direct`. The runtime
+itself never retries. (`dynamo.testing.engines.InMemoryEngineClient` is the in-process
+stand-in the HTTP tests use.)
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, Callable
+from typing import Protocol
 
 import msgspec
 
-from dynamo.frontend.routing import RoundRobinRouter, Router
 from dynamo.llm.protocols import LLMEngineOutput, PreprocessedRequest
+from dynamo.llm.router import Router
+from dynamo.runtime import (
+    Client,
+    DynamoRuntimeError,
+    InstanceGoneError,
+    NoInstancesError,
+    RemoteError,
+    ResponseStream,
+)
 
 log = logging.getLogger(__name__)
+
+InstancesListener = Callable[[], None]
+"""Called with no arguments whenever an endpoint's set of ready instances changes."""
 
 
 class EngineUnavailableError(Exception):
@@ -34,13 +47,29 @@ class EngineFailedError(Exception):
 
 
 class EngineClient(Protocol):
-    def generate(self, request: PreprocessedRequest) -> AsyncIterator[LLMEngineOutput]:
+    """Where a model's requests go: one worker endpoint, or a composition of several
+    (prefill in front of decode)."""
+
+    def generate(self, request: PreprocessedRequest) -> AsyncGenerator[LLMEngineOutput, None]:
         """Stream the engine's outputs; `aclose()` before the end cancels on the worker."""
         ...
 
-    def instance_ids(self) -> list[int]: ...
+    def instance_ids(self) -> list[int]:
+        """The workers that could take a request now (empty: 503)."""
+        ...
 
     async def close(self) -> None: ...
+
+
+class EndpointClient(EngineClient, Protocol):
+    """The engine client of one worker endpoint, placing requests through its router."""
+
+    @property
+    def router(self) -> Router: ...
+
+    def on_instances_changed(self, listener: InstancesListener) -> None:
+        """Call `listener()` whenever the endpoint's ready instances change."""
+        ...
 
 
 # Attempts to place a request when its worker vanishes before producing any output.
@@ -48,34 +77,22 @@ MAX_PLACEMENT_ATTEMPTS = 3
 
 
 class RuntimeEngineClient:
-    """`EngineClient` over a `dynamo.runtime.Client` of one model endpoint.
+    """`EndpointClient` over the runtime `Client` of one model endpoint.
 
     A request whose worker disappears before the first output is re-placed on another
     instance (nothing was streamed yet, so the client cannot tell). A worker lost after
     that is survived by *migration*, up to `migration_limit` times (the workers'
     `--migration-limit`, advertised on their model card): the request continues on another
     instance with the tokens generated so far appended to the prompt, so the client sees
-    one uninterrupted stream. With no migrations left a lost worker is an error.
+    one uninterrupted stream. With no migrations left a lost worker is an error. An
+    instance that failed a request is not offered to the router again for that request.
     """
 
-    def __init__(
-        self, client: Any, router: Router | None = None, *, migration_limit: int = 0
-    ) -> None:
-        from dynamo.runtime import (
-            DynamoRuntimeError,
-            InstanceGoneError,
-            NoInstancesError,
-            RemoteError,
-        )
-
+    def __init__(self, client: Client, router: Router, *, migration_limit: int = 0) -> None:
         self._client = client
-        self._router: Router = router or RoundRobinRouter()
+        self._router = router
         self.migration_limit = max(0, migration_limit)
         self.migrations = 0  # performed, for metrics and tests
-        self._no_instances = NoInstancesError
-        self._gone = InstanceGoneError
-        self._remote = RemoteError
-        self._runtime_error = DynamoRuntimeError
 
     @property
     def router(self) -> Router:
@@ -84,14 +101,18 @@ class RuntimeEngineClient:
     def instance_ids(self) -> list[int]:
         return self._client.instance_ids()
 
-    async def generate(self, request: PreprocessedRequest) -> AsyncIterator[LLMEngineOutput]:
+    def on_instances_changed(self, listener: InstancesListener) -> None:
+        self._client.add_listener(lambda _ready: listener())
+
+    async def generate(self, request: PreprocessedRequest) -> AsyncGenerator[LLMEngineOutput, None]:
         generated: list[int] = []  # tokens streamed to the caller so far, over all legs
+        failed: set[int] = set()  # instances this request was lost on
         leg = request
         placements = migrations = 0
         while True:
             produced_here = False
             already = len(generated)
-            stream = await self._open(leg)
+            stream = await self._place(leg, failed, resuming=bool(generated))
             try:
                 async for output in stream:
                     if not produced_here:
@@ -102,12 +123,14 @@ class RuntimeEngineClient:
                         _account_for_migration(output, len(request.token_ids), already)
                     yield output
                 return
-            except self._gone as exc:
+            except InstanceGoneError as exc:
+                failed.add(stream.instance_id)
                 if not generated and placements + 1 < MAX_PLACEMENT_ATTEMPTS:
                     placements += 1
                     log.warning(
-                        "request %s: worker gone before first output, retrying", request.request_id
-                    )
+                        "request %s: worker gone before first output (%s), placing it again",
+                        request.request_id, exc,
+                    )  # fmt: skip
                 elif generated and migrations < self.migration_limit:
                     migrations += 1
                     self.migrations += 1
@@ -118,29 +141,33 @@ class RuntimeEngineClient:
                     )  # fmt: skip
                 else:
                     raise EngineFailedError(f"worker lost during the request: {exc}") from exc
-            except self._no_instances as exc:
+            except NoInstancesError as exc:
                 if generated:
                     raise EngineFailedError(
                         f"worker lost and no instance to continue on: {exc}"
                     ) from exc
                 raise EngineUnavailableError(str(exc)) from exc
-            except self._remote as exc:
-                raise EngineFailedError(getattr(exc, "message", str(exc))) from exc
-            except self._runtime_error as exc:  # timeouts, protocol errors, shutdown
+            except RemoteError as exc:
+                raise EngineFailedError(exc.message) from exc
+            except DynamoRuntimeError as exc:  # timeouts, protocol errors, shutdown
                 raise EngineFailedError(f"{type(exc).__name__}: {exc}") from exc
             finally:
                 await stream.aclose()
                 self._router.on_finished(leg.request_id)
 
-    async def _open(self, request: PreprocessedRequest) -> Any:
-        ids = self._client.instance_ids()
-        if not ids:
+    async def _place(
+        self, request: PreprocessedRequest, failed: set[int], *, resuming: bool
+    ) -> ResponseStream[LLMEngineOutput]:
+        """Ask the router where `request` goes among the routable instances it was not
+        lost on, and open the stream there (nothing is sent until it is iterated)."""
+        candidates = [i for i in self._client.routable_ids() if i not in failed]
+        if not candidates:
+            if resuming:
+                raise EngineFailedError(
+                    f"worker lost and no other instance of {request.model} to continue on"
+                )
             raise EngineUnavailableError(f"no instances serve model {request.model}")
-        target = await self._router.select(request, ids)
-        if target is None:
-            return self._client.round_robin(
-                request, response_type=LLMEngineOutput, request_id=request.request_id
-            )
+        target = await self._router.select(request, candidates)
         return self._client.direct(
             request, target, response_type=LLMEngineOutput, request_id=request.request_id
         )
@@ -179,51 +206,3 @@ def _account_for_migration(output: LLMEngineOutput, prompt_len: int, carried: in
     details = usage.prompt_tokens_details
     if details is not None:
         details.cached_tokens = min(details.cached_tokens, prompt_len)
-
-
-# An in-process engine: receives the request, yields outputs.
-EngineHandler = Callable[[PreprocessedRequest], AsyncIterator[LLMEngineOutput]]
-
-
-class InMemoryEngineClient:
-    """`EngineClient` that runs `handler` in the caller's event loop.
-
-    Records every request it received and which streams were closed before they ended,
-    so tests can assert on cancellation.
-    """
-
-    def __init__(self, handler: EngineHandler, instance_ids: list[int] | None = None) -> None:
-        self._handler = handler
-        self._instance_ids = instance_ids if instance_ids is not None else [1]
-        self.requests: list[PreprocessedRequest] = []
-        self.cancelled: list[str] = []
-        self.completed: list[str] = []
-
-    def instance_ids(self) -> list[int]:
-        return list(self._instance_ids)
-
-    def set_instance_ids(self, instance_ids: list[int]) -> None:
-        """Workers come and go (an empty list: none can take a request)."""
-        self._instance_ids = list(instance_ids)
-
-    async def generate(self, request: PreprocessedRequest) -> AsyncIterator[LLMEngineOutput]:
-        if not self._instance_ids:
-            raise EngineUnavailableError(f"no instances serve model {request.model}")
-        self.requests.append(request)
-        stream = self._handler(request)
-        finished = False
-        try:
-            async for output in stream:
-                yield output
-            finished = True
-        finally:
-            if finished:
-                self.completed.append(request.request_id)
-            else:
-                self.cancelled.append(request.request_id)
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-    async def close(self) -> None:
-        self.set_instance_ids([])

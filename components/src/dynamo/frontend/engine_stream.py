@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from dynamo.llm.protocols import LLMEngineOutput
 
@@ -36,7 +36,7 @@ class EngineStream:
     exception the engine stream raised (after delivering the outputs before it).
     """
 
-    def __init__(self, outputs: AsyncIterator[LLMEngineOutput]) -> None:
+    def __init__(self, outputs: AsyncGenerator[LLMEngineOutput, None]) -> None:
         self._outputs = outputs
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._reader = asyncio.ensure_future(self._read())
@@ -83,7 +83,5 @@ class EngineStream:
             self._reader.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self._reader
-        aclose = getattr(self._outputs, "aclose", None)
-        if aclose is not None:
-            with contextlib.suppress(Exception):
-                await aclose()
+        with contextlib.suppress(Exception):
+            await self._outputs.aclose()

@@ -1,15 +1,11 @@
 """Glue between the distributed runtime (NATS) and the frontend's own parts.
 
-This is the only frontend module that touches `dynamo.runtime` and the model-card watcher;
-everything else is tested without a broker. It connects to NATS, turns model-card events
-into `ModelManager` calls (fetching each model's tokenizer files once) and builds one
-`RuntimeEngineClient` (with the configured router) per worker endpoint.
-
-Runtime API it relies on (provided by `dynamo.runtime` / `dynamo.llm.model_card`):
-`await DistributedRuntime.connect(url)`,
-`await runtime.namespace(ns).component(c).endpoint(e).client()`,
-`ModelCardWatcher(runtime, namespace)` (async iterator of `CardAdded(card)` /
-`CardRemoved(card)`), `await fetch_tokenizer_files(runtime, card, dest_dir) -> Path`.
+This is the only frontend module that connects to NATS and watches model cards;
+everything else is tested without a broker. It turns model-card events
+(`dynamo.llm.model_card.ModelCardWatcher`) into `ModelManager` calls (fetching each
+model's tokenizer files once, `fetch_tokenizer_files`), builds one `RuntimeEngineClient`
+(with the configured `Router`) per worker endpoint, and tells each endpoint's router of
+the workers that come and go.
 """
 
 from __future__ import annotations
@@ -20,19 +16,26 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from dynamo.frontend.disagg import DEFAULT_PREFILL_TIMEOUT_S
-from dynamo.frontend.engine_client import EngineClient, RuntimeEngineClient
+from dynamo.frontend.engine_client import EndpointClient, RuntimeEngineClient
 from dynamo.frontend.http_server import (
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_WORKER_WAIT_S,
     HttpService,
 )
 from dynamo.frontend.metrics import FrontendMetrics
-from dynamo.frontend.model_registry import ModelManager, WorkerEndpoint, endpoint_key
+from dynamo.frontend.model_registry import ModelManager, endpoint_key
 from dynamo.frontend.routing import RouterFactory, RouterMode, make_router_factory
+from dynamo.llm.model_card import (
+    CardAdded,
+    CardEvent,
+    CardRemoved,
+    ModelCardWatcher,
+    fetch_tokenizer_files,
+)
 from dynamo.llm.protocols import ModelCard
+from dynamo.runtime import DistributedRuntime
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +66,7 @@ class ModelCardSync:
 
     def __init__(
         self,
-        runtime: Any,
+        runtime: DistributedRuntime,
         manager: ModelManager,
         router_factory: RouterFactory,
         tokenizer_cache: Path,
@@ -76,8 +79,6 @@ class ModelCardSync:
     async def run(self, namespace: str) -> None:
         """Apply card events until cancelled. Events are applied in order (an instance's
         removal must not overtake its addition); a failing event is logged and skipped."""
-        from dynamo.llm.model_card import ModelCardWatcher
-
         watcher = await ModelCardWatcher(self._runtime, namespace).start()
         try:
             async for event in watcher:
@@ -88,32 +89,29 @@ class ModelCardSync:
         finally:
             await watcher.close()
 
-    async def apply(self, event: Any) -> None:
-        from dynamo.llm.model_card import CardAdded, CardRemoved
-
-        card: ModelCard = event.card
+    async def apply(self, event: CardEvent) -> None:
+        card = event.card
         if isinstance(event, CardAdded):
             model = await self._manager.add_instance(
                 card, self._tokenizer_source(card), self._engine_client
             )
-            _tell_router(model.endpoints.get(endpoint_key(card)), "update_card", card)
+            model.endpoints[endpoint_key(card)].client.router.update_card(card)
         elif isinstance(event, CardRemoved):
             model = self._manager.get(card.name)
             endpoint = model.endpoints.get(endpoint_key(card)) if model else None
-            _tell_router(endpoint, "remove_worker", card.instance_id)
+            if endpoint is not None:
+                endpoint.client.router.remove_worker(card.instance_id)
             await self._manager.remove_instance(card.instance_id, card.name)
 
     def _tokenizer_source(self, card: ModelCard) -> Callable[[], Awaitable[Path]]:
         """Fetches the tokenizer files only if the manager needs them (first instance)."""
 
         async def fetch() -> Path:
-            from dynamo.llm.model_card import fetch_tokenizer_files
-
             return Path(await fetch_tokenizer_files(self._runtime, card, self._cache))
 
         return fetch
 
-    async def _engine_client(self, card: ModelCard) -> EngineClient:
+    async def _engine_client(self, card: ModelCard) -> EndpointClient:
         endpoint = (
             self._runtime.namespace(card.namespace)
             .component(card.component)
@@ -124,19 +122,8 @@ class ModelCardSync:
         return RuntimeEngineClient(client, router, migration_limit=card.migration_limit)
 
 
-def _tell_router(endpoint: WorkerEndpoint | None, method: str, arg: Any) -> None:
-    """Keep a router that tracks workers (the KV router) informed of instances coming
-    and going; stateless routers have no such method."""
-    router = getattr(endpoint.client, "router", None) if endpoint is not None else None
-    hook = getattr(router, method, None)
-    if hook is not None:
-        hook(arg)
-
-
 async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set (or forever): connect, watch cards, serve HTTP."""
-    from dynamo.runtime import DistributedRuntime
-
     stop = stop or asyncio.Event()
     runtime = await DistributedRuntime.connect(
         config.nats_server, name="frontend", wait_for_server=30
@@ -157,7 +144,7 @@ async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None
     try:
         router_factory = make_router_factory(
             config.router_mode,
-            runtime=runtime,
+            runtime,
             kv_overlap_score_weight=config.kv_overlap_score_weight,
             router_temperature=config.router_temperature,
         )
@@ -189,6 +176,6 @@ async def _wait_either(stop: asyncio.Event, watcher: asyncio.Task[None]) -> None
         raise RuntimeError("model card watcher failed") from watcher.exception()
 
 
-async def _close_runtime(runtime: Any) -> None:
+async def _close_runtime(runtime: DistributedRuntime) -> None:
     with contextlib.suppress(Exception):
         await runtime.shutdown(drain_timeout=0)

@@ -64,10 +64,6 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 # model can be momentarily without one: a worker restarting, a heartbeat that arrived
 # late on a loaded host, the first instance of an endpoint still being discovered.
 DEFAULT_WORKER_WAIT_S = 5.0
-# How often that wait looks again. Waiting is the rare path, so polling the registry is
-# simpler than threading change events through every engine client, and costs nothing
-# when a worker is there.
-_WORKER_POLL_S = 0.02
 _READ_CHUNK = 256 * 1024
 # Longest wait for a request body to arrive completely.
 BODY_READ_TIMEOUT_S = 30.0
@@ -238,10 +234,9 @@ class HttpService:
         for model in sorted(self.manager.models(), key=lambda m: m.name):
             routers = {}
             for key, endpoint in model.endpoints.items():
-                router = getattr(endpoint.client, "router", None)
-                debug_state = getattr(router, "debug_state", None)
-                if debug_state is not None:
-                    routers["/".join(key)] = debug_state()
+                state = endpoint.client.router.debug_state()
+                if state:
+                    routers["/".join(key)] = state
             models[model.name] = routers
         return json_response(msgspec.json.encode({"models": models}))
 
@@ -252,7 +247,7 @@ class HttpService:
         stops sending mid-body gets a 408 instead of holding the handler forever."""
         try:
             return await asyncio.wait_for(self._read_limited(request), BODY_READ_TIMEOUT_S)
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise request_timeout() from exc
 
     async def _read_limited(self, request: web.Request) -> bytes:
@@ -298,13 +293,10 @@ class HttpService:
             return model
         loop = asyncio.get_running_loop()
         start = loop.time()
-        current: ServedModel | None = model
-        while current is None or not current.has_workers():
-            if loop.time() - start >= self.worker_wait_s:
-                log.warning("no worker for %s after %.1fs: 503", model.name, self.worker_wait_s)
-                raise no_workers(model.name)
-            await asyncio.sleep(_WORKER_POLL_S)
-            current = self.manager.get(model.name)
+        current = await self.manager.wait_for_workers(model.name, self.worker_wait_s)
+        if current is None:
+            log.warning("no worker for %s after %.1fs: 503", model.name, self.worker_wait_s)
+            raise no_workers(model.name)
         log.info("a request for %s waited %.2fs for a worker", model.name, loop.time() - start)
         return current
 

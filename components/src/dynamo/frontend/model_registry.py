@@ -7,9 +7,14 @@ appears with its first worker and disappears with its last. Where the events com
 without a broker.
 
 Per model it keeps the preprocessor (tokenizer loaded once, from the first card) and one
-`EngineClient` per worker endpoint (namespace/component/endpoint); the client of the
+`EndpointClient` per worker endpoint (namespace/component/endpoint); the client of the
 aggregated or decode endpoint serves requests, wrapped for disaggregated serving when the
 model also has prefill workers.
+
+It also tells waiters when anything that decides "can this model take a request now"
+changes (an instance registered, left, or its endpoint's ready set moved), so a request
+that arrives while a model has no ready worker waits on that signal (`wait_for_workers`)
+instead of polling.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dynamo.frontend.disagg import (
     DisaggregatedEngineClient,
     FallbackHook,
 )
-from dynamo.frontend.engine_client import EngineClient
+from dynamo.frontend.engine_client import EndpointClient, EngineClient
 from dynamo.frontend.preprocessor import Preprocessor
 from dynamo.llm.protocols import ModelCard, WorkerType
 
@@ -35,7 +40,7 @@ log = logging.getLogger(__name__)
 EndpointKey = tuple[str, str, str]  # (namespace, component, endpoint)
 
 # Builds the engine client of one worker endpoint, from the card of its first instance.
-EngineClientFactory = Callable[[ModelCard], Awaitable[EngineClient]]
+EngineClientFactory = Callable[[ModelCard], Awaitable[EndpointClient]]
 # A local tokenizer directory, or an async function that fetches one (called only for the
 # first instance of a model, so later instances cost no download).
 TokenizerSource = str | Path | Callable[[], Awaitable[Path]]
@@ -52,7 +57,7 @@ class WorkerEndpoint:
 
     key: EndpointKey
     worker_type: WorkerType
-    client: EngineClient
+    client: EndpointClient
     instance_ids: set[int] = field(default_factory=set)
 
 
@@ -92,6 +97,7 @@ class ModelManager:
         self._models: dict[str, ServedModel] = {}
         self._instance_models: dict[int, set[str]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._changed = asyncio.Event()
 
     # ------------------------------------------------------------------ queries
 
@@ -103,6 +109,25 @@ class ModelManager:
 
     def __contains__(self, name: object) -> bool:
         return name in self._models
+
+    async def wait_for_workers(self, name: str, timeout: float) -> ServedModel | None:
+        """`name` as registered once a worker can take its requests, waiting up to
+        `timeout` seconds for one (a worker restarting, a late lease heartbeat, the first
+        instance of an endpoint still being discovered); None if none became ready."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            model = self._models.get(name)
+            if model is not None and model.has_workers():
+                return model
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            changed = self._changed
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+            except TimeoutError:
+                return None
 
     # ------------------------------------------------------------------ events
 
@@ -152,11 +177,17 @@ class ModelManager:
                 await _close_quietly(endpoint.client)
         self._models.clear()
         self._instance_models.clear()
+        self._notify()
 
     # ------------------------------------------------------------------ internals
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
+
+    def _notify(self) -> None:
+        """Wake every `wait_for_workers` (each re-checks and waits on a fresh event)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     async def _preprocessor(self, card: ModelCard, tokenizer: TokenizerSource) -> Preprocessor:
         directory = Path(await tokenizer()) if callable(tokenizer) else Path(tokenizer)
@@ -169,11 +200,13 @@ class ModelManager:
         endpoint = model.endpoints.get(key)
         if endpoint is None:
             client = await factory(card)
+            client.on_instances_changed(self._notify)
             endpoint = WorkerEndpoint(key=key, worker_type=card.worker_type, client=client)
             model.endpoints[key] = endpoint
         endpoint.instance_ids.add(card.instance_id)
         model.cards[card.instance_id] = card
         _compose_engine(model, self._on_prefill_fallback, self._prefill_timeout_s)
+        self._notify()
 
     async def _detach(self, name: str, instance_id: int) -> bool:
         """Drop one instance of `name`; True when the model went away with it."""
@@ -191,11 +224,12 @@ class ModelManager:
                 del model.endpoints[key]
                 await _close_quietly(endpoint.client)
         _compose_engine(model, self._on_prefill_fallback, self._prefill_timeout_s)
-        if model.cards:
-            return False
-        del self._models[name]
-        log.info("model %s removed: its last worker is gone", name)
-        return True
+        gone = not model.cards
+        if gone:
+            del self._models[name]
+            log.info("model %s removed: its last worker is gone", name)
+        self._notify()
+        return gone
 
 
 def _compose_engine(
@@ -249,7 +283,7 @@ def _warn_on_mismatch(model: ServedModel, card: ModelCard) -> None:
         )
 
 
-async def _close_quietly(client: EngineClient) -> None:
+async def _close_quietly(client: EndpointClient) -> None:
     try:
         await client.close()
     except Exception as exc:  # a broken client must not stop the others from closing

@@ -5,7 +5,7 @@ only say which blocks are reusable, not which are pinned by running requests. So
 keeps its own books of the requests it sent, and the mocker engine uses the very same
 books to decide what it may publish as ``BlockStored``.
 
-Slot model (DESIGN.md, "Speculative slots"). A request on a worker speculating K draft
+Slot model (docs/architecture.md, "Speculative slots"). A request on a worker speculating K draft
 tokens with block size B, whose context (prompt plus accepted output) is ``ctx`` tokens:
 
 * holds ``ceil((ctx + K) / B)`` blocks: K slots are allocated ahead of the accepted tokens

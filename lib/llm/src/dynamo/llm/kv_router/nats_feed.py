@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
 
 from dynamo.llm.kv_router.membership import DEFAULT_GRACE_S, WorkerMembership
@@ -84,7 +85,7 @@ class KvRouterFeed:
         self.membership = WorkerMembership(grace_s)
         self.stats = FeedStats()
         self._events: StreamSubscription | None = None
-        self._load_sub: Any = None
+        self._load_sub: Subscription | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._replayed = asyncio.Event()
         self._closed = False
@@ -109,7 +110,7 @@ class KvRouterFeed:
         self._sweeper = asyncio.create_task(self._sweep(), name="kv-feed-sweep")
         try:
             await asyncio.wait_for(self._replayed.wait(), replay_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning(
                 "kv router: replay of %s not complete after %.0fs (at #%d of #%d); routing anyway",
                 self._events_filter,

@@ -1,7 +1,7 @@
 """The KV-aware router: pick the worker that makes a request cheapest to serve.
 
-Cost of sending a request to worker w (lower is better, DESIGN.md "KV events and the KV
-router"):
+Cost of sending a request to worker w (lower is better; docs/architecture.md, "The KV
+router's cost"):
 
     cost(w) = overlap_score_weight * blocks_to_prefill(w) + active_blocks(w)
 
@@ -20,9 +20,9 @@ load balance (low: spread decode load). ``router_temperature`` 0 picks the lowes
 (ties broken at random, so equal workers share load); above 0 the choice is sampled from
 ``softmax(-normalised_cost / temperature)``, which spreads bursts of identical requests.
 
-`KvScheduler` is the NATS-free core; `KvRouter` adapts it to the frontend's `Router`
-protocol and is fed cache events, worker cards and load metrics by whoever owns the
-subscriptions (injected async iterables or direct calls).
+`KvScheduler` is the NATS-free core; `KvRouter` implements the `dynamo.llm.router.Router`
+protocol over it and is fed cache events, worker cards and load metrics by whoever owns
+the subscriptions (injected async iterables or direct calls).
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ from dynamo.llm.protocols import (
     RoutingHints,
     SpeculativeInfo,
 )
+from dynamo.llm.router import Router
+from dynamo.runtime.selection import RoundRobin
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +63,7 @@ would charge the worker for load this router knows is gone."""
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerConfig:
+class KvWorkerSpec:
     """What the router must know about a worker: its block size and its speculation."""
 
     worker_id: int
@@ -69,7 +71,7 @@ class WorkerConfig:
     speculative: SpeculativeInfo | None = None
 
     @classmethod
-    def from_card(cls, card: ModelCard, default_block_size: int) -> WorkerConfig:
+    def from_card(cls, card: ModelCard, default_block_size: int) -> KvWorkerSpec:
         """Read the card a worker registered; a card without a block size gets the
         model's (the first card's) block size."""
         return cls(card.instance_id, card.kv_block_size or default_block_size, card.speculative)
@@ -186,7 +188,7 @@ class KvScheduler:
         self.temperature = temperature
         self.sequences = MultiWorkerSequences()
         self._rng = rng or random.Random()
-        self._workers: dict[int, WorkerConfig] = {}
+        self._workers: dict[int, KvWorkerSpec] = {}
         self._metrics: dict[int, tuple[float, LoadMetrics]] = {}
         self._metrics_ttl = load_metrics_ttl_s
         self._hold_off = load_report_hold_off_s
@@ -196,7 +198,7 @@ class KvScheduler:
 
     # ------------------------------------------------------------------ inputs
 
-    def update_worker(self, config: WorkerConfig) -> None:
+    def update_worker(self, config: KvWorkerSpec) -> None:
         """A worker registered or changed its card."""
         if config.block_size != self.block_size:
             log.warning(
@@ -268,10 +270,10 @@ class KvScheduler:
             self._released_at[worker_id] = self._clock()
         return self.sequences.free(request_id)
 
-    def worker_config(self, worker_id: int) -> WorkerConfig:
+    def worker_spec(self, worker_id: int) -> KvWorkerSpec:
         """The worker's config; an unknown worker (no card yet) has no speculation."""
         config = self._workers.get(worker_id)
-        return config if config is not None else WorkerConfig(worker_id, self.block_size)
+        return config if config is not None else KvWorkerSpec(worker_id, self.block_size)
 
     # ------------------------------------------------------------------ views
 
@@ -313,7 +315,7 @@ class KvScheduler:
             "cached_blocks": self.indexer.block_count(worker_id),
             "active_blocks": seqs.active_blocks if seqs is not None else 0,
             "active_requests": seqs.active_requests if seqs is not None else 0,
-            "num_speculative_tokens": speculative_depth(self.worker_config(worker_id).speculative),
+            "num_speculative_tokens": speculative_depth(self.worker_spec(worker_id).speculative),
             "routed": tally.as_dict(),
             "load": self._load_view(worker_id),
         }
@@ -346,7 +348,7 @@ class KvScheduler:
     def _score_worker(
         self, worker_id: int, token_ids: Sequence[int], hashes: list[int], overlap: int
     ) -> WorkerScore:
-        config = self.worker_config(worker_id)
+        config = self.worker_spec(worker_id)
         seqs = self.sequences.ensure_worker(
             worker_id, config.block_size, speculative_depth(config.speculative)
         )
@@ -382,7 +384,7 @@ class KvScheduler:
     def _book(
         self, request_id: str, best: WorkerScore, token_ids: Sequence[int], hashes: list[int]
     ) -> None:
-        config = self.worker_config(best.worker_id)
+        config = self.worker_spec(best.worker_id)
         if config.block_size != self.block_size:
             hashes = compute_block_hashes(token_ids, config.block_size)
         self.sequences.add_request(
@@ -410,8 +412,8 @@ class RouterAttachment(Protocol):
     def debug_state(self) -> dict[str, Any]: ...
 
 
-class KvRouter:
-    """The frontend's `Router` over a `KvScheduler`.
+class KvRouter(Router):
+    """The KV-cache-aware `Router`, over a `KvScheduler`.
 
     Event plumbing is injected: call `apply_event` / `update_load` / `update_card` /
     `remove_worker` from subscriptions, or hand async iterables to `feed`, whose
@@ -420,17 +422,18 @@ class KvRouter:
 
     def __init__(self, scheduler: KvScheduler) -> None:
         self.scheduler = scheduler
+        self._no_tokens = RoundRobin()  # a request without tokens has no prefix to match
         self._feeds: set[asyncio.Task[None]] = set()
         self._attachments: list[RouterAttachment] = []
         self._closed = False
 
     # ------------------------------------------------------------------ Router protocol
 
-    async def select(self, request: PreprocessedRequest, instance_ids: list[int]) -> int | None:
-        """Score the live instances, book the request on the cheapest, and record the
+    async def select(self, request: PreprocessedRequest, instance_ids: Sequence[int]) -> int:
+        """Score the candidates, book the request on the cheapest, and record the
         choice in `request.routing`."""
-        if not instance_ids or not request.token_ids:
-            return None
+        if not request.token_ids:
+            return self._no_tokens.pick(instance_ids)
         decision = self.scheduler.schedule(request.request_id, request.token_ids, instance_ids)
         routing = request.routing if request.routing is not None else RoutingHints()
         routing.backend_instance_id = decision.worker_id
@@ -489,7 +492,7 @@ class KvRouter:
         self.scheduler.update_load(metrics)
 
     def update_card(self, card: ModelCard) -> None:
-        self.scheduler.update_worker(WorkerConfig.from_card(card, self.scheduler.block_size))
+        self.scheduler.update_worker(KvWorkerSpec.from_card(card, self.scheduler.block_size))
 
     def remove_worker(self, worker_id: int) -> None:
         self.scheduler.remove_worker(worker_id)

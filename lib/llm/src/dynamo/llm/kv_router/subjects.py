@@ -15,7 +15,7 @@ Pure string functions: no NATS import, usable by the worker, the frontend and th
 
 from __future__ import annotations
 
-import re
+from dynamo.runtime.naming import check_name, instance_hex
 
 KV_EVENTS_STREAM = "dyn_kv_events"
 """JetStream stream holding every worker's KV events."""
@@ -28,32 +28,19 @@ KV_EVENTS_MAX_AGE_S = 3600.0
 removal, so age-based expiry can forget a cached block (a lost hit) but never keep a
 removed one."""
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 
-
-def _token(kind: str, value: str) -> str:
-    """A namespace/component name as a subject token (no dots or wildcards)."""
-    if not _NAME_RE.match(value):
-        raise ValueError(f"invalid {kind} name {value!r}: use letters, digits, '_' and '-'")
-    return value
-
-
-def _instance(instance_id: int) -> str:
-    """Fixed-width hex, the same form the runtime uses for instance ids in subjects."""
-    return f"{instance_id:016x}"
+def _component_prefix(root: str, namespace: str, component: str) -> str:
+    return f"{root}.{check_name('namespace', namespace)}.{check_name('component', component)}"
 
 
 def kv_events_subject(namespace: str, component: str, instance_id: int) -> str:
     """The JetStream subject one worker publishes its `RouterEvent`s on."""
-    return (
-        f"{KV_EVENTS_ROOT}.{_token('namespace', namespace)}."
-        f"{_token('component', component)}.{_instance(instance_id)}"
-    )
+    return f"{_component_prefix(KV_EVENTS_ROOT, namespace, component)}.{instance_hex(instance_id)}"
 
 
 def kv_events_filter(namespace: str, component: str) -> str:
     """Subject filter matching the KV events of every worker of a component."""
-    return f"{KV_EVENTS_ROOT}.{_token('namespace', namespace)}.{_token('component', component)}.*"
+    return f"{_component_prefix(KV_EVENTS_ROOT, namespace, component)}.*"
 
 
 def kv_events_stream_subjects() -> tuple[str, ...]:
@@ -63,17 +50,13 @@ def kv_events_stream_subjects() -> tuple[str, ...]:
 
 def load_metrics_subject(namespace: str, component: str, instance_id: int) -> str:
     """The core subject one worker publishes its `LoadMetrics` on."""
-    return (
-        f"{LOAD_METRICS_ROOT}.{_token('namespace', namespace)}."
-        f"{_token('component', component)}.{_instance(instance_id)}"
-    )
+    prefix = _component_prefix(LOAD_METRICS_ROOT, namespace, component)
+    return f"{prefix}.{instance_hex(instance_id)}"
 
 
 def load_metrics_filter(namespace: str, component: str) -> str:
     """Subject filter matching the load metrics of every worker of a component."""
-    return (
-        f"{LOAD_METRICS_ROOT}.{_token('namespace', namespace)}.{_token('component', component)}.*"
-    )
+    return f"{_component_prefix(LOAD_METRICS_ROOT, namespace, component)}.*"
 
 
 def instance_of_subject(subject: str) -> int:
