@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,8 +24,8 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
+from prometheus_client import CollectorRegistry
 
-from dynamo.frontend.frontend import FrontendConfig, run_frontend
 from dynamo.frontend.routing import RouterMode
 from dynamo.llm.protocols import (
     ClearKvBlocksResult,
@@ -33,40 +33,32 @@ from dynamo.llm.protocols import (
     PreprocessedRequest,
     StopConditions,
 )
+from dynamo.llm.worker import ServedWorker, workers_health
 from dynamo.mocker.args import WorkerSettings
+from dynamo.mocker.backend import MockerBackend, mocker_worker
 from dynamo.mocker.config import MockEngineConfig
+from dynamo.mocker.metrics import MockerCollector
 from dynamo.mocker.model_info import ModelInfo
 from dynamo.mocker.timing import TimingModel
-from dynamo.mocker.worker import MockerWorker
 from dynamo.runtime import DistributedRuntime
-from dynamo.runtime.nats_server import free_port
+from dynamo.runtime.system_server import SystemServer
+from dynamo.testing.frontends import InLoopFrontend
+from dynamo.testing.http import fetch_json, wait_for_instances_async
+from dynamo.testing.waiting import wait_until_async
 
 MODEL = "mock-smollm2"
 BLOCK = 16
 K = 2
 
 
-async def _get_json(url: str) -> dict[str, Any]:
-    async with aiohttp.ClientSession() as session, session.get(url) as resp:
-        return await resp.json(content_type=None)
-
-
-async def _eventually(check: Callable[[], Awaitable[bool]], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
-
-
 @dataclass
 class Cluster:
     namespace: str
     base: str
-    workers: list[MockerWorker]
+    workers: list[ServedWorker[MockerBackend]]
 
     async def router_view(self) -> dict[str, Any]:
-        models = (await _get_json(f"{self.base}/debug/kv"))["models"]
+        models = (await fetch_json(f"{self.base}/debug/kv"))["models"]
         return models[MODEL][f"{self.namespace}/backend/generate"]
 
     async def router_knows_every_cache(self) -> bool:
@@ -76,8 +68,8 @@ class Cluster:
         except (KeyError, aiohttp.ClientError):
             return False
         return all(
-            workers.get(w.runtime.instance_hex, {}).get("cached_blocks")  # type: ignore[union-attr]
-            == w.engine.pool.cached_blocks
+            workers.get(w.instance_hex, {}).get("cached_blocks")
+            == w.backend.engine.pool.cached_blocks
             for w in self.workers
         )
 
@@ -103,7 +95,7 @@ async def cluster(
     # depends on how fast a dead worker expires.
     settings = WorkerSettings(namespace=namespace, nats_server=nats_url, lease_ttl=10.0)
     workers = [
-        MockerWorker(
+        mocker_worker(
             settings,
             engine_config,
             model_path=embedded_model,
@@ -112,39 +104,22 @@ async def cluster(
         )
         for i in range(2)
     ]
-    port = free_port()
-    stop = asyncio.Event()
-    config = FrontendConfig(
-        http_host="127.0.0.1",
-        http_port=port,
-        namespace=namespace,
-        nats_server=nats_url,
-        router_mode=RouterMode.KV,
-        tokenizer_cache=tmp_path_factory.mktemp("tok"),
+    frontend = InLoopFrontend.start(
+        nats_url, namespace, tmp_path_factory.mktemp("tok"), router_mode=RouterMode.KV
     )
-    frontend = asyncio.create_task(run_frontend(config, stop))
-    base = f"http://127.0.0.1:{port}"
+    base = frontend.base_url
     try:
         await asyncio.gather(*(w.start() for w in workers))
-
-        async def both_ready() -> bool:
-            try:
-                health = await _get_json(f"{base}/health")
-            except aiohttp.ClientError:
-                return False
-            return len(health["models"].get(MODEL, {}).get("instances", [])) == 2
-
         # The frontend loads the tokenizer first (seconds; much longer on a busy host).
-        await _eventually(both_ready, timeout=60)
+        await wait_for_instances_async(base, MODEL, 2, timeout=60, interval=0.02)
         yield Cluster(namespace, base, workers)
     finally:
-        stop.set()
-        await asyncio.wait_for(frontend, 15)
+        await frontend.stop()
         await asyncio.gather(*(w.stop(drain_timeout=1.0) for w in workers))
 
 
 async def test_shared_prefixes_land_on_the_mocker_holding_them(cluster: Cluster) -> None:
-    served = lambda: [w.engine.counters.requests for w in cluster.workers]  # noqa: E731
+    served = lambda: [w.backend.engine.counters.requests for w in cluster.workers]  # noqa: E731
     async with openai.AsyncOpenAI(
         base_url=f"{cluster.base}/v1", api_key="x", max_retries=0
     ) as client:
@@ -167,7 +142,11 @@ async def test_shared_prefixes_land_on_the_mocker_holding_them(cluster: Cluster)
                 details = response.usage.prompt_tokens_details  # type: ignore[union-attr]
                 cached.append(details.cached_tokens if details else 0)
                 # Route the next request only once the router applied this one's events.
-                await _eventually(cluster.router_knows_every_cache, timeout=5)
+                await wait_until_async(
+                    cluster.router_knows_every_cache,
+                    timeout=5,
+                    what="the router to index exactly what each mocker caches",
+                )
             assert owners == [owners[0]] * 3, f"group {group} was split: {owners}"
             assert cached[0] == 0
             assert all(c >= 10 * BLOCK for c in cached[1:]), cached
@@ -175,7 +154,7 @@ async def test_shared_prefixes_land_on_the_mocker_holding_them(cluster: Cluster)
     view = await cluster.router_view()
     assert view["routing"]["hit_rate"] > 0.5
     for worker in cluster.workers:
-        entry = view["workers"][worker.runtime.instance_hex]  # type: ignore[union-attr]
+        entry = view["workers"][worker.instance_hex]
         assert entry["num_speculative_tokens"] == K
 
 
@@ -186,25 +165,27 @@ async def test_dropping_a_stream_frees_the_mockers_blocks(cluster: Cluster) -> N
         "max_tokens": 3000,
         "stream": True,
     }
-    before = [w.engine.counters.finished.get("cancelled", 0) for w in cluster.workers]
+    before = [w.backend.engine.counters.finished.get("cancelled", 0) for w in cluster.workers]
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{cluster.base}/v1/chat/completions", json=body) as resp:
             assert resp.status == 200
             await resp.content.readline()  # the first SSE line: the stream is running
-            busy = [w for w in cluster.workers if w.engine.num_running]
-            assert len(busy) == 1 and busy[0].engine.pool.active_blocks > 0
+            busy = [w for w in cluster.workers if w.backend.engine.num_running]
+            assert len(busy) == 1 and busy[0].backend.engine.pool.active_blocks > 0
         # Leaving the block closed the connection mid-stream.
     worker = busy[0]
 
     async def freed() -> bool:
-        return worker.engine.num_running == 0 and worker.engine.pool.active_blocks == 0
+        return (
+            worker.backend.engine.num_running == 0 and worker.backend.engine.pool.active_blocks == 0
+        )
 
     began = time.monotonic()
-    await _eventually(freed, timeout=2.0)
+    await wait_until_async(freed, timeout=2.0, what="the dropped stream's blocks to be freed")
     assert time.monotonic() - began < 2.0
-    after = [w.engine.counters.finished.get("cancelled", 0) for w in cluster.workers]
+    after = [w.backend.engine.counters.finished.get("cancelled", 0) for w in cluster.workers]
     assert sum(after) - sum(before) == 1
-    assert worker.engine.sequences.active_requests == 0
+    assert worker.backend.engine.sequences.active_requests == 0
 
 
 async def test_mocker_process_serves_clears_and_stops_on_sigterm(
@@ -242,7 +223,9 @@ async def test_mocker_process_serves_clears_and_stops_on_sigterm(
             assert proc.returncode is None, log_path.read_text()
             return len(generate.instance_ids()) == 3 and len(clear.instance_ids()) == 3
 
-        await _eventually(three_workers, timeout=20)
+        await wait_until_async(
+            three_workers, timeout=20, what="three mocker workers to serve both endpoints"
+        )
         request = PreprocessedRequest(
             request_id="p1",
             model="smollm2-135m-instruct",
@@ -264,7 +247,7 @@ async def test_mocker_process_serves_clears_and_stops_on_sigterm(
         proc.send_signal(signal.SIGTERM)
         try:
             code = await asyncio.wait_for(proc.wait(), 15)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise AssertionError(f"no exit 15 s after SIGTERM:\n{log_path.read_text()}") from None
         assert code == 0, log_path.read_text()
 
@@ -272,7 +255,7 @@ async def test_mocker_process_serves_clears_and_stops_on_sigterm(
             return not generate.instance_ids()
 
         # Deregistered, not expired: well within the 10 s lease.
-        await _eventually(gone, timeout=2.0)
+        await wait_until_async(gone, timeout=2.0, what="every mocker worker to deregister")
         await generate.close()
         await clear.close()
     finally:
@@ -283,12 +266,12 @@ async def test_mocker_process_serves_clears_and_stops_on_sigterm(
 
 
 async def test_system_server_reports_health_and_metrics_per_worker(cluster: Cluster) -> None:
-    from dynamo.mocker.system_server import mocker_system_server
-
-    server = mocker_system_server("127.0.0.1", 0, cluster.workers, MODEL)
+    registry = CollectorRegistry()
+    registry.register(MockerCollector(cluster.workers, MODEL))
+    server = SystemServer("127.0.0.1", 0, workers_health(cluster.workers), registry)
     port = await server.start()
     try:
-        health = await _get_json(f"http://127.0.0.1:{port}/health")
+        health = await fetch_json(f"http://127.0.0.1:{port}/health")
         async with aiohttp.ClientSession() as session:
             async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
                 metrics = await resp.text()
@@ -296,7 +279,7 @@ async def test_system_server_reports_health_and_metrics_per_worker(cluster: Clus
         await server.stop()
     assert health["status"] == "healthy" and len(health["workers"]) == 2
     for worker in cluster.workers:
-        label = f'worker="{worker.runtime.instance_hex}"'  # type: ignore[union-attr]
+        label = f'worker="{worker.instance_hex}"'
         assert f'dynamo_mocker_cached_blocks{{model="{MODEL}",{label}}}' in metrics
     assert "dynamo_worker_spec_decode_mean_acceptance_length" in metrics
     assert 'dynamo_worker_requests_total{model="mock-smollm2"' in metrics

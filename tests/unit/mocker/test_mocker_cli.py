@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamo.mocker.args import ConfigError, build_parser, parse_args
+from dynamo.mocker.args import build_parser, float_list, parse_args
 from dynamo.mocker.main import main
 from dynamo.mocker.model_info import ModelInfo
 
@@ -65,7 +65,6 @@ def test_acceptance_distribution_and_rates_are_exclusive() -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--num-workers", "0"],
         ["--speed-up", "0"],
         ["--num-speculative-tokens", "2", "--acceptance-rate", "0.1,0.2,0.3"],
         ["--num-gpu-blocks", "4"],
@@ -78,15 +77,29 @@ def test_unusable_values_exit_with_code_2(
     assert "error:" in capsys.readouterr().err
 
 
-def test_malformed_numbers_are_rejected_by_the_parser() -> None:
-    with pytest.raises(ConfigError):
-        parse_args(["--num-workers", "0"])
-    with pytest.raises(SystemExit):
-        parse_args(["--acceptance-rate", "high"])
-    with pytest.raises(argparse.ArgumentTypeError):
-        from dynamo.mocker.args import _floats
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--num-workers", "0"],
+        ["--lease-ttl", "0"],
+        ["--system-port", "70000"],
+        ["--drain-timeout", "-1"],
+        ["--acceptance-rate", "high"],
+    ],
+)
+def test_malformed_numbers_are_rejected_by_the_parser(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit code 2 with argparse's one-line `error: argument --flag: ...`."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    assert f"error: argument {argv[0]}" in capsys.readouterr().err
 
-        _floats(",")
+
+def test_float_list_needs_a_number() -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        float_list(",")
 
 
 def test_model_info_of_the_embedded_model(embedded_model: Path) -> None:

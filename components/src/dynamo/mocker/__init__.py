@@ -9,12 +9,12 @@ scale tests (`python -m dynamo.mocker`, docs/mocker.md).
 | `acceptance`, `timing`, `tokens` | the speculative, step-time and token models |
 | `config` | `MockEngineConfig` |
 | `kv_events` | `KvEventForwarder`: engine events → the KV router's NATS stream |
-| `worker` | `MockerWorker`: one engine on NATS (endpoints, card, events, load) |
-| `args`, `main` | the command line and the process lifecycle |
-| `system_server` | `/metrics`, `/health`, `/live` |
+| `backend` | `MockerBackend` (the engine glue) and `mocker_worker` (one simulated worker on NATS) |
+| `args`, `main` | the command line, and the process (`dynamo.llm.worker.WorkerProcess`) |
+| `metrics` | `MockerCollector`: the `/metrics` series of every simulated worker |
 
-Only `kv_events`, `worker`, `system_server` and `main` touch NATS or HTTP; importing this
-package imports neither.
+Only `kv_events`, `backend` and `main` touch NATS or HTTP; importing this package imports
+neither.
 """
 
 from dynamo.mocker.acceptance import AcceptanceModel

@@ -17,14 +17,17 @@ from dynamo.mocker.acceptance import AcceptanceModel
 from dynamo.mocker.config import MockEngineConfig
 from dynamo.mocker.model_info import ModelInfo
 from dynamo.mocker.timing import TimingModel
+from dynamo.runtime.cli import (
+    ConfigError,
+    non_negative_float,
+    port,
+    positive_float,
+    positive_int,
+)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_SPECULATIVE_METHOD = "mocker"
 _TIMING = TimingModel()
-
-
-class ConfigError(ValueError):
-    """Flags that cannot work together (exit code 2)."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ class MockerArgs:
     log_level: str = "INFO"
 
 
-def _floats(text: str) -> tuple[float, ...]:
+def float_list(text: str) -> tuple[float, ...]:
     try:
         values = tuple(float(part) for part in text.split(",") if part.strip())
     except ValueError as exc:
@@ -155,13 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     where.add_argument(
         "--lease-ttl",
-        type=float,
+        type=positive_float,
         default=None,
         help="Seconds a dead worker stays registered (default: $DYN_LEASE_TTL or 5).",
     )
     where.add_argument(
         "--num-workers",
-        type=int,
+        type=positive_int,
         default=1,
         help=(
             "Simulated workers in this process, each with its own NATS connection, instance "
@@ -181,13 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     where.add_argument(
         "--system-port",
-        type=int,
+        type=port,
         default=None,
         help="Serve /metrics, /health and /live on this port (0: any free port; default: off).",
     )
     where.add_argument(
         "--drain-timeout",
-        type=float,
+        type=non_negative_float,
         default=30.0,
         help="On SIGTERM, seconds to let requests in flight finish before cancelling them.",
     )
@@ -276,14 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
     accept = spec.add_mutually_exclusive_group()
     accept.add_argument(
         "--acceptance-rate",
-        type=_floats,
+        type=float_list,
         default="0.7",
         help="Probability that a draft is accepted given the drafts before it were: one value "
         "for every position, or K comma-separated values (position 0 first).",
     )
     accept.add_argument(
         "--acceptance-distribution",
-        type=_floats,
+        type=float_list,
         default=None,
         help="Instead of rates: K+1 comma-separated weights of accepting exactly 0..K drafts "
         "(e.g. a measured acceptance histogram).",
@@ -310,8 +313,6 @@ def parse_args(argv: Sequence[str] | None = None) -> MockerArgs:
     """Parse the command line; argparse exits with code 2 on malformed flags, ConfigError
     is raised for values that are well-formed but unusable."""
     ns = build_parser().parse_args(argv)
-    if ns.num_workers < 1:
-        raise ConfigError(f"--num-workers must be at least 1, got {ns.num_workers}")
     try:
         timing = TimingModel(
             prefill_ms_per_token=ns.prefill_ms_per_token,

@@ -1,20 +1,17 @@
-"""`--system-port`: `/metrics`, `/health` and `/live` for every simulated worker of the
-process. Series carry a `worker` label (instance id in hex) and are read from the engines
-at scrape time, so the step loop does no metrics work. A private registry keeps several
-servers in one process (tests) from colliding."""
+"""The mocker's metrics for its system server (`--system-port`): per simulated worker,
+with a `worker` label (instance id in hex), read from the engines at scrape time so the
+step loop does no metrics work."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Any
 
-from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dynamo.mocker.worker import MockerWorker
-from dynamo.runtime.system_server import SystemServer
+from dynamo.llm.worker import ServedWorker
+from dynamo.mocker.backend import MockerBackend
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +20,7 @@ class MockerCollector(Collector):
     """Per-worker series named like the vLLM worker's `dynamo_worker_*` ones, plus
     simulator-only ones under `dynamo_mocker_*`."""
 
-    def __init__(self, workers: Sequence[MockerWorker], model: str) -> None:
+    def __init__(self, workers: Sequence[ServedWorker[MockerBackend]], model: str) -> None:
         self.workers = workers
         self.model = model
 
@@ -40,10 +37,10 @@ class MockerCollector(Collector):
 
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
         for worker in self.workers:
-            if worker.runtime is None:
+            hex_id = worker.instance_hex
+            if hex_id is None:  # not connected yet
                 continue
-            hex_id = worker.runtime.instance_hex
-            engine = worker.engine
+            engine = worker.backend.engine
             c = engine.counters
             pool = engine.pool
             add(
@@ -151,25 +148,3 @@ class MockerCollector(Collector):
                         position=str(position),
                     )
         yield from families.values()
-
-
-def mocker_system_server(
-    host: str, port: int, workers: Sequence[MockerWorker], model: str
-) -> SystemServer:
-    """The shared system server over all simulated workers of the process: healthy when
-    every one is. A private registry keeps several mocker processes' worth of servers in
-    one test process from colliding."""
-    registry = CollectorRegistry()
-    registry.register(MockerCollector(workers, model))
-
-    def health() -> tuple[bool, dict[str, Any]]:
-        states = {}
-        ok = bool(workers)
-        for index, worker in enumerate(workers):
-            healthy, detail = worker.health()
-            key = worker.runtime.instance_hex if worker.runtime is not None else f"#{index}"
-            states[key] = detail
-            ok = ok and healthy
-        return ok, {"workers": states}
-
-    return SystemServer(host, port, health, registry)

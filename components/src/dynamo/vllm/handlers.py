@@ -1,5 +1,5 @@
-"""Endpoint handlers of the vLLM worker: `generate` (aggregated / decode / prefill) and
-`clear_kv_blocks`. Each handler is an async generator served by the runtime.
+"""The vLLM worker's `generate` handler (aggregated / decode / prefill), an async
+generator served by the runtime, and the request counters it keeps.
 
 Cancellation: when the client goes away the runtime closes the handler's generator and
 sets `ctx.is_stopped()`; both paths abort the request in vLLM so its KV blocks are freed.
@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from dynamo.llm.protocols import (
-    ClearKvBlocksResult,
     FinishReason,
     LLMEngineOutput,
     PreprocessedRequest,
     WorkerType,
 )
+from dynamo.runtime import Context
 from dynamo.vllm.conversion import OutputTracker, to_prompt, to_sampling_params
 from dynamo.vllm.engine import VllmEngine
 from dynamo.vllm.kv_transfer import KvTransferJanitor
@@ -78,7 +78,7 @@ class GenerateHandler:
         return request.kv_transfer_params
 
     async def generate(
-        self, request: PreprocessedRequest, ctx: Any
+        self, request: PreprocessedRequest, ctx: Context
     ) -> AsyncIterator[LLMEngineOutput]:
         facts = self.engine.facts
         assert facts is not None, "handler served before the engine started"
@@ -90,7 +90,7 @@ class GenerateHandler:
             force_max_tokens=1 if prefill else None,
             kv_transfer_params=self._kv_transfer_params(request),
         )
-        request_id = ctx.id if getattr(ctx, "id", None) else request.request_id
+        request_id = ctx.id or request.request_id
         tracker = OutputTracker(len(request.token_ids))
         llm = self.engine.engine
         finished = False
@@ -117,19 +117,27 @@ class GenerateHandler:
                     break
             if not finished:
                 # The client cancelled (or vLLM ended the stream without a finish reason).
+                # Counted before the yield: the consumer may close the stream on it.
+                finished = True
                 await self._abort(request_id)
                 self.counters.finish(FinishReason.CANCELLED.value)
                 yield LLMEngineOutput(
                     finish_reason=FinishReason.CANCELLED,
                     completion_usage=tracker.usage(0),
                 )
-                finished = True
         except EngineDeadError as exc:
             finished = True
             log.error("vLLM engine died while serving %s: %s", request_id, exc)
             self.counters.finish(FinishReason.ERROR.value)
             self.on_engine_dead(exc)
             yield LLMEngineOutput(finish_reason=FinishReason.ERROR, error=f"engine dead: {exc}")
+        except Exception:
+            # vLLM failed the request (e.g. refused its parameters): an error, not a
+            # cancel; the runtime reports it to the client as the handler's error.
+            finished = True
+            self.counters.finish(FinishReason.ERROR.value)
+            await self._abort(request_id)
+            raise
         finally:
             self.counters.in_flight -= 1
             if not finished:  # the client went away: the runtime closed this generator
@@ -153,28 +161,3 @@ class GenerateHandler:
             await asyncio.shield(self.engine.engine.abort(request_id))
         except Exception as exc:  # the engine may be gone during shutdown
             log.debug("abort of %s failed: %s", request_id, exc)
-
-
-class ClearKvBlocksHandler:
-    """`clear_kv_blocks`: drop this worker's cached prefix blocks (used by tests, benchmarks
-    and operators after a weight update). The KV-event relay then reports the removals."""
-
-    def __init__(
-        self,
-        engine: VllmEngine,
-        worker_id: int,
-        on_cleared: Callable[[], Awaitable[None]] | None = None,
-    ) -> None:
-        self.engine = engine
-        self.worker_id = worker_id
-        # vLLM sends its "all blocks cleared" event only with the next engine step, which an
-        # idle engine never takes: the KV relay announces it at once instead.
-        self.on_cleared = on_cleared
-
-    async def clear(self, request: Any, ctx: Any) -> AsyncIterator[ClearKvBlocksResult]:
-        ok = await self.engine.clear_kv_blocks()
-        if ok and self.on_cleared is not None:
-            await self.on_cleared()
-        message = "prefix cache cleared" if ok else "prefix cache not cleared (requests running?)"
-        log.info("clear_kv_blocks: %s", message)
-        yield ClearKvBlocksResult(worker_id=self.worker_id, cleared=ok, message=message)

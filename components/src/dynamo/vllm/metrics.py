@@ -20,7 +20,7 @@ from dynamo.vllm.handlers import RequestCounters
 log = logging.getLogger(__name__)
 
 
-class WorkerCollector(Collector):
+class VllmWorkerCollector(Collector):
     """Worker-level series; `labels` identify the worker (model, worker type, instance)."""
 
     def __init__(

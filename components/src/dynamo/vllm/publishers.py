@@ -1,6 +1,7 @@
-"""The worker's KV-router feeds: vLLM's KV events and load, published on NATS.
+"""The vLLM side of the KV router's feeds: vLLM's KV events and its load, as the worker
+publishes them on NATS (`dynamo.llm.worker.ServedWorker` owns the publishers).
 
-Thin glue between three parts that each know one side:
+Thin glue between parts that each know one side:
 
 * vLLM's ZMQ KV-event publisher (configured by `args` into the engine args before the
   engine starts: ``kv_events_config`` with ``publisher: zmq``, an endpoint and a
@@ -18,9 +19,8 @@ the worker keeping books of its own. Blocks only cached (free, reusable) are not
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
 
-from dynamo.llm.kv_router.publisher import KvEventPublisher, LoadPublisher, LoadSource
+from dynamo.llm.kv_router.publisher import KvEventPublisher
 from dynamo.llm.kv_router.vllm_events import KvEventConverter
 from dynamo.llm.kv_router.zmq_relay import KvEventRelay
 from dynamo.llm.protocols import LoadMetrics
@@ -30,35 +30,40 @@ from dynamo.vllm.engine_stats import EngineStats
 log = logging.getLogger(__name__)
 
 
-class KvWorker(Protocol):
-    """What `start_kv_publishers` reads from the worker (`dynamo.vllm.main.Worker`)."""
-
-    runtime: DistributedRuntime
-    engine: Any  # VllmEngine: `.facts` (block_size, num_gpu_blocks) and `.stats`
-    cfg: Any  # WorkerConfig: `.kv_events_endpoint`, `.kv_events_replay_endpoint`
-
-
-def engine_load_source(worker_id: int, stats: EngineStats, num_gpu_blocks: int) -> LoadSource:
-    """Reads the engine's latest scheduler snapshot as `LoadMetrics`.
+def engine_load(worker_id: int, stats: EngineStats, num_gpu_blocks: int) -> LoadMetrics:
+    """The engine's latest scheduler snapshot as `LoadMetrics`.
 
     vLLM reserves one block as the null block and computes usage over the rest, so the
     same count is used to turn the usage fraction back into blocks.
     """
     usable = max(num_gpu_blocks - 1, 0)
+    snap = stats.snapshot
+    usage = float(snap.kv_usage)
+    return LoadMetrics(
+        worker_id=worker_id,
+        active_requests=int(snap.running),
+        waiting_requests=int(snap.waiting),
+        active_blocks=round(usage * usable),
+        total_blocks=usable,
+        kv_usage=usage,
+    )
 
-    def load() -> LoadMetrics:
-        snap = stats.snapshot
-        usage = float(snap.kv_usage)
-        return LoadMetrics(
-            worker_id=worker_id,
-            active_requests=int(snap.running),
-            waiting_requests=int(snap.waiting),
-            active_blocks=round(usage * usable),
-            total_blocks=usable,
-            kv_usage=usage,
-        )
 
-    return load
+async def relay_kv_events(
+    publisher: KvEventPublisher, block_size: int, endpoint: str, replay_endpoint: str | None
+) -> KvEventRelay:
+    """Relay the engine's KV events (vLLM's ZMQ publisher at `endpoint`) to `publisher`.
+    The relay's opening `AllBlocksCleared` purges the worker's subject first (see
+    `KvEventPublisher`)."""
+    relay = KvEventRelay(
+        endpoint,
+        KvEventConverter(publisher.worker_id, block_size),
+        publisher.publish,
+        replay_endpoint=replay_endpoint,
+    )
+    await relay.start()
+    log.info("kv events: %s -> %s", relay.endpoint, publisher.subject)
+    return relay
 
 
 async def start_kv_event_relay(
@@ -68,42 +73,9 @@ async def start_kv_event_relay(
     endpoint: str,
     replay_endpoint: str | None,
 ) -> KvEventRelay:
-    """Relay the engine's KV events to this worker's JetStream subject. The relay's
-    opening `AllBlocksCleared` purges the subject first (see `KvEventPublisher`)."""
-    worker_id = runtime.instance_id
+    """`relay_kv_events` to this runtime's own KV-event subject (a publisher created for
+    it), for code that runs a relay without a whole worker."""
     publisher = await KvEventPublisher(
-        runtime, component.namespace, component.name, worker_id
+        runtime, component.namespace, component.name, runtime.instance_id
     ).start()
-    relay = KvEventRelay(
-        endpoint,
-        KvEventConverter(worker_id, block_size),
-        publisher.publish,
-        replay_endpoint=replay_endpoint,
-    )
-    await relay.start()
-    log.info("kv events: %s -> %s", relay.endpoint, publisher.subject)
-    return relay
-
-
-async def start_kv_publishers(
-    worker: KvWorker, component: Component
-) -> tuple[KvEventRelay | None, LoadPublisher]:
-    """Start the KV-event relay (None when the engine publishes no KV events, e.g.
-    prefix caching off) and the load publisher; both have `async stop()`."""
-    runtime = worker.runtime
-    facts = worker.engine.facts
-    if facts is None:
-        raise RuntimeError("start the engine before its publishers")
-    relay: KvEventRelay | None = None
-    endpoint = worker.cfg.kv_events_endpoint
-    if endpoint:
-        relay = await start_kv_event_relay(
-            runtime, component, facts.block_size, endpoint, worker.cfg.kv_events_replay_endpoint
-        )
-    else:
-        log.info("kv events off: routers will see this worker's load but not its cache")
-    source = engine_load_source(runtime.instance_id, worker.engine.stats, facts.num_gpu_blocks)
-    load = await LoadPublisher(
-        runtime, component.namespace, component.name, runtime.instance_id, source
-    ).start()
-    return relay, load
+    return await relay_kv_events(publisher, block_size, endpoint, replay_endpoint)

@@ -1,0 +1,112 @@
+"""`MockerBackend`: the simulated engine behind `dynamo.llm.worker`'s `EngineBackend` seam,
+and `mocker_worker`, which registers one as a worker with the wire behaviour of a vLLM
+worker (same endpoints, model card, KV events and load reports)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from dynamo.llm.kv_router.publisher import KvEventPublisher
+from dynamo.llm.protocols import (
+    KvEventData,
+    LLMEngineOutput,
+    LoadMetrics,
+    PreprocessedRequest,
+    SpeculativeInfo,
+    WorkerType,
+)
+from dynamo.llm.worker import EngineDescription, ServedWorker, WorkerRegistration
+from dynamo.mocker.args import WorkerSettings
+from dynamo.mocker.config import MockEngineConfig
+from dynamo.mocker.engine import MockEngine
+from dynamo.mocker.kv_events import KvEventForwarder
+from dynamo.runtime import Context
+
+
+class MockerBackend:
+    """One `MockEngine`; its cache events go out through a `KvEventForwarder`."""
+
+    def __init__(self, engine_config: MockEngineConfig, *, speculative_method: str) -> None:
+        self.engine_config = engine_config
+        self.speculative_method = speculative_method
+        self.engine = MockEngine(engine_config, on_kv_events=self._on_kv_events)
+        self.kv_events: KvEventForwarder | None = None
+
+    async def start(self) -> EngineDescription:
+        await self.engine.start()
+        cfg = self.engine_config
+        k = cfg.num_speculative_tokens
+        return EngineDescription(
+            context_length=cfg.max_model_len,
+            kv_block_size=cfg.block_size,
+            total_kv_blocks=cfg.num_gpu_blocks,
+            max_num_seqs=cfg.max_num_seqs,
+            eos_token_ids=list(cfg.eos_token_ids),
+            speculative=SpeculativeInfo(method=self.speculative_method, num_speculative_tokens=k)
+            if k
+            else None,
+        )
+
+    def is_ready(self) -> bool:
+        return self.engine.is_running
+
+    def dead_reason(self) -> str | None:
+        return None if self.engine.dead is None else str(self.engine.dead)
+
+    async def generate(
+        self, request: PreprocessedRequest, context: Context
+    ) -> AsyncIterator[LLMEngineOutput]:
+        """The engine's outputs as they come. When the client goes away the runtime
+        closes this generator; closing the engine stream aborts the request, which frees
+        its KV blocks at once."""
+        outputs = self.engine.generate(request, context.id or request.request_id)
+        try:
+            async for output in outputs:
+                yield output
+                if context.is_stopped():
+                    return
+        finally:
+            await outputs.aclose()
+
+    async def clear_kv_blocks(self) -> bool:
+        return self.engine.clear_kv_blocks()
+
+    def load_metrics(self, worker_id: int) -> LoadMetrics:
+        return self.engine.load_metrics(worker_id)
+
+    async def start_kv_events(self, publisher: KvEventPublisher) -> KvEventForwarder:
+        self.kv_events = KvEventForwarder(publisher, publisher.worker_id).start()
+        return self.kv_events
+
+    async def stop(self) -> None:
+        await self.engine.stop()
+
+    def _on_kv_events(self, events: list[KvEventData]) -> None:
+        if self.kv_events is not None:
+            self.kv_events.submit(events)
+
+
+def mocker_worker(
+    settings: WorkerSettings,
+    engine_config: MockEngineConfig,
+    *,
+    model_path: Path,
+    served_model_name: str,
+    name: str = "mocker",
+) -> ServedWorker[MockerBackend]:
+    """One simulated worker, registered as `settings` say once started."""
+    registration = WorkerRegistration(
+        served_model_name=served_model_name,
+        model_path=Path(model_path),
+        namespace=settings.namespace,
+        component=settings.component,
+        endpoint=settings.endpoint,
+        worker_type=WorkerType.AGGREGATED,
+        nats_server=settings.nats_server,
+        lease_ttl=settings.lease_ttl,
+        drain_timeout_s=settings.drain_timeout,
+        publish_kv_events=settings.publish_kv_events,
+    )
+    backend = MockerBackend(engine_config, speculative_method=settings.speculative_method)
+    return ServedWorker(backend, registration, name=name)

@@ -1,0 +1,103 @@
+"""The seam between a worker's engine and the rest of the worker: `EngineBackend`, and the
+plain data on either side of it (`EngineDescription`, `WorkerRegistration`)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from dynamo.llm.kv_router.publisher import KvEventPublisher
+from dynamo.llm.protocols import (
+    LLMEngineOutput,
+    LoadMetrics,
+    PreprocessedRequest,
+    SpeculativeInfo,
+    WorkerType,
+)
+from dynamo.runtime import Context
+
+CLEAR_KV_BLOCKS_ENDPOINT = "clear_kv_blocks"
+"""Endpoint every worker serves next to `generate`: drop the cached prefix blocks."""
+
+
+@dataclass(frozen=True)
+class EngineDescription:
+    """What a started engine tells routers and frontends about itself (its model card's
+    engine fields)."""
+
+    context_length: int
+    kv_block_size: int
+    total_kv_blocks: int
+    max_num_seqs: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    speculative: SpeculativeInfo | None = None
+
+
+@dataclass(frozen=True)
+class WorkerRegistration:
+    """Where and as what a worker registers, and how it leaves."""
+
+    served_model_name: str
+    model_path: Path
+    """Local model directory; its tokenizer files travel with the model card."""
+    namespace: str = "dynamo"
+    component: str = "backend"
+    endpoint: str = "generate"
+    worker_type: WorkerType = WorkerType.AGGREGATED
+    nats_server: str | None = None  # None: $NATS_SERVER or nats://127.0.0.1:4222
+    lease_ttl: float | None = None  # None: $DYN_LEASE_TTL or the runtime default
+    drain_timeout_s: float = 30.0
+    migration_limit: int = 0
+    publish_kv_events: bool = True
+
+
+class Stoppable(Protocol):
+    """Background work a worker owns and stops on its way out."""
+
+    async def stop(self) -> None: ...
+
+
+class EngineBackend(Protocol):
+    """The engine glue of one worker: all a new backend has to write."""
+
+    async def start(self) -> EngineDescription:
+        """Load the engine. May take long: keep the event loop free (a thread), so the
+        system server answers 503 and signals are handled meanwhile. Raise
+        `dynamo.runtime.cli.ConfigError` for a configuration the engine refuses."""
+        ...
+
+    def is_ready(self) -> bool:
+        """Started and able to serve."""
+        ...
+
+    def dead_reason(self) -> str | None:
+        """Why the engine can no longer serve once it started (None while it can): the
+        process then deregisters and exits 1, so an orchestrator restarts it."""
+        ...
+
+    def generate(
+        self, request: PreprocessedRequest, context: Context
+    ) -> AsyncIterator[LLMEngineOutput]:
+        """The `generate` endpoint: the engine's outputs for one request. When the client
+        goes away the runtime closes this generator (abort the request there)."""
+        ...
+
+    async def clear_kv_blocks(self) -> bool:
+        """Drop every cached prefix block; False when it could not (requests running)."""
+        ...
+
+    def load_metrics(self, worker_id: int) -> LoadMetrics:
+        """The engine's load now, as routers read it (sampled several times a second)."""
+        ...
+
+    async def start_kv_events(self, publisher: KvEventPublisher) -> Stoppable | None:
+        """Start handing the engine's KV-cache events to `publisher` (None: the engine
+        publishes none, e.g. prefix caching off). Stopped before the worker deregisters."""
+        ...
+
+    async def stop(self) -> None:
+        """Release the engine, after requests in flight drained. Also called after a
+        failed or interrupted `start`."""
+        ...
