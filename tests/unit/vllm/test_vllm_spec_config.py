@@ -1,9 +1,9 @@
 """The pure translation rules of `dynamo.vllm.spec_config` (no vLLM involved).
 
-Claims: every TensorRT-LLM form DESIGN.md lists translates to the stated vLLM keys;
-Eagle becomes eagle or eagle3 by the draft checkpoint; keys without vLLM meaning are
-collected, contradictions and unknown decoding types are errors; speculators checkpoints
-yield verifier + proposal; speculative layers merge with the documented precedence.
+Claims: every TensorRT-LLM form docs/speculative_decoding.md lists translates to the
+stated vLLM keys; Eagle becomes eagle or eagle3 by the draft checkpoint; keys without vLLM
+meaning are collected, contradictions and unknown decoding types are errors; speculators
+checkpoints yield verifier + proposal; speculative layers merge with the documented precedence.
 """
 
 from __future__ import annotations

@@ -84,16 +84,23 @@ def test_environment_fallbacks(parse, monkeypatch: pytest.MonkeyPatch) -> None:
     assert (cfg.nats_server, cfg.system_port) == ("nats://other:1", 9345)
 
 
-def test_runtime_flags_are_validated(parse) -> None:
-    with pytest.raises(ConfigError, match="--lease-ttl must be positive"):
+def test_runtime_flags_are_validated(parse, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="--lease-ttl: must be > 0"):
         parse("--lease-ttl", "0")
-    with pytest.raises(ConfigError, match="--migration-limit must not be negative"):
+    with pytest.raises(ConfigError, match="--migration-limit: must be >= 0"):
         parse("--migration-limit", "-1")
-    with pytest.raises(ConfigError, match="--drain-timeout must not be negative"):
+    with pytest.raises(ConfigError, match="--migration-limit: not an integer"):
+        parse("--migration-limit", "1.5")
+    with pytest.raises(ConfigError, match="--drain-timeout: must be >= 0"):
         parse("--drain-timeout", "-5")
     assert parse("--drain-timeout", "2.5").drain_timeout_s == 2.5
-    with pytest.raises(ConfigError, match="--system-port must be between"):
+    with pytest.raises(ConfigError, match="--system-port: must be a port between 0 and 65535"):
         parse("--system-port", "70000")
+    with pytest.raises(ConfigError, match="--kv-events-port: must be a port between"):
+        parse("--kv-events-port", "-1")
+    monkeypatch.setenv("DYN_SYSTEM_PORT", "70000")
+    with pytest.raises(ConfigError, match=r"^\$DYN_SYSTEM_PORT .*must be a port between"):
+        parse()
     with pytest.raises(ConfigError, match="invalid choice"):
         parse("--disaggregation-mode", "both")
 

@@ -4,11 +4,12 @@ Users bring speculative decoding configs in three shapes: a TensorRT-LLM
 `--extra-engine-args` YAML (the same file the TensorRT-LLM backend takes), a native vLLM
 YAML/JSON, or a speculators-format checkpoint passed as `--model`. This module turns each of
 them into plain data: AsyncEngineArgs field names and a native `speculative_config` dict, and
-merges the speculative layers with the precedence of DESIGN.md.
+merges the speculative layers with the precedence of docs/speculative_decoding.md.
 
 It imports nothing from vLLM on purpose: the rules here are the contract users rely on, and
-keeping them pure makes every rule testable in milliseconds. The caller (`args.py`) supplies
-what only vLLM knows (its field names) and does the typing through vLLM's own parser.
+keeping them pure makes every rule testable in milliseconds. The callers (`config_layers`,
+`speculative_resolution`) supply what only vLLM knows (its field names) and do the typing
+through vLLM's own parser.
 """
 
 from __future__ import annotations
@@ -21,9 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A configuration the worker refuses to start with; `main` turns it into exit code 2."""
+from dynamo.runtime.cli import ConfigError
 
 
 def check_draft_length(value: Any, where: str) -> None:

@@ -1,0 +1,161 @@
+"""Merges the speculative-decoding sources into the one `speculative_config` vLLM gets.
+
+Precedence, lowest first: speculators checkpoint (`--model`) < `--extra-engine-args` <
+`--speculative-config` < `--spec-method/--spec-model/--spec-tokens`. Engine-level flags
+(`--max-model-len`, `--tensor-parallel-size`, ...) apply to target and draft: vLLM derives the
+draft's from the target's, so an explicit flag removes a draft-level copy of itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, get_args
+
+from dynamo.llm.models import KNOWN_MODELS
+from dynamo.runtime.cli import ConfigError
+from dynamo.vllm import spec_config as sc
+from dynamo.vllm.config_layers import (
+    SRC_FILE,
+    SRC_JSON,
+    SRC_SPEC_FLAGS,
+    SRC_SPECULATORS,
+    ConfigLayers,
+    speculative_fields,
+)
+from dynamo.vllm.model_resolution import resolve_model_dir
+
+log = logging.getLogger("dynamo.vllm")
+
+_DRAFT_TWINS = {
+    "max_model_len": "max_model_len",
+    "enforce_eager": "enforce_eager",
+    "tensor_parallel_size": "draft_tensor_parallel_size",
+}
+"""Engine flag -> the speculative-config key that would set it for the draft only."""
+
+_NO_DRAFT_MODEL_METHODS = frozenset({"ngram", "ngram_gpu", "suffix", "extract_hidden_states"})
+_K_REQUIRED_METHODS = frozenset({"ngram", "draft_model", "eagle", "eagle3"})
+
+
+@functools.cache
+def _speculative_methods() -> frozenset[str]:
+    from vllm.config.speculative import SpeculativeMethod
+
+    return frozenset(get_args(SpeculativeMethod))
+
+
+def resolve_speculative(
+    values: dict[str, Any],
+    sources: dict[str, str],
+    layers: ConfigLayers,
+    checkpoint: sc.SpeculatorsCheckpoint | None,
+    *,
+    dry_run: bool,
+) -> None:
+    """Merge the speculative layers (lowest first) into `values["speculative_config"]` and
+    record a source per key."""
+    merged = sc.merge_speculative_layers(
+        [
+            (SRC_SPECULATORS, checkpoint.speculative if checkpoint else None),
+            (SRC_FILE, layers.file_spec),
+            (SRC_JSON, layers.cli_spec_json),
+            (SRC_SPEC_FLAGS, layers.cli_spec_flags),
+        ]
+    )
+    spec = _finish_speculative(merged, layers.cli_values, speculative_fields(), dry_run=dry_run)
+    values["speculative_config"] = spec
+    sources.pop("speculative_config", None)  # reported per key instead
+    for key, source in merged.sources.items():
+        if spec is not None and key in spec:
+            sources[f"speculative_config.{key}"] = source
+
+
+def _finish_speculative(
+    merged: sc.MergedSpeculative,
+    cli_values: Mapping[str, Any],
+    spec_fields: frozenset[str],
+    *,
+    dry_run: bool,
+) -> dict[str, Any] | None:
+    """Apply engine flags to the draft, resolve the draft path, and check what a dry run
+    can check without vLLM loading anything."""
+    for note in merged.notes:
+        log.info("speculative config: %s", note)
+    spec = merged.values
+    if spec is None:
+        return None
+    for engine_key, draft_key in _DRAFT_TWINS.items():
+        if engine_key in cli_values and draft_key in spec:
+            log.info(
+                "speculative config: dropping %s=%r, the explicit --%s applies to the draft",
+                draft_key,
+                spec.pop(draft_key),
+                engine_key.replace("_", "-"),
+            )
+    _resolve_draft_model(spec, merged.sources.get("model", "?"), dry_run=dry_run)
+    note = sc.fill_k_from_schedule(spec)
+    if note:
+        log.info("speculative config: %s", note)
+    if spec.get("num_speculative_tokens") is not None:
+        source = merged.sources.get("num_speculative_tokens", "dynamic schedule")
+        sc.check_draft_length(
+            spec["num_speculative_tokens"],
+            f"speculative_config.num_speculative_tokens (from {source})",
+        )
+    sc.check_speculative(spec, allowed_keys=spec_fields, allowed_methods=_speculative_methods())
+    if spec.get("method") in _K_REQUIRED_METHODS and spec.get("num_speculative_tokens") is None:
+        raise ConfigError(
+            f"speculative_config: method {spec['method']} needs num_speculative_tokens"
+        )
+    _check_schedule(spec)
+    leading = [k for k in ("method", "model", "num_speculative_tokens") if k in spec]
+    return {key: spec[key] for key in [*leading, *(k for k in spec if k not in leading)]}
+
+
+def _resolve_draft_model(spec: dict[str, Any], source: str, *, dry_run: bool) -> None:
+    """Embedded model names and local directories become absolute paths. A filesystem path
+    that is no directory is an error on a real start (vLLM would fail only while building
+    the engine, after trying the Hugging Face hub) and a warning in a dry run. Anything else
+    (a hub id) is left for vLLM, which looks in the Hugging Face cache, with a warning, as
+    nothing can be downloaded on these machines."""
+    model = spec.get("model")
+    if model is None or spec.get("method") in _NO_DRAFT_MODEL_METHODS:
+        return
+    name = str(model)
+    path = Path(name).expanduser()
+    if name.strip().lower() in KNOWN_MODELS or path.is_dir():
+        spec["model"] = str(resolve_model_dir(name, dry_run=dry_run, what="draft model"))
+    elif _looks_like_path(name):
+        problem = "is not a directory" if path.exists() else "does not exist"
+        message = f"speculative_config.model (from {source}): {name} {problem}"
+        if not dry_run:
+            raise ConfigError(message)
+        # A dry run shows what an example file resolves to before the draft is in place.
+        log.warning("%s; a real start refuses it", message)
+    else:
+        log.warning("speculative config: draft model %s is not a local directory", name)
+
+
+def _looks_like_path(name: str) -> bool:
+    """A filesystem path rather than a Hugging Face id (`org/name`, or a bare `name`)."""
+    return (
+        name.startswith(("/", ".", "~")) or name.count("/") > 1 or Path(name).expanduser().exists()
+    )
+
+
+def _check_schedule(spec: dict[str, Any]) -> None:
+    schedule = spec.get("num_speculative_tokens_per_batch_size")
+    if schedule is None:
+        return
+    from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
+
+    try:
+        normalized = validate_and_normalize_dynamic_sd_schedule([list(e) for e in schedule])
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(
+            f"speculative_config.num_speculative_tokens_per_batch_size: {exc}"
+        ) from exc
+    spec["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in normalized]
