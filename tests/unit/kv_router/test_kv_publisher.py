@@ -1,5 +1,7 @@
-"""Worker-side publishers, with the transport replaced by recorders: what goes out, in
-which order, and how a failed publish is repaired."""
+"""Worker-side publishers, with the transport replaced by recorders and the load
+publisher's clock by one the test moves: what goes out, in which order, when, and how a
+failed publish is repaired. Nothing here waits on real time except the one test that
+checks `start()` runs the background loop, and that one waits for the report itself."""
 
 from __future__ import annotations
 
@@ -86,27 +88,141 @@ async def test_after_a_failed_publish_routers_are_told_to_forget() -> None:
 
 
 class RecordingCore:
+    """Duck-types the runtime's core publish: records reports, can fail on demand, and
+    wakes waiters on each report so loop tests await a condition, not a duration."""
+
     def __init__(self) -> None:
         self.sent: list[tuple[str, LoadMetrics]] = []
+        self.fail_next = 0
+        self.changed = asyncio.Event()
 
     async def publish(self, subject: str, data: bytes) -> None:
+        if self.fail_next:
+            self.fail_next -= 1
+            raise ConnectionError("broker away")
         self.sent.append((subject, decode(data, LoadMetrics)))
+        self.changed.set()
+
+    def blocks(self) -> list[int]:
+        return [m.active_blocks for _, m in self.sent]
 
 
-async def test_load_is_published_on_change_and_as_a_heartbeat() -> None:
-    core = RecordingCore()
-    current = LoadMetrics(worker_id=WORKER, active_blocks=1)
-    publisher = LoadPublisher(
-        core, "ns", "backend", WORKER, lambda: current, interval_s=0.3, poll_s=0.02
-    )
-    await publisher.start()
+class FakeClock:
+    """A clock that only moves when the test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class LoadHarness:
+    """A `LoadPublisher` on a recording core, a settable load and a fake clock."""
+
+    INTERVAL_S = 0.5  # a binary fraction: clock arithmetic below is exact
+
+    def __init__(self, *, poll_s: float = 0.02) -> None:
+        self.core = RecordingCore()
+        self.clock = FakeClock()
+        self.load = LoadMetrics(worker_id=WORKER, active_blocks=1)
+        self.publisher = LoadPublisher(
+            self.core,
+            "ns",
+            "backend",
+            WORKER,
+            lambda: self.load,
+            interval_s=self.INTERVAL_S,
+            poll_s=poll_s,
+            clock=self.clock,
+        )
+
+    def set_blocks(self, active_blocks: int) -> None:
+        self.load = LoadMetrics(worker_id=WORKER, active_blocks=active_blocks)
+
+
+async def test_a_changed_load_goes_out_at_the_next_sample() -> None:
+    h = LoadHarness()
+    assert await h.publisher.publish_if_due(force=True), "published at start"
+    assert not await h.publisher.publish_if_due(), "unchanged and not due: nothing sent"
+    h.set_blocks(5)
+    assert await h.publisher.publish_if_due(), "a change goes out without waiting"
+    assert not await h.publisher.publish_if_due()
+    assert h.core.blocks() == [1, 5]
+    assert h.publisher.published == 2
+
+
+async def test_an_unchanged_load_is_repeated_once_per_interval() -> None:
+    h = LoadHarness()
+    await h.publisher.publish_if_due(force=True)
+    h.clock.now += h.INTERVAL_S / 2
+    assert not await h.publisher.publish_if_due(), "heartbeat not yet due"
+    h.clock.now += h.INTERVAL_S / 2
+    assert await h.publisher.publish_if_due(), "heartbeat due after exactly one interval"
+    assert not await h.publisher.publish_if_due(), "and not again at the same instant"
+    h.clock.now += h.INTERVAL_S
+    assert await h.publisher.publish_if_due()
+    assert h.core.blocks() == [1, 1, 1]
+
+
+async def test_a_change_restarts_the_heartbeat_interval() -> None:
+    h = LoadHarness()
+    await h.publisher.publish_if_due(force=True)
+    h.clock.now += h.INTERVAL_S / 2
+    h.set_blocks(5)
+    assert await h.publisher.publish_if_due()
+    h.clock.now += h.INTERVAL_S / 2
+    assert not await h.publisher.publish_if_due(), "interval counts from the last report"
+    h.clock.now += h.INTERVAL_S / 2
+    assert await h.publisher.publish_if_due()
+    assert h.core.blocks() == [1, 5, 5]
+
+
+async def test_a_failed_report_is_retried_at_the_next_sample() -> None:
+    h = LoadHarness()
+    await h.publisher.publish_if_due(force=True)
+    h.set_blocks(5)
+    h.core.fail_next = 1
+    assert not await h.publisher.publish_if_due(), "broker away: nothing went out"
+    assert await h.publisher.publish_if_due(), "the lost change is sent on the next try"
+    assert h.core.blocks() == [1, 5]
+    assert (h.publisher.published, h.publisher.failures) == (2, 1)
+
+
+async def test_reports_go_to_the_workers_load_subject() -> None:
+    h = LoadHarness()
+    await h.publisher.publish_if_due(force=True)
+    h.set_blocks(2)
+    await h.publisher.publish_if_due()
+    assert {subject for subject, _ in h.core.sent} == {h.publisher.subject}
+    assert all(m.worker_id == WORKER for _, m in h.core.sent)
+
+
+@pytest.mark.parametrize("interval_s, poll_s", [(0, 0.1), (1, 0), (-1, 0.1)])
+def test_non_positive_periods_are_rejected(interval_s: float, poll_s: float) -> None:
+    with pytest.raises(ValueError):
+        LoadPublisher(
+            RecordingCore(),
+            "ns",
+            "backend",
+            WORKER,
+            lambda: LoadMetrics(worker_id=WORKER),
+            interval_s=interval_s,
+            poll_s=poll_s,
+        )
+
+
+async def test_start_publishes_at_once_and_the_loop_keeps_sampling() -> None:
+    h = LoadHarness(poll_s=0.001)
+    await h.publisher.start()
     try:
-        assert [m.active_blocks for _, m in core.sent] == [1], "published at start"
-        current = LoadMetrics(worker_id=WORKER, active_blocks=5)
-        await asyncio.sleep(0.1)
-        assert [m.active_blocks for _, m in core.sent] == [1, 5], "a change goes out at once"
-        await asyncio.sleep(0.35)
-        assert len(core.sent) == 3, "unchanged load is repeated once per interval"
+        assert h.core.blocks() == [1], "published before start returns"
+        with pytest.raises(RuntimeError):
+            await h.publisher.start()
+        h.core.changed.clear()
+        h.set_blocks(5)
+        await asyncio.wait_for(h.core.changed.wait(), timeout=5)
+        assert h.core.blocks() == [1, 5], "the background loop sent the change"
     finally:
-        await publisher.stop()
-    assert {subject for subject, _ in core.sent} == {publisher.subject}
+        await h.publisher.stop()
+    await h.publisher.stop()  # idempotent

@@ -11,7 +11,7 @@ from typing import Any
 
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
-from vllm.outputs import RequestOutput
+from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 
 from dynamo.llm.protocols import (
@@ -42,7 +42,9 @@ def to_sampling_params(
 
     `model_defaults` are the model's generation-config defaults (vLLM's
     `model_config.get_diff_sampling_param()`), applied where the request is silent, exactly
-    as `vllm serve` does. `force_max_tokens` overrides max_tokens (prefill legs use 1).
+    as `vllm serve` does: a request without `max_tokens` gets the rest of the context, or
+    the model's default `max_tokens` where that is smaller. `force_max_tokens` overrides
+    max_tokens (prefill legs use 1).
     """
     kwargs: dict[str, Any] = {}
     for key, value in (model_defaults or {}).items():
@@ -57,7 +59,9 @@ def to_sampling_params(
     stop = request.stop_conditions
     max_tokens = stop.max_tokens
     if max_tokens is None and max_model_len is not None:
-        max_tokens = max(1, max_model_len - len(request.token_ids))
+        rest_of_context = max(1, max_model_len - len(request.token_ids))
+        default = kwargs.get("max_tokens")
+        max_tokens = rest_of_context if default is None else min(default, rest_of_context)
     if force_max_tokens is not None:
         max_tokens = force_max_tokens
     if max_tokens is not None:
@@ -100,7 +104,7 @@ def map_finish_reason(reason: str | None, stop_reason: int | str | None) -> Fini
     return FinishReason.ERROR
 
 
-def _logprobs(output: Any, token_ids: list[int]) -> list[TokenLogprob] | None:
+def _logprobs(output: CompletionOutput, token_ids: list[int]) -> list[TokenLogprob] | None:
     if not output.logprobs:
         return None
     result: list[TokenLogprob] = []
@@ -118,10 +122,10 @@ def _logprobs(output: Any, token_ids: list[int]) -> list[TokenLogprob] | None:
     return result
 
 
-def spec_stats_from(output: Any) -> SpecDecodeStats | None:
+def spec_stats_from(output: CompletionOutput) -> SpecDecodeStats | None:
     """Per-request speculative statistics from vLLM's `RequestSpecDecodeMetrics`
     (present on the final output when `per_request_spec_decode_metrics` is enabled)."""
-    metrics = getattr(output, "spec_decode_metrics", None)
+    metrics = output.spec_decode_metrics
     if metrics is None:
         return None
     histogram = list(metrics.histogram)

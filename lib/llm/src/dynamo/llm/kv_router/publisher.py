@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -124,11 +125,18 @@ class CorePublisher(Protocol):
 
 
 LoadSource = Callable[[], LoadMetrics]
+Clock = Callable[[], float]
+"""Monotonic seconds; only differences between two readings matter."""
 
 
 class LoadPublisher:
     """Publishes a worker's `LoadMetrics` on its core subject: whenever the sampled value
-    changes, and at least every `interval_s` (a heartbeat routers can age out)."""
+    changes, and at least every `interval_s` (a heartbeat routers can age out).
+
+    `clock` decides when the heartbeat is due. It defaults to `time.monotonic` (what
+    asyncio's own loop clock reads) and is a parameter so the change/heartbeat rules can be
+    checked by calling `publish_if_due` with a hand-moved clock instead of waiting.
+    """
 
     def __init__(
         self,
@@ -140,6 +148,7 @@ class LoadPublisher:
         *,
         interval_s: float = DEFAULT_LOAD_INTERVAL_S,
         poll_s: float = DEFAULT_LOAD_POLL_S,
+        clock: Clock = time.monotonic,
     ) -> None:
         if interval_s <= 0 or poll_s <= 0:
             raise ValueError("interval_s and poll_s must be positive")
@@ -148,6 +157,7 @@ class LoadPublisher:
         self._source = source
         self._interval = interval_s
         self._poll = min(poll_s, interval_s)
+        self._clock = clock
         self._last: LoadMetrics | None = None
         self._last_sent = 0.0
         self._task: asyncio.Task[None] | None = None
@@ -171,7 +181,7 @@ class LoadPublisher:
         """Sample the source; publish when it changed, the heartbeat is due, or `force`.
         Returns whether a report went out."""
         metrics = self._source()
-        now = asyncio.get_running_loop().time()
+        now = self._clock()
         due = now - self._last_sent >= self._interval
         if not (force or due or metrics != self._last):
             return False
