@@ -50,6 +50,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from dynamo.testing.http import http_post_json, metric_total
+from dynamo.testing.processes import wait_while_alive
 from harness import (
     CPU_ENGINE_FLAGS,
     BenchError,
@@ -61,14 +63,11 @@ from harness import (
     format_table,
     guarded,
     host_info,
-    http_post_json,
     measure_in_turn,
     measure_scenarios,
-    metric_total,
     resolve_model_arg,
     results_path,
     save_report,
-    wait_until,
 )
 
 # The same engine flags for every worker of both topologies (as in overhead_bench.py).
@@ -109,18 +108,18 @@ def wait_until_disaggregated(stack: Stack, served: str, timeout: float) -> float
     may list the model as soon as the decode worker registers, before it knows the
     prefill worker, and would then let decode prefill by itself (counted in FALLBACKS)."""
 
-    def probe() -> bool | None:
-        before = metric_total(stack.base_url, FALLBACKS)
+    def probe() -> bool:
+        before = metric_total(stack.metrics_url, FALLBACKS)
         # Over two KV blocks: the connector transfers only whole blocks.
         prompt = f"probe {uuid.uuid4().hex}: " + "a short sentence about nothing. " * 16
         body = {"model": served, "prompt": prompt, "max_tokens": 2}
         status, text = http_post_json(f"{stack.base_url}/v1/completions", body)
         if status != 200:
             raise BenchError(f"probe request failed with {status}: {text[:500]}")
-        return True if metric_total(stack.base_url, FALLBACKS) == before else None
+        return metric_total(stack.metrics_url, FALLBACKS) == before
 
-    _, took = wait_until(probe, stack.procs, timeout, "a request served by the prefill worker")
-    return took
+    what = "a request served by the prefill worker"
+    return wait_while_alive(probe, stack.procs, timeout=timeout, what=what)
 
 
 @dataclass
@@ -175,9 +174,9 @@ def measure_topology(
         if name == "disagg":
             took = wait_until_disaggregated(stack, served, PROBE_TIMEOUT_S)
             print(f"  prefill worker in the path after {took:.0f}s", flush=True)
-        before = metric_total(stack.base_url, FALLBACKS)
+        before = metric_total(stack.metrics_url, FALLBACKS)
         results = measure_scenarios(stack, model_dir, served, runs, work_dir, name)
-        fallbacks = metric_total(stack.base_url, FALLBACKS) - before
+        fallbacks = metric_total(stack.metrics_url, FALLBACKS) - before
     if fallbacks:
         print(f"  WARNING: decode prefilled {fallbacks:.0f} requests by itself", flush=True)
     return TopologyResult(results, fallbacks)

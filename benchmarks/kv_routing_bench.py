@@ -57,22 +57,25 @@ import aiohttp
 
 from dynamo.llm.models import resolve_model
 from dynamo.runtime import DistributedRuntime
-from dynamo.runtime.nats_server import free_port
+from dynamo.testing.http import fetch_json
+from dynamo.testing.processes import (
+    FrontendProcess,
+    ManagedProcess,
+    running,
+    wait_for_instances,
+    worker_argv,
+)
 from harness import (
     RESULTS_DIR,
+    ROOT,
     BenchError,
-    Proc,
     format_table,
-    frontend_argv,
     guarded,
     host_info,
     log_dir,
     nats_server,
     percentile,
-    running,
     save_report,
-    wait_for_instances,
-    worker_argv,
 )
 
 NAMESPACE = "bench-kv"
@@ -133,18 +136,19 @@ def cluster(args: argparse.Namespace, nats_url: str, logs: Path) -> Iterator[dic
     with running([]) as procs:
         for i in range(2):
             argv = worker_argv(MODEL, nats_url, NAMESPACE, flags, "--component", COMPONENT)
-            procs.append(Proc(f"worker{i}", argv, logs))
-        ports = {mode: free_port() for mode in MODES}
-        for mode, port in ports.items():
+            procs.append(ManagedProcess(f"worker{i}", argv, logs, cwd=ROOT))
+        bases: dict[str, str] = {}
+        for mode in MODES:
             extra = ["--router-mode", mode]
             if mode == "kv":
                 extra += ["--kv-overlap-score-weight", str(args.kv_overlap_score_weight)]
-            procs.append(
-                Proc(f"frontend-{mode}", frontend_argv(port, nats_url, NAMESPACE, *extra), logs)
+            frontend = FrontendProcess(
+                f"frontend-{mode}", nats_url, logs, namespace=NAMESPACE, extra=extra, cwd=ROOT
             )
-        bases = {mode: f"http://127.0.0.1:{port}" for mode, port in ports.items()}
+            procs.append(frontend)
+            bases[mode] = frontend.base_url
         for base in bases.values():
-            wait_for_instances(base, MODEL, 2, procs, START_TIMEOUT_S)
+            wait_for_instances(base, MODEL, 2, procs, timeout=START_TIMEOUT_S)
         yield bases
 
 
@@ -317,8 +321,7 @@ async def clear_caches(nats_url: str) -> None:
 
 async def router_view(base: str) -> dict[str, Any]:
     """The kv frontend's router state for the workers' endpoint (`GET /debug/kv`)."""
-    async with aiohttp.ClientSession() as session, session.get(f"{base}/debug/kv") as resp:
-        routers = (await resp.json(content_type=None))["models"][MODEL]
+    routers = (await fetch_json(f"{base}/debug/kv"))["models"][MODEL]
     return routers[f"{NAMESPACE}/{COMPONENT}/generate"]
 
 

@@ -15,7 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_processes import FrontendProcess, WorkerProcess
+
+from dynamo.testing.processes import FrontendProcess, WorkerProcess
 
 NGRAM_SPEC = {
     "method": "ngram",
@@ -40,11 +41,17 @@ def _shared_workers(
             embedded_model,
             nats_url,
             e2e_log_dir,
+            namespace="e2e",
             component="spec",
             extra=["--speculative-config", json.dumps(NGRAM_SPEC)],
         ),
         "plain": WorkerProcess(
-            "worker-plain", embedded_model, nats_url, e2e_log_dir, component="plain"
+            "worker-plain",
+            embedded_model,
+            nats_url,
+            e2e_log_dir,
+            namespace="e2e",
+            component="plain",
         ),
     }
     try:

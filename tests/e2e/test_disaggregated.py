@@ -19,27 +19,28 @@ from __future__ import annotations
 
 import json
 import os
-import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_processes import FrontendProcess, WorkerProcess, http_get
-from e2e_prompts import chat_ids
+from e2e_prompts import chat_ids, greedy_request
 
 from dynamo.llm.models import DEFAULT_MODEL
 from dynamo.llm.protocols import (
     LLMEngineOutput,
     PreprocessedRequest,
-    SamplingOptions,
     StopConditions,
 )
 from dynamo.runtime import DistributedRuntime
+from dynamo.testing.http import http_post_json, kv_router_view, metric_total
+from dynamo.testing.processes import FrontendProcess, WorkerProcess
+from dynamo.testing.waiting import wait_until
 
 NAMESPACE = "disagg"
+PREFILL_ENDPOINT = f"{NAMESPACE}/prefill/generate"
+POLL_S = 0.25
 TRANSFER_TTL_S = 4
 NGRAM = {
     "method": "ngram",
@@ -95,7 +96,7 @@ def disagg(
             extra=["--router-mode", "kv"],
         )  # fmt: skip
         frontend.wait_for_model(DEFAULT_MODEL)
-        assert wait_until(lambda: len(prefill_router(frontend)["feed"]["live_workers"]) == 2, 30)
+        frontend.wait_kv_router_workers(DEFAULT_MODEL, PREFILL_ENDPOINT, 2)
         yield procs
     finally:
         for proc in [procs.get("frontend"), *prefills, procs.get("decode")]:
@@ -109,31 +110,24 @@ def disagg(
 
 
 def chat(frontend: FrontendProcess, prompt: str, max_tokens: int = 32) -> dict:
-    body = json.dumps({
+    body = {
         "model": DEFAULT_MODEL,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0,
-    }).encode()  # fmt: skip
-    request = urllib.request.Request(
-        f"{frontend.base_url}/v1/chat/completions",
-        data=body,
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())
+    }
+    status, text = http_post_json(f"{frontend.base_url}/v1/chat/completions", body, timeout=120)
+    assert status == 200, text
+    return json.loads(text)
 
 
 def frontend_counter(frontend: FrontendProcess, name: str) -> float:
-    _, text = http_get(f"{frontend.base_url}/metrics")
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+    return metric_total(f"{frontend.base_url}/metrics", name)
 
 
 def prefill_router(frontend: FrontendProcess) -> dict[str, Any]:
     """The frontend's KV router for the prefill workers (`GET /debug/kv`)."""
-    status, body = http_get(f"{frontend.base_url}/debug/kv")
-    assert status == 200, body
-    return json.loads(body)["models"][DEFAULT_MODEL][f"{NAMESPACE}/prefill/generate"]
+    return kv_router_view(frontend.base_url, DEFAULT_MODEL, PREFILL_ENDPOINT)
 
 
 def prefill_routed(frontend: FrontendProcess) -> dict[str, int]:
@@ -161,13 +155,7 @@ def partition_stable_prompt(tokenizer, topic: str) -> str:
 
 
 async def _generate(client, ids: list[int], max_tokens: int) -> list[LLMEngineOutput]:
-    request = PreprocessedRequest(
-        request_id=uuid.uuid4().hex,
-        model=DEFAULT_MODEL,
-        token_ids=ids,
-        sampling_options=SamplingOptions(temperature=0.0),
-        stop_conditions=StopConditions(max_tokens=max_tokens),
-    )
+    request = greedy_request(ids, max_tokens, model=DEFAULT_MODEL)
     return [out async for out in client.round_robin(request, response_type=LLMEngineOutput)]
 
 
@@ -199,15 +187,6 @@ async def aggregated_reference(
         await runtime.shutdown()
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.25) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
-
-
 async def test_decode_loads_prompt_from_connector_and_matches_aggregated(
     disagg, ngram_worker, nats_url, tokenizer
 ):
@@ -233,8 +212,11 @@ async def test_transfer_directory_stays_bounded(disagg, nats_url, tokenizer, tra
     frontend = disagg["frontend"]
     chat(frontend, long_prompt(TOPICS[3]), max_tokens=8)
     # Consumed entries are deleted when their request ends.
-    assert wait_until(lambda: not any(transfer_dir.iterdir()), timeout=5), list(
-        transfer_dir.iterdir()
+    wait_until(
+        lambda: not any(transfer_dir.iterdir()),
+        timeout=5,
+        interval=POLL_S,
+        what=lambda: f"consumed transfers to be deleted; left: {list(transfer_dir.iterdir())}",
     )
     # A prefill whose decode never comes (the client went away) leaves an orphan entry...
     runtime = await DistributedRuntime.connect(nats_url)
@@ -254,7 +236,12 @@ async def test_transfer_directory_stays_bounded(disagg, nats_url, tokenizer, tra
         await runtime.shutdown()
     assert any(transfer_dir.iterdir())
     # ...which expires after the TTL.
-    assert wait_until(lambda: not any(transfer_dir.iterdir()), timeout=TRANSFER_TTL_S + 6)
+    wait_until(
+        lambda: not any(transfer_dir.iterdir()),
+        timeout=TRANSFER_TTL_S + 6,
+        interval=POLL_S,
+        what=lambda: f"the orphaned transfer to expire; left: {list(transfer_dir.iterdir())}",
+    )
 
 
 def test_prefill_legs_follow_the_prefill_worker_that_caches_the_prefix(disagg):
@@ -272,9 +259,11 @@ def test_prefill_legs_follow_the_prefill_worker_that_caches_the_prefix(disagg):
         blocks = first["usage"]["prompt_tokens"] // 32
         assert blocks >= 10, "the shared prefix spans many blocks"
         # The prefill worker's stored blocks must reach the index before the next decision.
-        assert wait_until(
+        wait_until(
             lambda o=owner, n=blocks: prefill_router(frontend)["workers"][o]["cached_blocks"] >= n,
             timeout=10,
+            interval=POLL_S,
+            what=f"{blocks} blocks of {topic} indexed for prefill worker {owner}",
         )
         for question in ("name another.", "which is the most famous?"):
             reused_before = sum(

@@ -19,10 +19,12 @@ import time
 import httpx
 import openai
 import pytest
-from e2e_processes import FrontendProcess, WorkerProcess, http_get
 from e2e_prompts import chat_ids
 
 from dynamo.llm.models import DEFAULT_MODEL
+from dynamo.testing.http import http_get, metric_total
+from dynamo.testing.processes import FrontendProcess, WorkerProcess
+from dynamo.testing.waiting import wait_until
 
 MODEL = DEFAULT_MODEL
 CONTEXT_LENGTH = 2048  # --max-model-len of the session workers
@@ -48,26 +50,17 @@ def in_flight(workers: list[WorkerProcess]) -> float:
 
 def wait_until_idle(workers: list[WorkerProcess], timeout: float = 15.0) -> float:
     """Seconds until no worker has a request in flight; fails after `timeout`."""
-    start = time.monotonic()
-    while in_flight(workers) > 0:
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"workers still busy after {timeout}s")
-        time.sleep(0.05)
-    return time.monotonic() - start
+    return wait_until(
+        lambda: in_flight(workers) <= 0,
+        timeout=timeout,
+        interval=0.05,
+        what=lambda: f"the workers to go idle ({in_flight(workers):g} requests in flight)",
+    )
 
 
 def frontend_metric(frontend: FrontendProcess, name: str, **labels: str) -> float:
     """Sum of the samples of `name` whose labels include `labels` (0 when absent)."""
-    _, text = http_get(f"{frontend.base_url}/metrics")
-    total = 0.0
-    for line in text.splitlines():
-        match = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
-        if not match:
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1) or ""))
-        if all(found.get(k) == v for k, v in labels.items()):
-            total += float(match.group(2))
-    return total
+    return metric_total(f"{frontend.base_url}/metrics", name, labels)
 
 
 def chat_prompt_tokens(tokenizer, content: str) -> int:
@@ -309,10 +302,12 @@ def test_client_disconnect_mid_stream_cancels_on_worker(
                 break  # leaving both `with` blocks closes the connection
     assert seen_busy, "the request never showed up as in flight on a worker"
     wait_until_idle(workers)
-    deadline = time.monotonic() + 5
-    while frontend_metric(frontend, "dynamo_frontend_inflight_requests") > 0:
-        assert time.monotonic() < deadline, "the frontend still counts the request in flight"
-        time.sleep(0.05)
+    wait_until(
+        lambda: frontend_metric(frontend, "dynamo_frontend_inflight_requests") <= 0,
+        timeout=5,
+        interval=0.05,
+        what="the frontend to stop counting the request in flight",
+    )
     assert frontend_metric(frontend, "dynamo_frontend_client_disconnects_total") == disconnects + 1
     assert frontend_metric(frontend, "dynamo_frontend_requests_total", status="499") == closed + 1
 

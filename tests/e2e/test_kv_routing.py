@@ -9,20 +9,23 @@ worker's `clear_kv_blocks` endpoint runs, the router's index forgets its blocks 
 from __future__ import annotations
 
 import asyncio
-import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-from e2e_processes import FrontendProcess, WorkerProcess, http_get
+
+from dynamo.testing.http import kv_router_view
+from dynamo.testing.processes import FrontendProcess, WorkerProcess
+from dynamo.testing.waiting import wait_until
 
 NAMESPACE = "e2e-kv"
 COMPONENT = "kvroute"
 MODEL = "smollm2-135m-instruct"
 BLOCK = 32
+WORKERS_ENDPOINT = f"{NAMESPACE}/{COMPONENT}/generate"
+POLL_S = 0.2
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,7 @@ def kv_cluster(
         for worker in workers:
             worker.wait_ready()
         frontend.wait_for_model(MODEL)
-        wait_until(lambda: len(router_state(frontend)["feed"]["live_workers"]) == 2, 30)
+        frontend.wait_kv_router_workers(MODEL, WORKERS_ENDPOINT, 2)
         yield frontend, workers
     finally:
         frontend.stop()
@@ -50,20 +53,9 @@ def kv_cluster(
             worker.stop()
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.2)
-
-
 def router_state(frontend: FrontendProcess) -> dict[str, Any]:
     """The KV router's debug view for the workers' endpoint."""
-    status, body = http_get(f"{frontend.base_url}/debug/kv")
-    assert status == 200, body
-    routers = json.loads(body)["models"].get(MODEL, {})
-    return routers[f"{NAMESPACE}/{COMPONENT}/generate"]
+    return kv_router_view(frontend.base_url, MODEL, WORKERS_ENDPOINT)
 
 
 def routed_counts(frontend: FrontendProcess) -> dict[str, int]:
@@ -115,7 +107,12 @@ def test_a_shared_prefix_follows_the_worker_that_caches_it(
         prompt_blocks = first.usage.prompt_tokens // BLOCK
         assert prompt_blocks >= 10, "the shared prefix spans many blocks"
         # The worker's stored blocks must reach the index before the next decision.
-        wait_until(lambda o=owner, n=prompt_blocks: cached_blocks(frontend, o) >= n, 10)
+        wait_until(
+            lambda o=owner, n=prompt_blocks: cached_blocks(frontend, o) >= n,
+            timeout=10,
+            interval=POLL_S,
+            what=f"{prompt_blocks} blocks of {topic} indexed for worker {owner}",
+        )
         for question in ("Name another.", "Which is the most famous?"):
             worker, response = send_and_locate(frontend, system, question)
             assert worker == owner, f"{topic}: {question!r} went to {worker}, cache on {owner}"
@@ -130,13 +127,24 @@ def test_clear_kv_blocks_makes_the_router_forget_the_workers_cache(
     frontend, _ = kv_cluster
     system = system_prompt("glaciers")
     owner, first = send_and_locate(frontend, system, "Name one.")
-    wait_until(lambda: cached_blocks(frontend, owner) >= first.usage.prompt_tokens // BLOCK, 10)
+    blocks = first.usage.prompt_tokens // BLOCK
+    wait_until(
+        lambda: cached_blocks(frontend, owner) >= blocks,
+        timeout=10,
+        interval=POLL_S,
+        what=f"{blocks} blocks indexed for worker {owner}",
+    )
 
     results = asyncio.run(clear_kv_blocks(nats_url, int(owner, 16)))
     assert results and all(r["cleared"] for r in results), results
 
     # No further engine step is needed for the router to hear about it.
-    wait_until(lambda: cached_blocks(frontend, owner) == 0, 10)
+    wait_until(
+        lambda: cached_blocks(frontend, owner) == 0,
+        timeout=10,
+        interval=POLL_S,
+        what=f"the router to forget worker {owner}'s blocks",
+    )
     _, again = send_and_locate(frontend, system, "Name one.")
     assert cached_tokens(again) == 0, "the worker's prefix cache was really dropped"
 

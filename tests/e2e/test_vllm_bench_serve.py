@@ -14,36 +14,22 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from e2e_processes import FrontendProcess, engine_env
 
 from dynamo.llm.models import DEFAULT_MODEL
+from dynamo.testing.processes import FrontendProcess, child_env, vllm_bench_serve_argv
 
 NUM_PROMPTS = 16
 INPUT_LEN = 64
 OUTPUT_LEN = 32
 
-BENCH_MAIN = """
-import sys
-from vllm.benchmarks.serve import add_cli_args, main
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-parser = FlexibleArgumentParser()
-add_cli_args(parser)
-main(parser.parse_args(sys.argv[1:]))
-"""
-
 
 def run_bench(
     frontend: FrontendProcess, model_dir: Path, backend: str, endpoint: str, out: Path
 ) -> dict:
-    argv = [
-        sys.executable,
-        "-c",
-        BENCH_MAIN,
+    argv = vllm_bench_serve_argv(
         "--backend",
         backend,
         "--base-url",
@@ -78,9 +64,9 @@ def run_bench(
         str(out),
         "--result-filename",
         "result.json",
-    ]
+    )
     proc = subprocess.run(
-        argv, capture_output=True, text=True, timeout=600, env=engine_env(), check=False
+        argv, capture_output=True, text=True, timeout=600, env=child_env(), check=False
     )
     log = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, f"vllm bench serve failed ({proc.returncode}):\n{log}"

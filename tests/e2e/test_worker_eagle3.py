@@ -12,12 +12,10 @@ vLLM applies it to the draft as well.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from pathlib import Path
 
 import pytest
-from e2e_processes import WorkerProcess
-from e2e_prompts import chat_ids
+from e2e_prompts import chat_ids, greedy_request
 from tiny_eagle3 import SPECULATIVE_TOKENS, build_pair
 
 from dynamo.llm.model_card import CardAdded, ModelCardWatcher
@@ -25,11 +23,9 @@ from dynamo.llm.protocols import (
     FinishReason,
     LLMEngineOutput,
     ModelCard,
-    PreprocessedRequest,
-    SamplingOptions,
-    StopConditions,
 )
 from dynamo.runtime import DistributedRuntime, RemoteError
+from dynamo.testing.processes import WorkerProcess, cpu_engine_flags
 
 NAMESPACE = "e2e-eagle3"  # apart from the shared workers, so no frontend test sees it
 COMPONENT = "eagle3"
@@ -53,7 +49,7 @@ def eagle3_worker(eagle3_pair, nats_url: str, e2e_log_dir: Path):
         e2e_log_dir,
         namespace=NAMESPACE,
         component=COMPONENT,
-        max_model_len=MAX_MODEL_LEN,
+        engine_flags=cpu_engine_flags(MAX_MODEL_LEN),
     )
     try:
         worker.wait_ready()
@@ -65,13 +61,7 @@ def eagle3_worker(eagle3_pair, nats_url: str, e2e_log_dir: Path):
 async def generate(runtime: DistributedRuntime, token_ids: list[int], max_tokens: int):
     client = await runtime.namespace(NAMESPACE).component(COMPONENT).endpoint("generate").client()
     await client.wait_for_instances(timeout=30)
-    request = PreprocessedRequest(
-        request_id=str(uuid.uuid4()),
-        model="target",
-        token_ids=token_ids,
-        sampling_options=SamplingOptions(temperature=0.0),
-        stop_conditions=StopConditions(max_tokens=max_tokens, ignore_eos=True),
-    )
+    request = greedy_request(token_ids, max_tokens, model="target", ignore_eos=True)
     return [out async for out in client.round_robin(request, response_type=LLMEngineOutput)]
 
 

@@ -24,14 +24,12 @@ import json
 import os
 import signal
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
-from e2e_processes import ENGINE_START_TIMEOUT_S, WorkerProcess, http_get
-from e2e_prompts import chat_ids
+from e2e_prompts import chat_ids, greedy_request
 from tiny_eagle3 import build_pair
 
 from dynamo.llm.model_card import ModelCardWatcher
@@ -39,10 +37,16 @@ from dynamo.llm.protocols import (
     FinishReason,
     LLMEngineOutput,
     PreprocessedRequest,
-    SamplingOptions,
-    StopConditions,
 )
 from dynamo.runtime import Client, DistributedRuntime, InstanceGoneError
+from dynamo.testing.http import http_get
+from dynamo.testing.processes import (
+    ENGINE_START_TIMEOUT_S,
+    WorkerProcess,
+    cpu_engine_flags,
+    wait_while_alive,
+)
+from dynamo.testing.waiting import wait_until_async
 from dynamo.vllm.args import DEFAULT_DRAIN_TIMEOUT_S as DRAIN_TIMEOUT_S
 
 NAMESPACE = "e2e-lifecycle"
@@ -66,18 +70,26 @@ def start_and_probe(worker: WorkerProcess) -> list[HealthProbe]:
     """Poll `/health` from the moment the process starts until it says 200."""
     t0 = time.monotonic()
     probes: list[HealthProbe] = []
-    while time.monotonic() - t0 < ENGINE_START_TIMEOUT_S:
-        if not worker.alive():
-            raise AssertionError(f"worker exited:\n{worker.log_tail()}")
+
+    def probe() -> bool:
         try:
-            status, body = http_get(f"http://127.0.0.1:{worker.system_port}/health", timeout=5)
-            probes.append(HealthProbe(time.monotonic() - t0, status, json.loads(body)["detail"]))
-            if status == 200:
-                return probes
+            status, body = http_get(worker.health_url, timeout=5)
         except OSError:
             probes.append(HealthProbe(time.monotonic() - t0, None))
-        time.sleep(0.25)
-    raise AssertionError(f"not healthy after {ENGINE_START_TIMEOUT_S}s:\n{worker.log_tail()}")
+            return False
+        probes.append(HealthProbe(time.monotonic() - t0, status, json.loads(body)["detail"]))
+        return status == 200
+
+    # No retry_on: a /health body without its `detail` fails the test at once.
+    wait_while_alive(
+        probe,
+        [worker],
+        timeout=ENGINE_START_TIMEOUT_S,
+        interval=0.25,
+        what="the worker's /health to say 200",
+        retry_on=(),
+    )
+    return probes
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +113,8 @@ def new_worker(
         log_dir,
         namespace=NAMESPACE,
         component=name,
-        max_model_len=max_model_len,
-        extra=extra,
+        engine_flags=cpu_engine_flags(max_model_len),
+        extra=extra or (),
     )
 
 
@@ -126,23 +138,26 @@ async def client_of(runtime: DistributedRuntime, worker: WorkerProcess) -> Clien
 
 
 def long_request(tokenizer, max_tokens: int) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        request_id=str(uuid.uuid4()),
-        model="target",
-        token_ids=chat_ids(tokenizer, "Tell me a long story."),
-        sampling_options=SamplingOptions(temperature=0.0),
-        stop_conditions=StopConditions(max_tokens=max_tokens, ignore_eos=True),
+    ids = chat_ids(tokenizer, "Tell me a long story.")
+    return greedy_request(ids, max_tokens, model="target", ignore_eos=True)
+
+
+async def wait_gone(client: Client, instance: int, timeout: float) -> None:
+    """Until `client` no longer routes to `instance` (it deregistered or died)."""
+    await wait_until_async(
+        lambda: instance not in client.instance_ids(),
+        timeout=timeout,
+        what=f"instance {instance:x} to leave the routable instances",
     )
 
 
-async def wait_until(condition, timeout: float, interval: float = 0.02) -> float:
-    """Seconds until `condition()` held; AssertionError after `timeout`."""
-    t0 = time.monotonic()
-    while not condition():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"condition not met within {timeout}s")
-        await asyncio.sleep(interval)
-    return time.monotonic() - t0
+async def wait_forgotten(client: Client, instance: int, timeout: float) -> None:
+    """Until `client` no longer lists `instance` among every instance it knows."""
+    await wait_until_async(
+        lambda: instance not in client.instances(),
+        timeout=timeout,
+        what=f"instance {instance:x} to be forgotten",
+    )
 
 
 async def card_components(runtime: DistributedRuntime) -> set[str]:
@@ -223,13 +238,13 @@ async def test_sigterm_deregisters_drains_and_exits_0(runtime, lifecycle_worker,
     request = long_request(tokenizer, MAX_MODEL_LEN - 64)
     stream, outputs = await stream_in_flight(client, instance, request)
     assert outputs[-1].finish_reason is None  # in flight when the signal arrives
-    worker.proc.send_signal(signal.SIGTERM)
+    worker.popen.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
 
-    await wait_until(lambda: instance not in client.instance_ids(), DEREGISTER_WITHIN_S)
+    await wait_gone(client, instance, DEREGISTER_WITHIN_S)
     if not stream.done():  # still draining: not ready any more (or already closed)
         try:
-            status, _ = http_get(f"http://127.0.0.1:{worker.system_port}/health", timeout=2)
+            status, _ = http_get(worker.health_url, timeout=2)
             assert status == 503
         except OSError:
             pass
@@ -243,9 +258,9 @@ async def test_sigterm_deregisters_drains_and_exits_0(runtime, lifecycle_worker,
         assert "shut down before the request finished" in str(exc)
     assert time.monotonic() - signalled < DRAIN_TIMEOUT_S + 10
 
-    code = await asyncio.to_thread(worker.proc.wait, DRAIN_TIMEOUT_S + ENGINE_SHUTDOWN_S)
+    code = await asyncio.to_thread(worker.popen.wait, DRAIN_TIMEOUT_S + ENGINE_SHUTDOWN_S)
     assert code == 0, worker.log_tail()
-    await wait_until(lambda: instance not in client.instances(), DEREGISTER_WITHIN_S)
+    await wait_forgotten(client, instance, DEREGISTER_WITHIN_S)
     assert worker.component not in await card_components(runtime)
 
 
@@ -267,7 +282,7 @@ async def test_sigterm_aborts_what_outlives_the_drain_timeout(
         # repetitive output reaches with Eagle3 drafts (a few hundred finish within 1 s).
         request = long_request(tokenizer, LONG_MODEL_LEN - 64)
         stream, outputs = await stream_in_flight(client, instance, request)
-        worker.proc.send_signal(signal.SIGTERM)
+        worker.popen.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         # The worker went away under the request: the same error as a worker that died, so
         # a frontend re-places or migrates it.
@@ -276,7 +291,7 @@ async def test_sigterm_aborts_what_outlives_the_drain_timeout(
         assert time.monotonic() - signalled < drain_s + 5
         produced = sum(len(out.token_ids) for out in outputs)
         assert 0 < produced < request.stop_conditions.max_tokens
-        code = await asyncio.to_thread(worker.proc.wait, ENGINE_SHUTDOWN_S)
+        code = await asyncio.to_thread(worker.popen.wait, ENGINE_SHUTDOWN_S)
         assert code == 0, worker.log_tail()
     finally:
         worker.stop()
@@ -321,16 +336,16 @@ async def test_engine_core_death_deregisters_and_exits_1(
             request = long_request(tokenizer, MAX_MODEL_LEN - 64)
             stream, outputs = await stream_in_flight(client, instance, request)
             assert outputs[-1].finish_reason is None
-        os.kill(engine_core_of(worker.proc.pid).pid, signal.SIGKILL)
+        os.kill(engine_core_of(worker.pid).pid, signal.SIGKILL)
 
         if stream is not None:
             await asyncio.wait_for(stream, ENGINE_SHUTDOWN_S)
             assert outputs[-1].finish_reason is FinishReason.ERROR
             assert "engine dead" in (outputs[-1].error or "")
-        await wait_until(lambda: instance not in client.instance_ids(), ENGINE_SHUTDOWN_S)
-        code = await asyncio.to_thread(worker.proc.wait, DRAIN_TIMEOUT_S + ENGINE_SHUTDOWN_S)
+        await wait_gone(client, instance, ENGINE_SHUTDOWN_S)
+        code = await asyncio.to_thread(worker.popen.wait, DRAIN_TIMEOUT_S + ENGINE_SHUTDOWN_S)
         assert code == 1, worker.log_tail()
-        await wait_until(lambda: instance not in client.instances(), DEREGISTER_WITHIN_S)
+        await wait_forgotten(client, instance, DEREGISTER_WITHIN_S)
         assert worker.component not in await card_components(runtime)
     finally:
         worker.stop()

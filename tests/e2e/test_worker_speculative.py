@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import uuid
 
-from e2e_prompts import chat_ids
+from e2e_prompts import chat_ids, greedy_request
 
 from dynamo.llm.protocols import (
     FinishReason,
     LLMEngineOutput,
     PreprocessedRequest,
-    SamplingOptions,
     StopConditions,
 )
 from dynamo.runtime import DistributedRuntime
+from dynamo.testing.waiting import wait_until_async
 
 # Prompts that invite repetition, so the n-gram proposer finds matches in the context.
 PROMPTS = [
@@ -34,13 +34,7 @@ async def generate(
 ):
     client = await runtime.namespace("e2e").component(component).endpoint("generate").client()
     await client.wait_for_instances(timeout=30)
-    req = PreprocessedRequest(
-        request_id=str(uuid.uuid4()),
-        model="test",
-        token_ids=token_ids,
-        sampling_options=SamplingOptions(temperature=0.0),
-        stop_conditions=StopConditions(max_tokens=max_tokens),
-    )
+    req = greedy_request(token_ids, max_tokens, model="test")
     outputs: list[LLMEngineOutput] = []
     async for out in client.round_robin(req, response_type=LLMEngineOutput):
         outputs.append(out)
@@ -117,10 +111,9 @@ async def test_cancel_aborts_in_engine(runtime, ngram_worker, tokenizer):
             break
     await stream.aclose()
     # The worker aborts it: the engine's running count returns to zero quickly.
-    import asyncio
-
-    for _ in range(50):
-        if ngram_worker.metric("dynamo_worker_requests_in_flight") == 0:
-            break
-        await asyncio.sleep(0.1)
-    assert ngram_worker.metric("dynamo_worker_requests_in_flight") == 0
+    await wait_until_async(
+        lambda: ngram_worker.metric("dynamo_worker_requests_in_flight") == 0,
+        timeout=5,
+        interval=0.1,
+        what="the worker to abort the cancelled request",
+    )

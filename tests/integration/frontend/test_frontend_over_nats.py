@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import openai
-import pytest
 
-from dynamo.frontend.frontend import FrontendConfig, run_frontend
 from dynamo.frontend.preprocessor import load_tokenizer
+from dynamo.frontend.routing import RouterMode
 from dynamo.llm.model_card import publish_model_card, remove_model_card
 from dynamo.llm.protocols import (
     CompletionUsage,
@@ -24,10 +23,12 @@ from dynamo.llm.protocols import (
     PreprocessedRequest,
 )
 from dynamo.runtime import DistributedRuntime
-from dynamo.runtime.nats_server import free_port
+from dynamo.testing.frontends import InLoopFrontend
+from dynamo.testing.waiting import wait_until_async
 
 MODEL = "smollm2-nats"
 REPLY = "Hello from a worker over NATS."
+POLL_S = 0.1
 
 
 class Worker:
@@ -65,36 +66,14 @@ class Worker:
             raise
 
 
-async def _wait_for(predicate: Any, timeout: float = 15.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.1)
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    from dynamo.llm.models import resolve_model
-
-    return Path(resolve_model("smollm2-135m-instruct"))
-
-
 async def test_frontend_serves_a_worker_discovered_over_nats(
-    nats_url: str, model_dir: Path, tmp_path: Path
+    nats_url: str, embedded_model: Path, tmp_path: Path
 ) -> None:
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(embedded_model)
     worker_rt = await DistributedRuntime.connect(nats_url, lease_ttl=2.0)
-    port = free_port()
-    stop = asyncio.Event()
-    config = FrontendConfig(
-        http_host="127.0.0.1",
-        http_port=port,
-        namespace="fe-test",
-        nats_server=nats_url,
-        tokenizer_cache=tmp_path / "tok",
+    frontend = InLoopFrontend.start(
+        nats_url, "fe-test", tmp_path / "tok", router_mode=RouterMode.ROUND_ROBIN
     )
-    frontend = asyncio.create_task(run_frontend(config, stop))
     served = None
     try:
         worker = Worker(tokenizer)
@@ -110,10 +89,10 @@ async def test_frontend_serves_a_worker_discovered_over_nats(
             kv_block_size=32,
             eos_token_ids=[2],
         )
-        card = await publish_model_card(worker_rt, card, model_dir)
+        card = await publish_model_card(worker_rt, card, embedded_model)
 
         async with openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0
+            base_url=f"{frontend.base_url}/v1", api_key="x", max_retries=0
         ) as client:
 
             async def listed() -> bool:
@@ -122,7 +101,9 @@ async def test_frontend_serves_a_worker_discovered_over_nats(
                 except openai.APIConnectionError:
                     return False
 
-            await _wait_for(listed)
+            await wait_until_async(
+                listed, timeout=15, interval=POLL_S, what=f"the frontend to list only {MODEL}"
+            )
             assert (tmp_path / "tok" / card.tokenizer_digest / "tokenizer.json").is_file()
 
             chat = await client.chat.completions.create(
@@ -153,7 +134,12 @@ async def test_frontend_serves_a_worker_discovered_over_nats(
             async def worker_stopped() -> bool:
                 return rid in worker.stopped
 
-            await _wait_for(worker_stopped, timeout=10)
+            await wait_until_async(
+                worker_stopped,
+                timeout=10,
+                interval=POLL_S,
+                what="the worker to see the abandoned stream cancelled",
+            )
 
             # The card goes away with the worker: the model disappears.
             await remove_model_card(worker_rt, card)
@@ -161,10 +147,11 @@ async def test_frontend_serves_a_worker_discovered_over_nats(
             async def unlisted() -> bool:
                 return [m.id async for m in client.models.list()] == []
 
-            await _wait_for(unlisted)
+            await wait_until_async(
+                unlisted, timeout=15, interval=POLL_S, what="the frontend to forget the model"
+            )
     finally:
-        stop.set()
-        await asyncio.wait_for(frontend, 15)
+        await frontend.stop()
         if served is not None:
             await served.stop(drain_timeout=1.0)
         await worker_rt.shutdown()

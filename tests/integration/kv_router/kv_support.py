@@ -4,10 +4,8 @@ by the worker's own glue (`dynamo.vllm.publishers`), no engine needed."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +14,14 @@ from vllm.distributed import kv_events as vllm_kv
 from dynamo.llm.kv_router.zmq_relay import KvEventRelay
 from dynamo.llm.protocols import ModelCard
 from dynamo.runtime import DistributedRuntime
+from dynamo.testing.waiting import wait_until_async
 from dynamo.vllm.publishers import start_kv_event_relay
 
 B = 4  # block size of the simulated engines (small keeps the token lists readable)
 COMPONENT = "backend"
 ENDPOINT = "generate"
 LEASE_TTL = 1.0
+EVENT_TIMEOUT_S = 10.0  # for an event to go through NATS and reach whoever awaits it
 
 
 def new_namespace() -> str:
@@ -31,14 +31,6 @@ def new_namespace() -> str:
 def prompt(n_blocks: int, offset: int = 0) -> list[int]:
     """Tokens of `n_blocks` full blocks; different offsets give disjoint prompts."""
     return list(range(offset, offset + n_blocks * B))
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
 
 
 async def _idle(request: Any, ctx: Any) -> AsyncIterator[dict[str, Any]]:
@@ -116,7 +108,11 @@ class SimWorker:
         `AllBlocksCleared`) is acknowledged by the JetStream stream."""
         relay = self.relay
         assert relay is not None
-        await wait_until(lambda: relay.stats.events_out >= 1 + self._step)
+        await wait_until_async(
+            lambda: relay.stats.events_out >= 1 + self._step,
+            timeout=EVENT_TIMEOUT_S,
+            what=f"the relay of worker {self.instance_id:x} to publish {1 + self._step} events",
+        )
 
     async def leave(self) -> None:
         """Deregister (as a worker shutting down does) and stop publishing (idempotent)."""

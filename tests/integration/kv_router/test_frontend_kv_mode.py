@@ -7,18 +7,13 @@ shows each worker's cached blocks and the predicted hit rate.
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import openai
-import pytest
 from kv_support import new_namespace
 
-from dynamo.frontend.frontend import FrontendConfig, run_frontend
 from dynamo.frontend.routing import RouterMode
 from dynamo.llm.kv_router.hashing import compute_block_hashes
 from dynamo.llm.kv_router.publisher import KvEventPublisher
@@ -34,7 +29,9 @@ from dynamo.llm.protocols import (
     RouterEvent,
 )
 from dynamo.runtime import DistributedRuntime
-from dynamo.runtime.nats_server import free_port
+from dynamo.testing.frontends import InLoopFrontend
+from dynamo.testing.http import fetch_json, wait_for_instances_async
+from dynamo.testing.waiting import wait_until_async
 
 MODEL = "smollm2-kv"
 BLOCK = 32
@@ -87,57 +84,20 @@ class CachingWorker:
         self._event_id += 1
 
 
-async def _get_json(url: str) -> dict[str, Any]:
-    """Async on purpose: the frontend runs on this test's event loop."""
-    async with aiohttp.ClientSession() as session, session.get(url) as resp:
-        return await resp.json(content_type=None)
-
-
-async def _eventually(check: Callable[[], Awaitable[bool]], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    from dynamo.llm.models import resolve_model
-
-    return Path(resolve_model("smollm2-135m-instruct"))
-
-
 async def test_shared_prefixes_follow_the_cache_and_debug_view_shows_it(
-    nats_url: str, model_dir: Path, tmp_path: Path
+    nats_url: str, embedded_model: Path, tmp_path: Path
 ) -> None:
     namespace = new_namespace()
     runtimes = [await DistributedRuntime.connect(nats_url, lease_ttl=2.0) for _ in range(2)]
     workers = [CachingWorker(rt, namespace) for rt in runtimes]
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    stop = asyncio.Event()
-    config = FrontendConfig(
-        http_host="127.0.0.1",
-        http_port=port,
-        namespace=namespace,
-        nats_server=nats_url,
-        router_mode=RouterMode.KV,
-        tokenizer_cache=tmp_path / "tok",
+    frontend = InLoopFrontend.start(
+        nats_url, namespace, tmp_path / "tok", router_mode=RouterMode.KV
     )
-    frontend = asyncio.create_task(run_frontend(config, stop))
+    base = frontend.base_url
     try:
         for worker in workers:
-            await worker.start(model_dir)
-
-        async def both_ready() -> bool:
-            try:
-                health = await _get_json(f"{base}/health")
-            except aiohttp.ClientError:
-                return False
-            return len(health["models"].get(MODEL, {}).get("instances", [])) == 2
-
-        await _eventually(both_ready, timeout=30)
+            await worker.start(embedded_model)
+        await wait_for_instances_async(base, MODEL, 2, timeout=30)
         async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0) as client:
             sent = 0
             for group in range(3):
@@ -158,10 +118,15 @@ async def test_shared_prefixes_follow_the_cache_and_debug_view_shows_it(
                     sent += 1
                     # Route the next request only once this one's blocks are indexed:
                     # every worker announced a clear, then one store per request.
-                    await _eventually(lambda n=sent: _feed_events_at_least(base, 2 + n), 5)
+                    await wait_until_async(
+                        lambda n=sent: feed_events_at_least(base, 2 + n),
+                        timeout=5,
+                        interval=0.05,
+                        what=f"the router to apply {2 + sent} events",
+                    )
                 assert owners == [owners[0]] * 3, f"group {group} was split: {owners}"
 
-        state = (await _get_json(f"{base}/debug/kv"))["models"][MODEL][
+        state = (await fetch_json(f"{base}/debug/kv"))["models"][MODEL][
             f"{namespace}/backend/generate"
         ]
         assert state["routing"]["requests"] == 9
@@ -170,14 +135,14 @@ async def test_shared_prefixes_follow_the_cache_and_debug_view_shows_it(
         assert state["feed"]["live_workers"] == sorted(f"{rt.instance_id:016x}" for rt in runtimes)
         assert sum(w["cached_blocks"] for w in state["workers"].values()) > 0
     finally:
-        stop.set()
-        await asyncio.wait_for(frontend, 15)
+        await frontend.stop()
         for runtime in runtimes:
             await runtime.shutdown(drain_timeout=1.0)
 
 
-async def _feed_events_at_least(base: str, count: int) -> bool:
-    models = (await _get_json(f"{base}/debug/kv"))["models"]
+async def feed_events_at_least(base: str, count: int) -> bool:
+    """Whether a KV router of the frontend at `base` has applied `count` events."""
+    models = (await fetch_json(f"{base}/debug/kv"))["models"]
     return any(
         state["feed"]["events"] >= count
         for routers in models.values()

@@ -11,20 +11,22 @@ reports reach the cost function.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kv_support import (
     COMPONENT,
     ENDPOINT,
+    EVENT_TIMEOUT_S,
     B,
     SimWorker,
     new_namespace,
     prompt,
-    wait_until,
 )
 
-from dynamo.llm.kv_router import KvRouter, create_kv_router
+from dynamo.llm.kv_router import KvRouter, WorkerScore, create_kv_router
 from dynamo.llm.kv_router.publisher import LoadPublisher
 from dynamo.llm.kv_router.subjects import KV_EVENTS_STREAM, kv_events_subject
 from dynamo.llm.kv_router.zmq_relay import KvEventRelay
@@ -36,6 +38,7 @@ from dynamo.llm.protocols import (
     decode,
 )
 from dynamo.runtime import Client, DistributedRuntime
+from dynamo.testing.waiting import wait_until_async
 from dynamo.vllm.publishers import start_kv_event_relay
 
 
@@ -72,6 +75,20 @@ async def client_for(runtime: DistributedRuntime, namespace: str, count: int) ->
     return client
 
 
+@asynccontextmanager
+async def routing_to(
+    runtime: DistributedRuntime, worker: SimWorker, count: int
+) -> AsyncIterator[tuple[Client, KvRouter]]:
+    """A client that sees `count` instances of the workers' endpoint and a KV router for
+    `worker`'s model over it, closed on exit."""
+    client = await client_for(runtime, worker.namespace, count)
+    router = await create_kv_router(runtime, worker.card(), client)
+    try:
+        yield client, router
+    finally:
+        await router.close()
+
+
 def request(request_id: str, tokens: list[int]) -> PreprocessedRequest:
     return PreprocessedRequest(request_id=request_id, model="sim", token_ids=tokens)
 
@@ -80,16 +97,31 @@ def blocks_of(router: KvRouter, worker: SimWorker) -> int:
     return router.scheduler.indexer.block_count(worker.instance_id)
 
 
+def scores_by_worker(
+    router: KvRouter, tokens: list[int], workers: list[SimWorker]
+) -> dict[int, WorkerScore]:
+    """The router's cost breakdown for `tokens` on each of `workers`, by instance id."""
+    scored = router.scheduler.score(tokens, [w.instance_id for w in workers])
+    return {score.worker_id: score for score in scored}
+
+
+def load_seen(router: KvRouter, worker: SimWorker) -> dict[str, Any]:
+    """The load the router last heard `worker` report (its `/debug/kv` view)."""
+    return router.debug_state()["workers"][f"{worker.instance_id:016x}"]["load"]
+
+
 async def test_stored_blocks_attract_requests_and_removed_ones_are_forgotten(
-    frontend_rt: DistributedRuntime, namespace: str, workers: list[SimWorker]
+    frontend_rt: DistributedRuntime, workers: list[SimWorker]
 ) -> None:
     a, b = workers
-    client = await client_for(frontend_rt, namespace, 2)
-    router = await create_kv_router(frontend_rt, a.card(), client)
-    try:
+    async with routing_to(frontend_rt, a, 2) as (client, router):
         tokens = prompt(6)
         vllm_hashes = a.store(tokens)
-        await wait_until(lambda: blocks_of(router, a) == 6)
+        await wait_until_async(
+            lambda: blocks_of(router, a) == 6,
+            timeout=EVENT_TIMEOUT_S,
+            what="the router to index a's 6 blocks",
+        )
         index = router.scheduler.indexer
         assert index.find_matches_for_tokens(tokens).scores == {a.instance_id: 6}
 
@@ -104,16 +136,18 @@ async def test_stored_blocks_attract_requests_and_removed_ones_are_forgotten(
         router.on_finished("r2")
 
         a.remove(vllm_hashes[3:])  # evicting a block evicts its descendants' matches
-        await wait_until(lambda: blocks_of(router, a) == 3)
+        await wait_until_async(
+            lambda: blocks_of(router, a) == 3,
+            timeout=EVENT_TIMEOUT_S,
+            what="the router to forget a's 3 evicted blocks",
+        )
         assert index.find_matches_for_tokens(tokens).scores == {a.instance_id: 3}
         feed = router.debug_state()["feed"]
         assert feed["events"] >= 4 and feed["events_malformed"] == 0
-    finally:
-        await router.close()
 
 
 async def test_a_router_started_later_rebuilds_the_index_from_the_stream(
-    frontend_rt: DistributedRuntime, namespace: str, workers: list[SimWorker]
+    frontend_rt: DistributedRuntime, workers: list[SimWorker]
 ) -> None:
     a, b = workers
     a.store(prompt(5))
@@ -122,9 +156,7 @@ async def test_a_router_started_later_rebuilds_the_index_from_the_stream(
     await a.wait_relayed()
     await b.wait_relayed()
 
-    client = await client_for(frontend_rt, namespace, 2)
-    router = await create_kv_router(frontend_rt, a.card(), client)
-    try:
+    async with routing_to(frontend_rt, a, 2) as (client, router):
         # No waiting: create_kv_router returns once the replay has caught up.
         assert blocks_of(router, a) == 8 and blocks_of(router, b) == 2
         assert router.debug_state()["feed"]["replay_complete"] is True
@@ -132,29 +164,31 @@ async def test_a_router_started_later_rebuilds_the_index_from_the_stream(
         assert await router.select(late, client.instance_ids()) == a.instance_id
         assert late.routing is not None and late.routing.overlap_blocks == 5
         router.on_finished("late")
-    finally:
-        await router.close()
 
 
 async def test_a_worker_that_leaves_loses_its_blocks(
-    frontend_rt: DistributedRuntime, namespace: str, workers: list[SimWorker]
+    frontend_rt: DistributedRuntime, workers: list[SimWorker]
 ) -> None:
     a, b = workers
-    client = await client_for(frontend_rt, namespace, 2)
-    router = await create_kv_router(frontend_rt, a.card(), client)
-    try:
+    async with routing_to(frontend_rt, a, 2) as (_, router):
         tokens = prompt(4)
         a.store(tokens)
         b.store(tokens)
-        await wait_until(lambda: blocks_of(router, a) == 4 and blocks_of(router, b) == 4)
+        await wait_until_async(
+            lambda: blocks_of(router, a) == 4 and blocks_of(router, b) == 4,
+            timeout=EVENT_TIMEOUT_S,
+            what="the router to index 4 blocks of each worker",
+        )
 
         await a.leave()
         index = router.scheduler.indexer
-        await wait_until(lambda: a.instance_id not in index.workers())
+        await wait_until_async(
+            lambda: a.instance_id not in index.workers(),
+            timeout=EVENT_TIMEOUT_S,
+            what="the router to drop the worker that left",
+        )
         assert index.find_matches_for_tokens(tokens).scores == {b.instance_id: 4}
         assert router.debug_state()["feed"]["workers_removed"] == 1
-    finally:
-        await router.close()
 
 
 async def test_history_of_a_dead_worker_is_dropped_after_replay(
@@ -169,11 +203,19 @@ async def test_history_of_a_dead_worker_is_dropped_after_replay(
     await a.leave()  # its events stay in the stream; its instance record is gone
 
     client = await client_for(frontend_rt, namespace, 1)
-    await wait_until(lambda: client.instance_ids() == [b.instance_id])
+    await wait_until_async(
+        lambda: client.instance_ids() == [b.instance_id],
+        timeout=EVENT_TIMEOUT_S,
+        what="the client to see only the live worker",
+    )
     router = await create_kv_router(frontend_rt, b.card(), client, grace_s=0.3)
     try:
         index = router.scheduler.indexer
-        await wait_until(lambda: a.instance_id not in index.workers(), timeout=5)
+        await wait_until_async(
+            lambda: a.instance_id not in index.workers(),
+            timeout=5,
+            what="the replayed history of the dead worker to be dropped",
+        )
         assert index.find_matches_for_tokens(tokens).scores == {b.instance_id: 4}
     finally:
         await router.close()
@@ -198,12 +240,8 @@ async def test_a_restarted_relay_purges_the_workers_old_events(
     last = await frontend_rt.js.get_last_msg(KV_EVENTS_STREAM, subject)
     assert isinstance(decode(last.data, RouterEvent).data, KvAllCleared)
 
-    client = await client_for(frontend_rt, namespace, 2)
-    router = await create_kv_router(frontend_rt, a.card(), client)
-    try:
+    async with routing_to(frontend_rt, a, 2) as (_, router):
         assert blocks_of(router, a) == 0
-    finally:
-        await router.close()
 
 
 async def test_load_reports_reach_the_cost_function(
@@ -214,30 +252,26 @@ async def test_load_reports_reach_the_cost_function(
     publisher = await LoadPublisher(
         a.runtime, namespace, COMPONENT, a.instance_id, lambda: reported
     ).start()
-    client = await client_for(frontend_rt, namespace, 2)
-    router = await create_kv_router(frontend_rt, a.card(), client)
     try:
-        await wait_until(lambda: router.debug_state()["feed"]["load_reports"] > 0)
-        tokens = prompt(3, offset=123)
-        scores = {
-            s.worker_id: s for s in router.scheduler.score(tokens, [a.instance_id, b.instance_id])
-        }
-        assert scores[a.instance_id].active_blocks == scores[b.instance_id].active_blocks + 40
-        view = router.debug_state()["workers"][f"{a.instance_id:016x}"]["load"]
-        assert view["active_blocks"] == 40 and view["total_blocks"] == 100
+        async with routing_to(frontend_rt, a, 2) as (_, router):
+            await wait_until_async(
+                lambda: router.debug_state()["feed"]["load_reports"] > 0,
+                timeout=EVENT_TIMEOUT_S,
+                what="a load report to reach the router",
+            )
+            tokens = prompt(3, offset=123)
+            scores = scores_by_worker(router, tokens, workers)
+            assert scores[a.instance_id].active_blocks == scores[b.instance_id].active_blocks + 40
+            view = load_seen(router, a)
+            assert view["active_blocks"] == 40 and view["total_blocks"] == 100
 
-        reported = LoadMetrics(worker_id=a.instance_id, active_blocks=0, total_blocks=100)
-        await wait_until(
-            lambda: (
-                router.debug_state()["workers"][f"{a.instance_id:016x}"]["load"]["active_blocks"]
-                == 0
-            ),
-            timeout=3,
-        )
-        scores = {
-            s.worker_id: s for s in router.scheduler.score(tokens, [a.instance_id, b.instance_id])
-        }
-        assert scores[a.instance_id].cost == scores[b.instance_id].cost
+            reported = LoadMetrics(worker_id=a.instance_id, active_blocks=0, total_blocks=100)
+            await wait_until_async(
+                lambda: load_seen(router, a)["active_blocks"] == 0,
+                timeout=3,
+                what="the router to see a's load drop to 0",
+            )
+            scores = scores_by_worker(router, tokens, workers)
+            assert scores[a.instance_id].cost == scores[b.instance_id].cost
     finally:
-        await router.close()
         await publisher.stop()

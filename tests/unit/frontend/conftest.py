@@ -1,5 +1,9 @@
-"""Fixtures for frontend unit tests: the embedded model's real tokenizer and a running
-frontend over the scripted in-memory engine."""
+"""Fixtures for frontend unit tests: a real (tiny, trained here) tokenizer and a running
+frontend over the scripted in-memory engine.
+
+The tokenizer is built in the session (`dynamo.testing.tokenizers`) and loaded with the
+frontend's own `load_tokenizer`, so these tests exercise the loading path without
+preparing the embedded model."""
 
 from __future__ import annotations
 
@@ -7,17 +11,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from frontend_support import Frontend, make_card, start_frontend
+from frontend_support import EOS, Frontend, make_card, start_frontend
 
 from dynamo.frontend.preprocessor import Preprocessor, load_tokenizer
+from dynamo.testing.tokenizers import build_tiny_tokenizer
 
 
 @pytest.fixture(scope="session")
-def tokenizer() -> Any:
-    """The real SmolLM2 tokenizer (tokenizer.json + chat template), loaded once."""
-    from dynamo.llm.models import resolve_model
-
-    return load_tokenizer(resolve_model("smollm2-135m-instruct"))
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny byte-level BPE tokenizer (tokenizer.json + ChatML template), built and
+    loaded once per session."""
+    loaded = load_tokenizer(build_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer")))
+    assert loaded.eos_token_id == EOS, "frontend_support.EOS must be the tokenizer's EOS"
+    return loaded
 
 
 @pytest.fixture

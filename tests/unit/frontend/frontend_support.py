@@ -1,5 +1,6 @@
 """Test doubles for the frontend: a scripted in-process engine producing real token ids
-from the embedded model's tokenizer, and helpers to run a frontend on an ephemeral port."""
+from the tiny test tokenizer (`dynamo.testing.tokenizers`), and helpers to run a frontend
+on an ephemeral port."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynamo.frontend.engine_client import InMemoryEngineClient
 from dynamo.frontend.http_server import HttpService
 from dynamo.frontend.metrics import FrontendMetrics
 from dynamo.frontend.model_registry import ModelManager
@@ -23,9 +23,11 @@ from dynamo.llm.protocols import (
     TokenLogprob,
     TopLogprob,
 )
+from dynamo.testing.engines import InMemoryEngineClient
+from dynamo.testing.tokenizers import EOS_TOKEN_ID
 
-MODEL = "smollm2"
-EOS = 2  # <|im_end|> in SmolLM2
+MODEL = "tiny-chat"
+EOS = EOS_TOKEN_ID  # <|im_end|> in the tiny test tokenizer
 
 
 def make_card(instance_id: int = 1, **overrides: Any) -> ModelCard:

@@ -14,6 +14,7 @@ from frontend_support import MODEL, WORKER_WAIT_S, Frontend, Script, parse_sse
 
 from dynamo.frontend import http_server
 from dynamo.frontend.engine_client import EngineFailedError, EngineUnavailableError
+from dynamo.testing.waiting import wait_until_async
 
 REPLY = "Hello there, friend."
 
@@ -43,14 +44,6 @@ def chat_body(**fields: Any) -> dict[str, Any]:
 
 def completion_body(**fields: Any) -> dict[str, Any]:
     return {"model": MODEL, "prompt": "Say hello", **fields}
-
-
-async def wait_for(predicate: Any, timeout: float = 3.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 def assert_openai_error(body: Any, *, param: str | None = None, code: str | None = None) -> None:
@@ -112,24 +105,38 @@ async def test_stop_string_is_not_leaked_and_cancels_the_engine(frontend: Fronte
     assert body["choices"][0]["text"] == "Hello there, "
     assert body["choices"][0]["finish_reason"] == "stop"
     rid = frontend.client.requests[-1].request_id
-    await wait_for(lambda: rid in frontend.client.cancelled)
+    await wait_until_async(
+        lambda: rid in frontend.client.cancelled,
+        timeout=3.0,
+        interval=0.01,
+        what=f"the engine to see request {rid} cancelled",
+    )
 
 
-async def test_echo_and_completion_logprobs(frontend: Frontend) -> None:
+def reply_token_texts(frontend: Frontend, tokenizer: Any, count: int) -> list[str]:
+    """The texts of the first `count` tokens the scripted engine replies with."""
+    return [tokenizer.decode([t]) for t in frontend.engine.reply_ids()[:count]]
+
+
+async def test_echo_and_completion_logprobs(frontend: Frontend, tokenizer: Any) -> None:
     status, body, _ = await post(
         frontend, "/v1/completions", completion_body(echo=True, logprobs=1, max_tokens=3)
     )
     assert status == 200
     choice = body["choices"][0]
-    assert choice["text"] == "Say hello" + "Hello there,"
+    tokens = reply_token_texts(frontend, tokenizer, 3)
+    assert REPLY.startswith("".join(tokens))
+    prompt = completion_body()["prompt"]
+    assert choice["text"] == prompt + "".join(tokens)
     lp = choice["logprobs"]
-    assert lp["tokens"] == ["Hello", " there", ","]
+    assert lp["tokens"] == tokens
     assert lp["token_logprobs"] == [-0.25] * 3
-    assert lp["text_offset"] == [9, 14, 20]
+    starts = [len(prompt + "".join(tokens[:i])) for i in range(len(tokens))]
+    assert lp["text_offset"] == starts, "offsets count the echoed prompt"
     assert all(len(top) == 1 for top in lp["top_logprobs"])
 
 
-async def test_chat_logprobs(frontend: Frontend) -> None:
+async def test_chat_logprobs(frontend: Frontend, tokenizer: Any) -> None:
     status, body, _ = await post(
         frontend,
         "/v1/chat/completions",
@@ -137,8 +144,10 @@ async def test_chat_logprobs(frontend: Frontend) -> None:
     )
     assert status == 200
     content = body["choices"][0]["logprobs"]["content"]
-    assert [c["token"] for c in content] == ["Hello", " there"]
-    assert content[0]["bytes"] == list(b"Hello")
+    tokens = reply_token_texts(frontend, tokenizer, 2)
+    assert REPLY.startswith("".join(tokens))
+    assert [c["token"] for c in content] == tokens
+    assert [c["bytes"] for c in content] == [list(t.encode()) for t in tokens]
     assert len(content[0]["top_logprobs"]) == 2
 
 
@@ -270,10 +279,20 @@ async def test_client_disconnect_cancels_the_engine_stream(frontend: Frontend) -
         assert first.startswith(b"data: ")
         resp.close()  # drop the connection mid-stream
     rid = frontend.client.requests[-1].request_id
-    await wait_for(lambda: rid in frontend.client.cancelled)
+    await wait_until_async(
+        lambda: rid in frontend.client.cancelled,
+        timeout=3.0,
+        interval=0.01,
+        what=f"the engine to see request {rid} cancelled",
+    )
     assert rid not in frontend.client.completed
     metrics = frontend.service.metrics
-    await wait_for(lambda: metrics.inflight.labels(MODEL)._value.get() == 0)
+    await wait_until_async(
+        lambda: metrics.inflight.labels(MODEL)._value.get() == 0,
+        timeout=3.0,
+        interval=0.01,
+        what="no request in flight in the frontend's metrics",
+    )
     assert metrics.disconnects.labels(MODEL)._value.get() == 1
 
 
@@ -283,12 +302,22 @@ async def test_client_disconnect_cancels_a_unary_request(frontend: Frontend) -> 
         request = asyncio.ensure_future(
             session.post(frontend.url + "/v1/completions", json=completion_body())
         )
-        await wait_for(lambda: len(frontend.client.requests) == 1)
+        await wait_until_async(
+            lambda: len(frontend.client.requests) == 1,
+            timeout=3.0,
+            interval=0.01,
+            what="the request to reach the engine",
+        )
         request.cancel()
         with pytest.raises(asyncio.CancelledError):
             await request
     rid = frontend.client.requests[-1].request_id
-    await wait_for(lambda: rid in frontend.client.cancelled)
+    await wait_until_async(
+        lambda: rid in frontend.client.cancelled,
+        timeout=3.0,
+        interval=0.01,
+        what=f"the engine to see request {rid} cancelled",
+    )
 
 
 async def test_client_sockets_have_tcp_nodelay(frontend: Frontend) -> None:

@@ -208,8 +208,10 @@ def test_logprobs_are_mapped_to_token_texts_and_trimmed_to_top_n(tokenizer: Any)
         TokenLogprob(token_id=t, logprob=-0.5, top=[TopLogprob(7, -2.0), TopLogprob(t, -0.5)])
         for t in ids
     ]
+    token_texts = [tokenizer.decode([t]) for t in ids]
+    assert "".join(token_texts) == " hello world"
     delta = post.process([LLMEngineOutput(token_ids=ids, log_probs=entries)])
     assert delta.logprobs is not None
-    assert [lp.sampled.token for lp in delta.logprobs] == [" hello", " world"]
+    assert [lp.sampled.token for lp in delta.logprobs] == token_texts
     assert all(lp.sampled.logprob == -0.5 for lp in delta.logprobs)
-    assert [[a.token for a in lp.top] for lp in delta.logprobs] == [[" hello"], [" world"]]
+    assert [[a.token for a in lp.top] for lp in delta.logprobs] == [[t] for t in token_texts]

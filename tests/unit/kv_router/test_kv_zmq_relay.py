@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -17,11 +17,19 @@ import zmq.asyncio
 from dynamo.llm.kv_router.hashing import compute_block_hashes
 from dynamo.llm.kv_router.indexer import KvIndexer
 from dynamo.llm.kv_router.vllm_events import KvEventConverter
-from dynamo.llm.kv_router.zmq_relay import END_OF_REPLAY, KvEventRelay, connect_address
+from dynamo.llm.kv_router.zmq_relay import (
+    END_OF_REPLAY,
+    EventCallback,
+    KvEventRelay,
+    connect_address,
+)
 from dynamo.llm.protocols import KvAllCleared, KvBlockStored, RouterEvent
+from dynamo.testing.waiting import wait_until_async
 
 B = 4
 WORKER = 3
+POLL_S = 0.01
+RELAY_TIMEOUT_S = 5.0  # for batches published on loopback to be through the relay
 
 
 def chain_batch(i: int) -> bytes:
@@ -106,35 +114,50 @@ async def publisher(ctx: zmq.asyncio.Context) -> AsyncIterator[FakeVllmPublisher
     await pub.close()
 
 
-async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
+async def relay_reaches(relay: KvEventRelay, next_seq: int) -> None:
+    """Until the relay has taken every batch before `next_seq`."""
+    await wait_until_async(
+        lambda: relay.next_seq == next_seq,
+        timeout=RELAY_TIMEOUT_S,
+        interval=POLL_S,
+        what=f"the relay to reach seq {next_seq} (at {relay.next_seq})",
+    )
+
+
+def collector(received: list[RouterEvent]) -> EventCallback:
+    """A relay callback that appends every event to `received`."""
+
+    async def collect(event: RouterEvent) -> None:
+        received.append(event)
+
+    return collect
+
+
+async def publish_until_subscribed(
+    publisher: FakeVllmPublisher, relay: KvEventRelay, seq: int, payload: bytes
+) -> None:
+    """PUB drops what it sends before the subscription arrives: re-send batch `seq` live
+    until the relay has taken it (repeats are skipped as duplicates, which this also
+    exercises)."""
+    while relay.next_seq <= seq:
+        await publisher.publish(seq, payload, keep=False)
+        await asyncio.sleep(0.02)
 
 
 async def start_relay(
     publisher: FakeVllmPublisher, received: list[RouterEvent], *, replay: bool = True
 ) -> KvEventRelay:
-    async def collect(event: RouterEvent) -> None:
-        received.append(event)
-
     relay = KvEventRelay(
         publisher.endpoint,
         KvEventConverter(WORKER, B),
-        collect,
+        collector(received),
         replay_endpoint=publisher.replay_endpoint if replay else None,
         replay_timeout_s=0.5,
     )
     await relay.start()
-    # PUB drops what it sends before the subscription arrives: re-send batch 0 until it
-    # lands (repeats are skipped as duplicates, which this also exercises).
     payload = chain_batch(0)
     publisher.buffer.append((0, payload))
-    while relay.next_seq == 0:
-        await publisher.publish(0, payload, keep=False)
-        await asyncio.sleep(0.02)
+    await publish_until_subscribed(publisher, relay, 0, payload)
     return relay
 
 
@@ -166,9 +189,9 @@ async def test_gap_is_filled_from_the_replay_endpoint(publisher: FakeVllmPublish
         await publisher.publish(2, chain_batch(2), live=False)  # lost on the way
         await publisher.publish(3, chain_batch(3), live=False)
         await publisher.publish(4, chain_batch(4))
-        await wait_for(lambda: relay.next_seq == 5)
+        await relay_reaches(relay, 5)
         await publisher.publish(5, chain_batch(5))
-        await wait_for(lambda: relay.next_seq == 6)
+        await relay_reaches(relay, 6)
     finally:
         await relay.stop()
     assert publisher.replay_requests == [2]
@@ -187,23 +210,17 @@ async def test_missed_start_is_replayed_from_seq_zero(publisher: FakeVllmPublish
     for seq in range(3):  # published before anyone subscribed
         await publisher.publish(seq, chain_batch(seq), live=False)
     received: list[RouterEvent] = []
-
-    async def collect(event: RouterEvent) -> None:
-        received.append(event)
-
     relay = KvEventRelay(
         publisher.endpoint,
         KvEventConverter(WORKER, B),
-        collect,
+        collector(received),
         replay_endpoint=publisher.replay_endpoint,
     )
     await relay.start()
     try:
         payload = chain_batch(3)
         publisher.buffer.append((3, payload))
-        while relay.next_seq < 4:
-            await publisher.publish(3, payload, keep=False)
-            await asyncio.sleep(0.02)
+        await publish_until_subscribed(publisher, relay, 3, payload)
     finally:
         await relay.stop()
     assert publisher.replay_requests == [0]
@@ -216,7 +233,7 @@ async def test_unfillable_gap_resynchronises_with_a_clear(publisher: FakeVllmPub
     try:
         await publisher.publish(1, chain_batch(1), live=False, keep=False)  # gone for good
         await publisher.publish(2, chain_batch(2))
-        await wait_for(lambda: relay.next_seq == 3)
+        await relay_reaches(relay, 3)
     finally:
         await relay.stop()
     assert relay.stats.resyncs == 1
@@ -234,7 +251,7 @@ async def test_silent_replay_endpoint_times_out_and_resyncs(publisher: FakeVllmP
     try:
         await publisher.publish(1, chain_batch(1), live=False)
         await publisher.publish(2, chain_batch(2))
-        await wait_for(lambda: relay.next_seq == 3)
+        await relay_reaches(relay, 3)
     finally:
         await relay.stop()
     assert publisher.replay_requests == [1]
@@ -246,7 +263,7 @@ async def test_without_replay_endpoint_a_gap_resyncs(publisher: FakeVllmPublishe
     relay = await start_relay(publisher, received, replay=False)
     try:
         await publisher.publish(2, chain_batch(2))
-        await wait_for(lambda: relay.next_seq == 3)
+        await relay_reaches(relay, 3)
     finally:
         await relay.stop()
     assert (relay.stats.gaps, relay.stats.resyncs) == (1, 1)
@@ -258,14 +275,10 @@ async def test_a_lost_last_batch_is_fetched_when_the_stream_goes_quiet(
 ) -> None:
     """No later batch reveals the gap (the engine went idle): the idle probe finds it."""
     received: list[RouterEvent] = []
-
-    async def collect(event: RouterEvent) -> None:
-        received.append(event)
-
     relay = KvEventRelay(
         publisher.endpoint,
         KvEventConverter(WORKER, B),
-        collect,
+        collector(received),
         replay_endpoint=publisher.replay_endpoint,
         idle_probe_s=0.1,
     )
@@ -273,7 +286,7 @@ async def test_a_lost_last_batch_is_fetched_when_the_stream_goes_quiet(
     try:
         for seq in range(3):  # never seen live: dropped as by a slow-joining subscriber
             await publisher.publish(seq, chain_batch(seq), live=False)
-        await wait_for(lambda: relay.next_seq == 3)
+        await relay_reaches(relay, 3)
     finally:
         await relay.stop()
     assert relay.stats.probes >= 1 and relay.stats.resyncs == 0
@@ -291,7 +304,7 @@ async def test_announced_clear_reaches_routers_without_an_engine_step(
         await relay.announce_cleared()
         # After a reset the engine stores from scratch again: block 0 (no parent).
         await publisher.publish(1, chain_batch(0))
-        await wait_for(lambda: relay.next_seq == 2)
+        await relay_reaches(relay, 2)
     finally:
         await relay.stop()
     kinds = [type(e.data).__name__ for e in received]
@@ -309,7 +322,7 @@ async def test_bad_messages_and_callback_failures_do_not_stop_the_relay(
         await publisher.pub.send_multipart([b"", b"short"])  # wrong framing
         await publisher.publish(1, b"\xc1")  # not msgpack
         await publisher.publish(2, chain_batch(2))
-        await wait_for(lambda: relay.next_seq == 3)
+        await relay_reaches(relay, 3)
     finally:
         await relay.stop()
     assert relay.stats.malformed == 2
@@ -328,12 +341,9 @@ async def test_callback_failure_is_counted(publisher: FakeVllmPublisher) -> None
     relay = KvEventRelay(publisher.endpoint, KvEventConverter(WORKER, B), flaky)
     await relay.start()
     try:
-        payload = chain_batch(0)
-        while relay.next_seq == 0:
-            await publisher.publish(0, payload, keep=False)
-            await asyncio.sleep(0.02)
+        await publish_until_subscribed(publisher, relay, 0, chain_batch(0))
         await publisher.publish(1, chain_batch(1))
-        await wait_for(lambda: relay.next_seq == 2)
+        await relay_reaches(relay, 2)
     finally:
         await relay.stop()
     assert (relay.stats.callback_errors, relay.stats.events_out) == (1, 2)
@@ -372,10 +382,6 @@ async def test_against_vllms_own_publisher(tmp_path: Path) -> None:
         )
 
     received: list[RouterEvent] = []
-
-    async def collect(event: RouterEvent) -> None:
-        received.append(event)
-
     try:
         for i in range(5):  # nobody subscribed yet: PUB drops these
             publisher.publish(batch(i))
@@ -384,7 +390,7 @@ async def test_against_vllms_own_publisher(tmp_path: Path) -> None:
         relay = KvEventRelay(
             f"ipc://{tmp_path}/pub",
             KvEventConverter(WORKER, B),
-            collect,
+            collector(received),
             replay_endpoint=f"ipc://{tmp_path}/replay",
         )
         await relay.start()
@@ -395,7 +401,7 @@ async def test_against_vllms_own_publisher(tmp_path: Path) -> None:
                 publisher.publish(batch(i))
                 i += 1
                 await asyncio.sleep(0.05)
-            await wait_for(lambda: relay.next_seq == i)
+            await relay_reaches(relay, i)
         finally:
             await relay.stop()
     finally:

@@ -1,0 +1,10 @@
+"""`dynamo.testing`: what the test suite and the benchmarks share.
+
+Processes started for real (`processes`), waiting for conditions with a deadline
+(`waiting`), small HTTP and Prometheus helpers (`http`), and in-process test doubles
+(`engines`). Importable in a development install (`make setup`); not part of the wheel,
+and nothing under `lib/runtime`, `lib/llm` or `components/` imports it.
+
+`frontends` runs the real frontend as a task of a test's own event loop, for integration
+tests that serve their scripted workers from the same loop.
+"""

@@ -1,0 +1,55 @@
+"""The frontend's serving loop on the test's own event loop.
+
+Integration tests drive the real frontend (`run_frontend`: card discovery over NATS,
+routing, the HTTP server) against workers served from the same test, and look at its
+router and counters directly. Running it as a task on the test's event loop, rather than
+as a process, keeps it inspectable and lets the test's scripted workers and the frontend
+share one loop. `InLoopFrontend.start` starts it on a free local port; `stop()` must be
+awaited (in a `finally`), and fails the test when the frontend does not stop in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from dynamo.frontend.frontend import FrontendConfig, run_frontend
+from dynamo.frontend.routing import RouterMode
+from dynamo.runtime.nats_server import free_port
+
+STOP_TIMEOUT_S = 15.0
+"""How long the frontend may take to drain and close once asked to stop."""
+
+
+class InLoopFrontend:
+    """`run_frontend(config)` as a task of the running event loop."""
+
+    def __init__(self, config: FrontendConfig) -> None:
+        self.config = config
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(run_frontend(config, self._stop))
+
+    @classmethod
+    def start(
+        cls, nats_url: str, namespace: str, tokenizer_cache: Path, *, router_mode: RouterMode
+    ) -> InLoopFrontend:
+        """A frontend for `namespace` on 127.0.0.1 and a free port."""
+        config = FrontendConfig(
+            http_host="127.0.0.1",
+            http_port=free_port(),
+            namespace=namespace,
+            nats_server=nats_url,
+            router_mode=router_mode,
+            tokenizer_cache=tokenizer_cache,
+        )
+        return cls(config)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.config.http_host}:{self.config.http_port}"
+
+    async def stop(self) -> None:
+        """Ask the frontend to stop and wait for it (`TimeoutError` after
+        `STOP_TIMEOUT_S`)."""
+        self._stop.set()
+        await asyncio.wait_for(self._task, STOP_TIMEOUT_S)

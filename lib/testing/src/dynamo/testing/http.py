@@ -1,0 +1,114 @@
+"""Small HTTP and Prometheus helpers for tests and benchmarks.
+
+Tests and benchmarks look at the servers they start from the outside: `/health`,
+`/v1/models`, `/debug/kv`, `/metrics`. The blocking helpers (`http_get`,
+`http_post_json`, `metric_total`) use only the standard library, for code that drives
+separate processes; `fetch_json` and `wait_for_instances_async` use aiohttp, for tests
+whose server runs on their own event loop (a blocking call there would stall the server
+it waits for).
+
+HTTP error statuses are returned, not raised: a 503 from a server that is still starting
+is an answer a caller wants to look at. Connection errors raise `OSError`
+(`urllib.error.URLError` is one), which readiness waits treat as "not yet".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from dynamo.testing.waiting import wait_until_async
+
+# One sample of the Prometheus text format: name, optional {labels}, value.
+_SAMPLE = re.compile(r"^(?P<name>[^\s{]+)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    """`(status, body)` of a GET; HTTP errors are returned, connection errors raise."""
+    return _send(urllib.request.Request(url), timeout)
+
+
+def http_post_json(url: str, body: Mapping[str, Any], timeout: float = 60.0) -> tuple[int, str]:
+    """`(status, body)` of a JSON POST; HTTP errors are returned, connection errors raise."""
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    return _send(request, timeout)
+
+
+def _send(request: urllib.request.Request, timeout: float) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+async def fetch_json(url: str) -> Any:
+    """The JSON body of a GET, whatever the status (a 503 `/health` still says why);
+    connection errors raise `aiohttp.ClientError`."""
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        return await resp.json(content_type=None)
+
+
+def listed_instances(health: Mapping[str, Any], model: str) -> list[Any]:
+    """The instances a frontend's `/health` body lists for `model` (none when absent)."""
+    return list(health["models"].get(model, {}).get("instances", []))
+
+
+def kv_router_view(base_url: str, model: str, endpoint_path: str) -> dict[str, Any]:
+    """What the frontend at `base_url` shows of its KV router for `model` on the workers'
+    `endpoint_path` (`namespace/component/endpoint`) in `GET /debug/kv`: its feed, its
+    routing totals and one entry per worker. `AssertionError` unless the answer is 200;
+    `KeyError` while the frontend has no such router."""
+    status, body = http_get(f"{base_url}/debug/kv")
+    if status != 200:
+        raise AssertionError(f"GET {base_url}/debug/kv: {status} {body[:500]}")
+    return json.loads(body)["models"][model][endpoint_path]
+
+
+def metric_values(text: str, name: str, labels: Mapping[str, str] | None = None) -> list[float]:
+    """The values of every sample of series `name` (exactly that name) in Prometheus text
+    format whose labels include `labels`."""
+    wanted = labels or {}
+    values = []
+    for line in text.splitlines():
+        sample = _SAMPLE.match(line)
+        if sample is None or sample["name"] != name:
+            continue
+        found = dict(_LABEL.findall(sample["labels"] or ""))
+        if all(found.get(key) == value for key, value in wanted.items()):
+            values.append(float(sample["value"]))
+    return values
+
+
+def metric_total(metrics_url: str, name: str, labels: Mapping[str, str] | None = None) -> float:
+    """Sum of the samples of series `name` at `metrics_url` whose labels include `labels`
+    (0 when there are none)."""
+    _, text = http_get(metrics_url)
+    return sum(metric_values(text, name, labels))
+
+
+async def wait_for_instances_async(
+    base_url: str, model: str, count: int, *, timeout: float, interval: float = 0.05
+) -> float:
+    """Seconds until a frontend running on this event loop lists at least `count`
+    instances serving `model` in its `/health` (connection errors count as "not yet")."""
+
+    async def enough() -> bool:
+        return len(listed_instances(await fetch_json(f"{base_url}/health"), model)) >= count
+
+    return await wait_until_async(
+        enough,
+        timeout=timeout,
+        interval=interval,
+        what=f"{count} instances of {model} at {base_url}",
+        retry_on=(aiohttp.ClientError,),
+    )

