@@ -12,6 +12,11 @@ MODEL=${DYN_DEFAULT_MODEL:-smollm2-135m-instruct}
 step_start=$(date +%s)
 say() { printf '[setup %4ss] %s\n' "$(( $(date +%s) - step_start ))" "$*"; }
 
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  say "error: Python 3.11 or newer is needed ($PYTHON is $("$PYTHON" --version 2>&1 | head -n 1)); run with PYTHON=python3.11 (or newer)" >&2
+  exit 1
+fi
+
 # The extra follows the hardware: the CUDA build where an NVIDIA GPU is visible, else CPU.
 if [[ -n "${DYN_EXTRA:-}" ]]; then
   extra=$DYN_EXTRA

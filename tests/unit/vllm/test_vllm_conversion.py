@@ -23,10 +23,12 @@ from typing import Any
 
 import msgspec
 import pytest
+import vllm_outputs
 from vllm.logprobs import FlatLogprobs, Logprob, SampleLogprobs
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
+from vllm_outputs import completion
 
 from dynamo.llm.protocols import (
     FinishReason,
@@ -208,26 +210,6 @@ def test_the_prompt_is_the_requests_token_ids() -> None:
 # -------------------------------------------------------------------------- OutputTracker
 
 
-def completion(
-    token_ids: list[int],
-    *,
-    finish_reason: str | None = None,
-    stop_reason: int | str | None = None,
-    logprobs: SampleLogprobs | None = None,
-    spec_decode_metrics: RequestSpecDecodeMetrics | None = None,
-) -> CompletionOutput:
-    return CompletionOutput(
-        index=0,
-        text="",
-        token_ids=token_ids,
-        cumulative_logprob=None,
-        logprobs=logprobs,
-        finish_reason=finish_reason,
-        stop_reason=stop_reason,
-        spec_decode_metrics=spec_decode_metrics,
-    )
-
-
 def request_output(
     out: CompletionOutput,
     *,
@@ -235,13 +217,11 @@ def request_output(
     num_cached_tokens: int | None = None,
     kv_transfer_params: dict[str, Any] | None = None,
 ) -> RequestOutput:
-    return RequestOutput(
-        request_id="req-1",
-        prompt=None,
-        prompt_token_ids=list(PROMPT),
-        prompt_logprobs=None,
-        outputs=[out],
-        finished=out.finished() if finished is None else finished,
+    """`out` for this module's prompt."""
+    return vllm_outputs.request_output(
+        out,
+        prompt_token_ids=PROMPT,
+        finished=finished,
         num_cached_tokens=num_cached_tokens,
         kv_transfer_params=kv_transfer_params,
     )

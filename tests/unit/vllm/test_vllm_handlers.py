@@ -30,10 +30,11 @@ from typing import Any, cast
 import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
-from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
+from vllm_outputs import completion, request_output
 
 from dynamo.llm.protocols import (
     CompletionUsage,
@@ -62,17 +63,6 @@ MODEL_DEFAULTS: dict[str, Any] = {"temperature": 0.6, "top_p": 0.95}
 # ------------------------------------------------------------------------------ doubles
 
 
-def completion(token_ids: list[int], *, finish_reason: str | None = None) -> CompletionOutput:
-    return CompletionOutput(
-        index=0,
-        text="",
-        token_ids=token_ids,
-        cumulative_logprob=None,
-        logprobs=None,
-        finish_reason=finish_reason,
-    )
-
-
 def step(
     token_ids: list[int],
     *,
@@ -81,14 +71,10 @@ def step(
     kv_transfer_params: dict[str, Any] | None = None,
 ) -> RequestOutput:
     """One DELTA output of vLLM for the prompt: the tokens of one engine step."""
-    out = completion(token_ids, finish_reason=finish_reason)
-    return RequestOutput(
+    return request_output(
+        completion(token_ids, finish_reason=finish_reason),
+        prompt_token_ids=PROMPT,
         request_id="engine-side-id",
-        prompt=None,
-        prompt_token_ids=list(PROMPT),
-        prompt_logprobs=None,
-        outputs=[out],
-        finished=out.finished(),
         num_cached_tokens=num_cached_tokens,
         kv_transfer_params=kv_transfer_params,
     )
