@@ -20,7 +20,7 @@ from __future__ import annotations
 import abc
 import random
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from dynamo.llm.protocols import LLMEngineOutput, ModelCard, PreprocessedRequest
 from dynamo.runtime.selection import RandomChoice, RoundRobin
@@ -55,7 +55,7 @@ class Router(Protocol):
         """A worker of this endpoint is gone (its card was removed)."""
         return None
 
-    def debug_state(self) -> dict[str, Any]:
+    def debug_state(self) -> dict[str, object]:
         """What the router believes, for `GET /debug/kv` (empty: it keeps no state)."""
         return {}
 
