@@ -108,6 +108,10 @@ class Client:
         """Every known instance, ready or draining."""
         return dict(self._instances)
 
+    def knows(self, instance_id: int) -> bool:
+        """Whether `instance_id` is registered (ready or draining)."""
+        return instance_id in self._instances
+
     async def wait_for_instances(
         self, timeout: float | None = None, min_count: int = 1
     ) -> list[int]:
@@ -339,7 +343,7 @@ class ResponseStream(Generic[T]):
     async def _start(self) -> None:
         self._started = True
         client = self._client
-        if self.instance_id not in client.instances():
+        if not client.knows(self.instance_id):
             raise NoInstancesError(
                 f"instance {self.instance_id:016x} of {client.endpoint.path} is unknown"
             )
