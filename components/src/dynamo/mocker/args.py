@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dynamo.llm.worker import DEFAULT_DRAIN_TIMEOUT_S
 from dynamo.mocker.acceptance import AcceptanceModel
 from dynamo.mocker.config import MockEngineConfig
 from dynamo.mocker.model_info import ModelInfo
@@ -42,7 +43,7 @@ class WorkerSettings:
     lease_ttl: float | None = None  # None: $DYN_LEASE_TTL or the runtime default
     speculative_method: str = DEFAULT_SPECULATIVE_METHOD
     publish_kv_events: bool = True
-    drain_timeout: float = 30.0
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument(
         "--drain-timeout",
         type=non_negative_float,
-        default=30.0,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
         help="On SIGTERM, seconds to let requests in flight finish before cancelling them.",
     )
     where.add_argument(

@@ -20,6 +20,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from dynamo.llm.models import DEFAULT_MODEL
+from dynamo.llm.worker import DEFAULT_DRAIN_TIMEOUT_S
 from dynamo.runtime.cli import (
     ConfigError,
     non_negative_float,
@@ -36,7 +37,6 @@ DEFAULT_COMPONENT = "backend"
 PREFILL_COMPONENT = "prefill"
 DEFAULT_ENDPOINT = "generate"
 DEFAULT_NATS = "nats://127.0.0.1:4222"
-DEFAULT_DRAIN_TIMEOUT_S = 30.0
 SYSTEM_PORT_ENV = "DYN_SYSTEM_PORT"
 
 _DESCRIPTION = """\

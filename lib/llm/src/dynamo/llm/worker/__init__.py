@@ -15,6 +15,7 @@ stop. The rest is written once here:
 
 from dynamo.llm.worker.backend import (
     CLEAR_KV_BLOCKS_ENDPOINT,
+    DEFAULT_DRAIN_TIMEOUT_S,
     EngineBackend,
     EngineDescription,
     Stoppable,
@@ -25,6 +26,7 @@ from dynamo.llm.worker.served import ServedWorker
 
 __all__ = [
     "CLEAR_KV_BLOCKS_ENDPOINT",
+    "DEFAULT_DRAIN_TIMEOUT_S",
     "EngineBackend",
     "EngineDescription",
     "ServedWorker",

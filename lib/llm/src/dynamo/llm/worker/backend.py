@@ -18,6 +18,9 @@ from dynamo.llm.protocols import (
 )
 from dynamo.runtime import Context
 
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+"""How long requests in flight may finish after a worker is asked to stop (`--drain-timeout`)."""
+
 CLEAR_KV_BLOCKS_ENDPOINT = "clear_kv_blocks"
 """Endpoint every worker serves next to `generate`: drop the cached prefix blocks."""
 
@@ -48,7 +51,7 @@ class WorkerRegistration:
     worker_type: WorkerType = WorkerType.AGGREGATED
     nats_server: str | None = None  # None: $NATS_SERVER or nats://127.0.0.1:4222
     lease_ttl: float | None = None  # None: $DYN_LEASE_TTL or the runtime default
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     migration_limit: int = 0
     publish_kv_events: bool = True
 
