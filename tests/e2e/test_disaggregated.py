@@ -34,7 +34,7 @@ from dynamo.llm.protocols import (
     StopConditions,
 )
 from dynamo.runtime import DistributedRuntime
-from dynamo.testing.http import http_post_json, kv_router_view, metric_total
+from dynamo.testing.http import http_post_json, kv_router_view, routed_requests
 from dynamo.testing.processes import FrontendProcess, WorkerProcess
 from dynamo.testing.waiting import wait_until
 
@@ -121,10 +121,6 @@ def chat(frontend: FrontendProcess, prompt: str, max_tokens: int = 32) -> dict:
     return json.loads(text)
 
 
-def frontend_counter(frontend: FrontendProcess, name: str) -> float:
-    return metric_total(f"{frontend.base_url}/metrics", name)
-
-
 def prefill_router(frontend: FrontendProcess) -> dict[str, Any]:
     """The frontend's KV router for the prefill workers (`GET /debug/kv`)."""
     return kv_router_view(frontend.base_url, DEFAULT_MODEL, PREFILL_ENDPOINT)
@@ -132,8 +128,7 @@ def prefill_router(frontend: FrontendProcess) -> dict[str, Any]:
 
 def prefill_routed(frontend: FrontendProcess) -> dict[str, int]:
     """Prefill legs the router sent to each prefill worker so far."""
-    workers = prefill_router(frontend)["workers"]
-    return {hex_id: view["routed"]["requests"] for hex_id, view in workers.items()}
+    return routed_requests(prefill_router(frontend))
 
 
 def connector_tokens(num_prompt_tokens: int) -> int:
@@ -192,7 +187,7 @@ async def test_decode_loads_prompt_from_connector_and_matches_aggregated(
 ):
     frontend, decode = disagg["frontend"], disagg["decode"]
     hits_before = decode.metric("vllm:external_prefix_cache_hits_total")
-    fallbacks_before = frontend_counter(frontend, "dynamo_frontend_prefill_fallbacks_total")
+    fallbacks_before = frontend.metric("dynamo_frontend_prefill_fallbacks_total")
     for topic in TOPICS[:3]:
         prompt = partition_stable_prompt(tokenizer, topic)
         result = chat(frontend, prompt)
@@ -205,7 +200,7 @@ async def test_decode_loads_prompt_from_connector_and_matches_aggregated(
         assert result["choices"][0]["message"]["content"] == expected
     hits = decode.metric("vllm:external_prefix_cache_hits_total") - hits_before
     assert hits >= 3 * 64, f"decode worker loaded only {hits} tokens through the connector"
-    assert frontend_counter(frontend, "dynamo_frontend_prefill_fallbacks_total") == fallbacks_before
+    assert frontend.metric("dynamo_frontend_prefill_fallbacks_total") == fallbacks_before
 
 
 async def test_transfer_directory_stays_bounded(disagg, nats_url, tokenizer, transfer_dir):
@@ -282,11 +277,11 @@ def test_prefill_legs_follow_the_prefill_worker_that_caches_the_prefix(disagg):
 
 async def test_killed_prefill_workers_fall_back_to_local_prefill(disagg):
     frontend = disagg["frontend"]
-    before = frontend_counter(frontend, "dynamo_frontend_prefill_fallbacks_total")
+    before = frontend.metric("dynamo_frontend_prefill_fallbacks_total")
     for prefill in disagg["prefill"]:
         prefill.kill()
     for topic in TOPICS[:2]:
         result = chat(frontend, long_prompt(topic), max_tokens=16)
         assert result["choices"][0]["message"]["content"]
         assert result["usage"]["completion_tokens"] > 0
-    assert frontend_counter(frontend, "dynamo_frontend_prefill_fallbacks_total") >= before + 2
+    assert frontend.metric("dynamo_frontend_prefill_fallbacks_total") >= before + 2

@@ -22,7 +22,7 @@ import pytest
 from e2e_prompts import chat_ids
 
 from dynamo.llm.models import DEFAULT_MODEL
-from dynamo.testing.http import http_get, metric_total
+from dynamo.testing.http import http_get
 from dynamo.testing.processes import FrontendProcess, WorkerProcess
 from dynamo.testing.waiting import wait_until
 
@@ -56,11 +56,6 @@ def wait_until_idle(workers: list[WorkerProcess], timeout: float = 15.0) -> floa
         interval=0.05,
         what=lambda: f"the workers to go idle ({in_flight(workers):g} requests in flight)",
     )
-
-
-def frontend_metric(frontend: FrontendProcess, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels` (0 when absent)."""
-    return metric_total(f"{frontend.base_url}/metrics", name, labels)
 
 
 def chat_prompt_tokens(tokenizer, content: str) -> int:
@@ -276,8 +271,8 @@ def test_client_disconnect_mid_stream_cancels_on_worker(
     frontend: FrontendProcess, workers: list[WorkerProcess]
 ) -> None:
     wait_until_idle(workers)
-    disconnects = frontend_metric(frontend, "dynamo_frontend_client_disconnects_total")
-    closed = frontend_metric(frontend, "dynamo_frontend_requests_total", status="499")
+    disconnects = frontend.metric("dynamo_frontend_client_disconnects_total")
+    closed = frontend.metric("dynamo_frontend_requests_total", status="499")
     body = {
         "model": MODEL,
         "prompt": "Once upon a time",
@@ -303,13 +298,13 @@ def test_client_disconnect_mid_stream_cancels_on_worker(
     assert seen_busy, "the request never showed up as in flight on a worker"
     wait_until_idle(workers)
     wait_until(
-        lambda: frontend_metric(frontend, "dynamo_frontend_inflight_requests") <= 0,
+        lambda: frontend.metric("dynamo_frontend_inflight_requests") <= 0,
         timeout=5,
         interval=0.05,
         what="the frontend to stop counting the request in flight",
     )
-    assert frontend_metric(frontend, "dynamo_frontend_client_disconnects_total") == disconnects + 1
-    assert frontend_metric(frontend, "dynamo_frontend_requests_total", status="499") == closed + 1
+    assert frontend.metric("dynamo_frontend_client_disconnects_total") == disconnects + 1
+    assert frontend.metric("dynamo_frontend_requests_total", status="499") == closed + 1
 
 
 def test_client_timeout_on_unary_request_cancels_on_worker(
@@ -416,17 +411,13 @@ def test_body_that_is_not_json_is_400(frontend: FrontendProcess) -> None:
 def test_metrics_count_requests_without_created_series(
     frontend: FrontendProcess, client: openai.OpenAI
 ) -> None:
-    before = frontend_metric(
-        frontend, "dynamo_frontend_requests_total", endpoint="completions", status="200"
-    )
+    before = frontend.metric("dynamo_frontend_requests_total", endpoint="completions", status="200")
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
     status, text = http_get(f"{frontend.base_url}/metrics")
     assert status == 200
-    after = frontend_metric(
-        frontend, "dynamo_frontend_requests_total", endpoint="completions", status="200"
-    )
+    after = frontend.metric("dynamo_frontend_requests_total", endpoint="completions", status="200")
     assert after == before + 1
-    assert frontend_metric(frontend, "dynamo_frontend_output_tokens_total") > 0
+    assert frontend.metric("dynamo_frontend_output_tokens_total") > 0
     assert "dynamo_frontend_time_to_first_token_seconds_count" in text
     created = [line for line in text.splitlines() if "_created" in line]
     assert created == []

@@ -16,7 +16,7 @@ from typing import Any
 import openai
 import pytest
 
-from dynamo.testing.http import kv_router_view
+from dynamo.testing.http import kv_router_view, routed_requests
 from dynamo.testing.processes import FrontendProcess, WorkerProcess
 from dynamo.testing.waiting import wait_until
 
@@ -59,8 +59,7 @@ def router_state(frontend: FrontendProcess) -> dict[str, Any]:
 
 
 def routed_counts(frontend: FrontendProcess) -> dict[str, int]:
-    workers = router_state(frontend)["workers"]
-    return {hex_id: view["routed"]["requests"] for hex_id, view in workers.items()}
+    return routed_requests(router_state(frontend))
 
 
 def cached_blocks(frontend: FrontendProcess, worker_hex: str) -> int:

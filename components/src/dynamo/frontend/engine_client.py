@@ -34,7 +34,7 @@ from dynamo.runtime import (
 
 log = logging.getLogger(__name__)
 
-InstancesListener = Callable[[], None]
+InstancesChanged = Callable[[], None]
 """Called with no arguments whenever an endpoint's set of ready instances changes."""
 
 
@@ -67,7 +67,7 @@ class EndpointClient(EngineClient, Protocol):
     @property
     def router(self) -> Router: ...
 
-    def on_instances_changed(self, listener: InstancesListener) -> None:
+    def on_instances_changed(self, listener: InstancesChanged) -> None:
         """Call `listener()` whenever the endpoint's ready instances change."""
         ...
 
@@ -101,7 +101,7 @@ class RuntimeEngineClient:
     def instance_ids(self) -> list[int]:
         return self._client.instance_ids()
 
-    def on_instances_changed(self, listener: InstancesListener) -> None:
+    def on_instances_changed(self, listener: InstancesChanged) -> None:
         self._client.add_listener(lambda _ready: listener())
 
     async def generate(self, request: PreprocessedRequest) -> AsyncGenerator[LLMEngineOutput, None]:

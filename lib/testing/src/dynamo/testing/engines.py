@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
 
-from dynamo.frontend.engine_client import EngineUnavailableError, InstancesListener
+from dynamo.frontend.engine_client import EngineUnavailableError, InstancesChanged
 from dynamo.llm.protocols import LLMEngineOutput, PreprocessedRequest
 from dynamo.llm.router import RoundRobinRouter, Router
 
@@ -30,7 +30,7 @@ class InMemoryEngineClient:
         self._handler = handler
         self._instance_ids = instance_ids if instance_ids is not None else [1]
         self._router = router or RoundRobinRouter()
-        self._listeners: list[InstancesListener] = []
+        self._listeners: list[InstancesChanged] = []
         self.requests: list[PreprocessedRequest] = []
         self.cancelled: list[str] = []
         self.completed: list[str] = []
@@ -42,7 +42,7 @@ class InMemoryEngineClient:
     def instance_ids(self) -> list[int]:
         return list(self._instance_ids)
 
-    def on_instances_changed(self, listener: InstancesListener) -> None:
+    def on_instances_changed(self, listener: InstancesChanged) -> None:
         self._listeners.append(listener)
 
     def set_instance_ids(self, instance_ids: list[int]) -> None:

@@ -74,6 +74,12 @@ def kv_router_view(base_url: str, model: str, endpoint_path: str) -> dict[str, A
     return json.loads(body)["models"][model][endpoint_path]
 
 
+def routed_requests(router_view: Mapping[str, Any]) -> dict[str, int]:
+    """Requests a KV router sent to each worker so far (by instance hex), from its
+    `kv_router_view`."""
+    return {hex_id: view["routed"]["requests"] for hex_id, view in router_view["workers"].items()}
+
+
 def metric_values(text: str, name: str, labels: Mapping[str, str] | None = None) -> list[float]:
     """The values of every sample of series `name` (exactly that name) in Prometheus text
     format whose labels include `labels`."""

@@ -29,7 +29,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dynamo.runtime.nats_server import free_port
-from dynamo.testing.http import http_get, kv_router_view, listed_instances, metric_values
+from dynamo.testing.http import (
+    http_get,
+    kv_router_view,
+    listed_instances,
+    metric_total,
+    metric_values,
+)
 from dynamo.testing.waiting import wait_until
 
 ENGINE_START_TIMEOUT_S = 240.0
@@ -289,6 +295,11 @@ class FrontendProcess(ManagedProcess):
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of series `name` on the frontend's `/metrics` whose labels
+        include `labels` (0 when there are none: a counter not incremented yet)."""
+        return metric_total(f"{self.base_url}/metrics", name, labels)
 
     def wait_for_model(self, model: str, timeout: float = 60.0) -> float:
         """Seconds until the frontend serves `model` (see `wait_serving`)."""
