@@ -11,11 +11,12 @@ from typing import Any
 
 from vllm.distributed import kv_events as vllm_kv
 
+from dynamo.llm.kv_router.publisher import KvEventPublisher
 from dynamo.llm.kv_router.zmq_relay import KvEventRelay
 from dynamo.llm.protocols import ModelCard
 from dynamo.runtime import DistributedRuntime
 from dynamo.testing.waiting import wait_until_async
-from dynamo.vllm.publishers import start_kv_event_relay
+from dynamo.vllm.publishers import relay_kv_events
 
 B = 4  # block size of the simulated engines (small keeps the token lists readable)
 COMPONENT = "backend"
@@ -61,10 +62,17 @@ class SimWorker:
         runtime = await DistributedRuntime.connect(nats_url, lease_ttl=LEASE_TTL)
         worker = cls(runtime, namespace, tmp)
         await worker.component.endpoint(ENDPOINT).serve(_idle)
-        worker.relay = await start_kv_event_relay(
-            runtime, worker.component, B, worker.endpoint, worker.replay_endpoint
-        )
+        await worker.start_relay()
         return worker
+
+    async def start_relay(self) -> KvEventRelay:
+        """Relay vLLM's events to this worker's subject with the worker's own glue
+        (`dynamo.vllm.publishers.relay_kv_events`), as a vLLM worker does on start."""
+        publisher = await KvEventPublisher(
+            self.runtime, self.namespace, COMPONENT, self.instance_id
+        ).start()
+        self.relay = await relay_kv_events(publisher, B, self.endpoint, self.replay_endpoint)
+        return self.relay
 
     def card(self) -> ModelCard:
         return ModelCard(

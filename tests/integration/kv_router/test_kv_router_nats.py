@@ -29,7 +29,6 @@ from kv_support import (
 from dynamo.llm.kv_router import KvRouter, WorkerScore, create_kv_router
 from dynamo.llm.kv_router.publisher import LoadPublisher
 from dynamo.llm.kv_router.subjects import KV_EVENTS_STREAM, kv_events_subject
-from dynamo.llm.kv_router.zmq_relay import KvEventRelay
 from dynamo.llm.protocols import (
     KvAllCleared,
     LoadMetrics,
@@ -39,7 +38,6 @@ from dynamo.llm.protocols import (
 )
 from dynamo.runtime import Client, DistributedRuntime
 from dynamo.testing.waiting import wait_until_async
-from dynamo.vllm.publishers import start_kv_event_relay
 
 
 @pytest.fixture
@@ -230,10 +228,7 @@ async def test_a_restarted_relay_purges_the_workers_old_events(
     assert a.relay is not None
     await a.relay.stop()
     # Same worker id, new relay (as after an engine restart under the same runtime).
-    relay: KvEventRelay = await start_kv_event_relay(
-        a.runtime, a.component, B, a.endpoint, a.replay_endpoint
-    )
-    a.relay = relay
+    await a.start_relay()
     subject = kv_events_subject(namespace, COMPONENT, a.instance_id)
     info = await frontend_rt.js.stream_info(KV_EVENTS_STREAM, subjects_filter=subject)
     assert info.state.subjects == {subject: 1}

@@ -24,7 +24,6 @@ from dynamo.llm.kv_router.publisher import KvEventPublisher
 from dynamo.llm.kv_router.vllm_events import KvEventConverter
 from dynamo.llm.kv_router.zmq_relay import KvEventRelay
 from dynamo.llm.protocols import LoadMetrics
-from dynamo.runtime import Component, DistributedRuntime
 from dynamo.vllm.engine_stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -64,18 +63,3 @@ async def relay_kv_events(
     await relay.start()
     log.info("kv events: %s -> %s", relay.endpoint, publisher.subject)
     return relay
-
-
-async def start_kv_event_relay(
-    runtime: DistributedRuntime,
-    component: Component,
-    block_size: int,
-    endpoint: str,
-    replay_endpoint: str | None,
-) -> KvEventRelay:
-    """`relay_kv_events` to this runtime's own KV-event subject (a publisher created for
-    it), for code that runs a relay without a whole worker."""
-    publisher = await KvEventPublisher(
-        runtime, component.namespace, component.name, runtime.instance_id
-    ).start()
-    return await relay_kv_events(publisher, block_size, endpoint, replay_endpoint)
