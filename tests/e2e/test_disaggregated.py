@@ -37,6 +37,7 @@ from dynamo.runtime import DistributedRuntime
 from dynamo.testing.http import http_post_json, kv_router_view, routed_requests
 from dynamo.testing.processes import FrontendProcess, WorkerProcess
 from dynamo.testing.waiting import wait_until
+from dynamo.vllm.transfer_root import TransferRoot
 
 NAMESPACE = "disagg"
 PREFILL_ENDPOINT = f"{NAMESPACE}/prefill/generate"
@@ -67,7 +68,8 @@ def long_prompt(topic: str) -> str:
 
 @pytest.fixture(scope="module")
 def transfer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("kv-transfer")
+    # Not created here: the workers create (and so own) it; see dynamo.vllm.transfer_root.
+    return tmp_path_factory.mktemp("kv-transfer") / "store"
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +210,7 @@ async def test_transfer_directory_stays_bounded(disagg, nats_url, tokenizer, tra
     chat(frontend, long_prompt(TOPICS[3]), max_tokens=8)
     # Consumed entries are deleted when their request ends.
     wait_until(
-        lambda: not any(transfer_dir.iterdir()),
+        lambda: not TransferRoot(transfer_dir).entries(),
         timeout=5,
         interval=POLL_S,
         what=lambda: f"consumed transfers to be deleted; left: {list(transfer_dir.iterdir())}",
@@ -229,10 +231,10 @@ async def test_transfer_directory_stays_bounded(disagg, nats_url, tokenizer, tra
         assert outputs[-1].disaggregated_params
     finally:
         await runtime.shutdown()
-    assert any(transfer_dir.iterdir())
+    assert TransferRoot(transfer_dir).entries()
     # ...which expires after the TTL.
     wait_until(
-        lambda: not any(transfer_dir.iterdir()),
+        lambda: not TransferRoot(transfer_dir).entries(),
         timeout=TRANSFER_TTL_S + 6,
         interval=POLL_S,
         what=lambda: f"the orphaned transfer to expire; left: {list(transfer_dir.iterdir())}",

@@ -64,11 +64,11 @@ def make_entry(root: Path, name: str, age_s: float = 0.0) -> Path:
 
 
 def test_consumed_entries_go_when_the_last_holder_releases(tmp_path: Path) -> None:
-    janitor = KvTransferJanitor(tmp_path, block_size=32, ttl_s=60)
+    janitor = KvTransferJanitor(tmp_path / "kv", block_size=32, ttl_s=60)
     prompt = list(range(80))
     name = janitor.acquire(prompt)
     janitor.acquire(prompt)  # a second request with the same prompt
-    entry = make_entry(tmp_path, name)
+    entry = make_entry(janitor.storage_path, name)
     janitor.release(name, consumed=True)
     assert entry.exists(), "still held by the second request"
     janitor.release(name, consumed=True)
@@ -77,11 +77,12 @@ def test_consumed_entries_go_when_the_last_holder_releases(tmp_path: Path) -> No
 
 
 def test_sweep_removes_only_old_unheld_entries(tmp_path: Path) -> None:
-    janitor = KvTransferJanitor(tmp_path, block_size=32, ttl_s=10)
-    old = make_entry(tmp_path, "old", age_s=30)
-    fresh = make_entry(tmp_path, "fresh")
+    root = tmp_path / "kv"
+    janitor = KvTransferJanitor(root, block_size=32, ttl_s=10)  # entries: hex digest names
+    old = make_entry(root, "0" * 32, age_s=30)
+    fresh = make_entry(root, "f" * 32)
     held_name = janitor.acquire(list(range(80)))
-    held = make_entry(tmp_path, held_name, age_s=30)
+    held = make_entry(root, held_name, age_s=30)
     assert janitor.disk_usage() == 3 * 1024
     assert janitor.sweep() == 1
     assert not old.exists() and fresh.exists() and held.exists()

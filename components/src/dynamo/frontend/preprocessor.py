@@ -5,6 +5,11 @@ The frontend owns tokenization, the chat template and validation, so workers onl
 see token ids, and a bad request is rejected here with a 400 naming the field before any
 worker is touched. Everything the worker does not need (stop strings, echo, logprobs
 formatting, usage in the stream) stays in the `OutputPlan`.
+
+Requests are untrusted: what they may ask of the frontend is bounded (`limits`) before
+the work is done, `chat_template_kwargs` may only fill the template's variables
+(`template_kwargs`), and chat templates are always rendered in a worker thread, so a slow
+template never stalls the event loop.
 """
 
 from __future__ import annotations
@@ -17,12 +22,20 @@ from typing import Any, TypeVar
 
 from dynamo.frontend.detokenizer import DecodeFn, TokenTexts, make_decode_fn
 from dynamo.frontend.errors import OpenAIError, bad_request
+from dynamo.frontend.limits import (
+    PromptBound,
+    check_message_count,
+    check_stop,
+    check_token_prompt,
+    context_exceeded,
+)
 from dynamo.frontend.openai_types import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     SamplingFields,
 )
+from dynamo.frontend.template_kwargs import TemplateKwargsPolicy
 from dynamo.llm.protocols import (
     ModelCard,
     OutputOptions,
@@ -33,9 +46,10 @@ from dynamo.llm.protocols import (
 
 T = TypeVar("T")
 
-# Inputs longer than this (in characters) are templated and tokenized in a worker thread:
+# Completion prompts longer than this (in characters) are tokenized in a worker thread:
 # below it the thread hop costs more than the work, above it a single request could stall
-# every other stream on the event loop for milliseconds.
+# every other stream on the event loop for milliseconds. (Chat requests always go to a
+# thread: the template's running time does not follow the input's size.)
 LARGE_INPUT_CHARS = 8192
 
 
@@ -91,6 +105,8 @@ class Preprocessor:
         self._decode_skip = make_decode_fn(tokenizer, skip_special_tokens=True)
         self._decode_keep = make_decode_fn(tokenizer, skip_special_tokens=False)
         self.token_texts = TokenTexts(tokenizer)
+        self.template_kwargs = TemplateKwargsPolicy.for_tokenizer(tokenizer)
+        self.prompt_bound = PromptBound.for_tokenizer(tokenizer)
 
     @classmethod
     def from_dir(cls, card: ModelCard, tokenizer_dir: str | Path) -> Preprocessor:
@@ -107,9 +123,9 @@ class Preprocessor:
         return await _maybe_in_thread(size, self.prepare_completion_sync, req, request_id)
 
     async def prepare_chat(self, req: ChatCompletionRequest, request_id: str) -> Prepared:
-        """Validate, template and tokenize a /v1/chat/completions request."""
-        size = sum(_content_size(m.content) for m in req.messages)
-        return await _maybe_in_thread(size, self.prepare_chat_sync, req, request_id)
+        """Validate, template and tokenize a /v1/chat/completions request, in a worker
+        thread whatever its size (see `LARGE_INPUT_CHARS`)."""
+        return await asyncio.to_thread(self.prepare_chat_sync, req, request_id)
 
     def prepare_completion_sync(self, req: CompletionRequest, request_id: str) -> Prepared:
         _check_common(req)
@@ -133,6 +149,7 @@ class Preprocessor:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("`top_logprobs` requires `logprobs` to be true", "top_logprobs")
         text = self.render_chat(req)
+        self.prompt_bound.check_text(len(text), self.context_length, "messages")
         token_ids = self._encode(text, False)
         max_tokens, param = req.max_tokens, "max_tokens"
         if req.max_completion_tokens is not None:
@@ -152,13 +169,17 @@ class Preprocessor:
         """The prompt text from the model's own chat template."""
         if not req.messages:
             raise bad_request("`messages` must contain at least one message", "messages")
+        check_message_count(req.messages)
+        template_args = self.template_kwargs.check(req.chat_template_kwargs)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise bad_request(
                 f"Model `{self.card.name}` has no chat template; use /v1/completions",
                 "messages",
             )
-        continue_final = bool(req.continue_final_message)
-        add_generation = req.add_generation_prompt
+        continue_final = bool(
+            _first_set(req.continue_final_message, template_args.continue_final_message)
+        )
+        add_generation = _first_set(req.add_generation_prompt, template_args.add_generation_prompt)
         if continue_final and add_generation:
             raise bad_request(
                 "`continue_final_message` and `add_generation_prompt` cannot both be true",
@@ -173,7 +194,7 @@ class Preprocessor:
                 tokenize=False,
                 add_generation_prompt=add_generation,
                 continue_final_message=continue_final,
-                **(req.chat_template_kwargs or {}),
+                **template_args.variables,
             )
         except OpenAIError:
             raise
@@ -204,6 +225,7 @@ class Preprocessor:
         return self._checked_ids(only), None
 
     def _checked_text_prompt(self, text: str) -> list[int]:
+        self.prompt_bound.check_text(len(text), self.context_length, "prompt")
         ids = self._encode(text, True)
         if not ids:
             raise bad_request("`prompt` must not be empty", "prompt")
@@ -212,6 +234,7 @@ class Preprocessor:
     def _checked_ids(self, ids: Sequence[Any]) -> list[int]:
         if not ids:
             raise bad_request("`prompt` must not be empty", "prompt")
+        check_token_prompt(len(ids), self.context_length, "prompt")  # before the vocab scan
         if not all(isinstance(t, int) for t in ids):
             raise bad_request("`prompt` token list must contain only integers", "prompt")
         bad = next((t for t in ids if t < 0 or t >= self.vocab_size), None)
@@ -283,12 +306,7 @@ class Preprocessor:
         if ctx <= 0:  # the worker did not advertise one: let it decide
             return max_tokens
         if prompt_len >= ctx:
-            raise bad_request(
-                f"This model's maximum context length is {ctx} tokens, but the prompt has "
-                f"{prompt_len} tokens, leaving no room for the completion.",
-                prompt_param,
-                code="context_length_exceeded",
-            )
+            raise context_exceeded(ctx, prompt_len, prompt_param)
         if max_tokens is None:
             return ctx - prompt_len
         if prompt_len + max_tokens > ctx:
@@ -306,6 +324,7 @@ class Preprocessor:
 
 
 def _check_common(req: SamplingFields) -> None:
+    check_stop(req.stop)
     if req.n is not None and req.n != 1:
         raise bad_request("Only `n` = 1 is supported", "n")
     if req.top_k is not None and req.top_k < -1:
@@ -356,12 +375,9 @@ def _flatten_content(index: int, content: Any) -> str:
     return "\n".join(texts)
 
 
-def _content_size(content: Any) -> int:
-    if content is None:
-        return 0
-    if isinstance(content, str):
-        return len(content)
-    return sum(len(p.text or "") for p in content)
+def _first_set(*values: bool | None) -> bool | None:
+    """The first value that is not None (a top-level field wins over a template kwarg)."""
+    return next((v for v in values if v is not None), None)
 
 
 def _prompt_size(prompt: Any) -> int:

@@ -13,6 +13,11 @@ directory grows with every distinct prompt. `KvTransferJanitor` bounds it:
 
 The entry name is computed with vLLM's own helpers (`align_to_block_size`, `safe_hash`)
 over the same bytes the connector hashes, so the two can never disagree on a name.
+
+The janitor owns the directory (`dynamo.vllm.transfer_root`): it creates it 0700 with a
+marker, refuses to touch one it did not create (a symlink, another user's, a group- or
+world-writable one: the system temp directory, say), and deletes only entries shaped like
+the connector's. A refused directory is logged as an error and left alone.
 """
 
 from __future__ import annotations
@@ -21,13 +26,13 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
 from dynamo.runtime.tasks import cancel_and_wait
+from dynamo.vllm.transfer_root import TransferRoot, remove_transfer_entry
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +57,12 @@ def entry_name(prompt_token_ids: Sequence[int], block_size: int) -> str:
 
 
 class KvTransferJanitor:
-    """Deletes consumed and expired connector entries under `storage_path`."""
+    """Deletes consumed and expired connector entries under `storage_path`.
+
+    Creating the janitor claims the directory (`TransferRoot.claim`): it must exist, with
+    dynamo's marker, before the connector's first write would create it without one. Every
+    deletion re-checks that the directory is still ours (`TransferRoot.problem`).
+    """
 
     def __init__(
         self, storage_path: Path, block_size: int, *, ttl_s: float = DEFAULT_TTL_S
@@ -60,10 +70,33 @@ class KvTransferJanitor:
         self.storage_path = Path(storage_path)
         self.block_size = block_size
         self.ttl_s = ttl_s
+        self.root = TransferRoot(self.storage_path)
         self._held: Counter[str] = Counter()
         self._task: asyncio.Task[None] | None = None
+        self._refusal: str | None = None
         self.removed_consumed = 0
         self.removed_expired = 0
+        try:
+            self.root.claim()
+        except OSError as exc:
+            log.error("cannot create the KV transfer directory %s: %s", self.storage_path, exc)
+        self.usable()
+
+    def usable(self) -> bool:
+        """Whether the directory may be swept; a refusal is logged once, as an error."""
+        problem = self.root.problem()
+        if problem != self._refusal:
+            if problem is not None:
+                log.error(
+                    "not deleting anything in the KV transfer directory: %s. Point "
+                    "shared_storage_path (or $DYN_KV_SHARED_STORAGE_PATH) at a directory "
+                    "that does not exist yet; the worker creates it.",
+                    problem,
+                )
+            elif self._refusal is not None:
+                log.info("KV transfer directory %s is usable again", self.storage_path)
+            self._refusal = problem
+        return problem is None
 
     def acquire(self, prompt_token_ids: Sequence[int]) -> str:
         """Note that a request using this prompt's entry is in flight; returns its name."""
@@ -77,36 +110,35 @@ class KvTransferJanitor:
         if self._held[name] > 0:
             return
         del self._held[name]
-        if consumed and self._remove(self.storage_path / name):
+        if consumed and self.usable() and remove_transfer_entry(self.storage_path / name):
             self.removed_consumed += 1
 
     def sweep(self, now: float | None = None) -> int:
         """Remove entries older than the TTL that no request here holds; returns how many."""
+        if not self.usable():
+            return 0
         now = time.time() if now is None else now
         removed = 0
-        try:
-            entries = list(os.scandir(self.storage_path))
-        except FileNotFoundError:
-            return 0
-        for entry in entries:
-            if entry.name in self._held or not entry.is_dir(follow_symlinks=False):
+        for entry in self.root.entries():
+            if entry.name in self._held:
                 continue
             try:
-                age = now - entry.stat(follow_symlinks=False).st_mtime
+                age = now - entry.lstat().st_mtime
             except FileNotFoundError:
                 continue
-            if age > self.ttl_s and self._remove(Path(entry.path)):
+            if age > self.ttl_s and remove_transfer_entry(entry):
                 removed += 1
         self.removed_expired += removed
         return removed
 
     def disk_usage(self) -> int:
-        """Bytes currently stored under the directory."""
+        """Bytes held by transfer entries (the marker and anything foreign not counted)."""
         total = 0
-        for root, _dirs, files in os.walk(self.storage_path):
-            for name in files:
-                with contextlib.suppress(FileNotFoundError):
-                    total += os.stat(os.path.join(root, name)).st_size
+        for entry in self.root.entries():
+            with contextlib.suppress(FileNotFoundError), os.scandir(entry) as files:
+                for file in files:
+                    with contextlib.suppress(FileNotFoundError):
+                        total += file.stat(follow_symlinks=False).st_size
         return total
 
     def start(self, interval_s: float | None = None) -> None:
@@ -130,13 +162,6 @@ class KvTransferJanitor:
                     )
             except Exception:
                 log.exception("KV transfer sweep failed")
-
-    @staticmethod
-    def _remove(path: Path) -> bool:
-        if not path.exists():
-            return False
-        shutil.rmtree(path, ignore_errors=True)
-        return not path.exists()
 
 
 def example_connector_storage(kv_transfer_config: object | None) -> Path | None:

@@ -7,10 +7,16 @@
   `dyn_files` object store under `<digest>/<file name>`, where the digest covers the names
   and bytes of all of them; a frontend on another host downloads them once per digest and
   needs no shared disk. Identical files from many workers are stored once.
+* A card comes from the network, so its tokenizer fields are untrusted: the digest and the
+  file names become paths in the frontend's cache. Only a 32-hex-digit digest and the
+  known tokenizer file names are accepted (`check_tokenizer_fields`), a card failing that
+  is refused by the watcher, and downloaded files must hash to the card's digest before
+  they replace anything in the cache.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
@@ -49,6 +55,46 @@ TOKENIZER_FILES = (
 
 _card_decoder = msgspec.msgpack.Decoder(ModelCard)
 _KEY_SAFE = re.compile(r"[A-Za-z0-9_-]")
+# `files_digest` output: 32 lowercase hex digits, nothing that could name another path.
+_DIGEST = re.compile(r"[0-9a-f]{32}")
+# JetStream bucket names: letters, digits, `_` and `-`.
+_BUCKET = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class InvalidModelCardError(ValueError):
+    """A card whose tokenizer fields are not what a worker publishes: used as paths they
+    could reach outside the tokenizer cache, so the card is refused as a whole."""
+
+
+class TokenizerDigestError(ValueError):
+    """Downloaded tokenizer files do not hash to the card's digest (tampered or corrupt
+    object-store content): they are discarded, never loaded."""
+
+
+def check_tokenizer_fields(card: ModelCard) -> None:
+    """Refuse a card whose tokenizer digest, file names or bucket could be used to build
+    a path outside the cache (`/`, `..`, absolute paths, unknown names).
+
+    Raises `InvalidModelCardError` naming the bad field; values are shown with `repr` so a
+    hostile value cannot forge log lines."""
+    digest = card.tokenizer_digest
+    if digest is not None and not _DIGEST.fullmatch(digest):
+        raise InvalidModelCardError(
+            f"tokenizer_digest {digest!r} of model {card.name!r} is not 32 hex digits"
+        )
+    unknown = [name for name in card.tokenizer_files if name not in TOKENIZER_FILES]
+    if unknown:
+        raise InvalidModelCardError(
+            f"tokenizer_files of model {card.name!r} name unknown files {unknown!r}; "
+            f"accepted: {', '.join(TOKENIZER_FILES)}"
+        )
+    if len(set(card.tokenizer_files)) != len(card.tokenizer_files):
+        raise InvalidModelCardError(f"tokenizer_files of model {card.name!r} repeat a name")
+    bucket = card.tokenizer_bucket
+    if bucket is not None and not _BUCKET.fullmatch(bucket):
+        raise InvalidModelCardError(
+            f"tokenizer_bucket {bucket!r} of model {card.name!r} is not a bucket name"
+        )
 
 
 def escape_model_name(name: str) -> str:
@@ -68,6 +114,8 @@ def tokenizer_files_in(model_path: Path) -> list[Path]:
 
 
 def files_digest(files: list[Path]) -> str:
+    """sha256 over each file's name and sha256, in name order, cut to 32 hex digits: what
+    a worker publishes as `tokenizer_digest` and a frontend checks after downloading."""
     digest = hashlib.sha256()
     for path in sorted(files, key=lambda p: p.name):
         digest.update(path.name.encode() + b"\0")
@@ -82,21 +130,9 @@ async def publish_model_card(
 
     Returns the card as registered, with its tokenizer fields filled in.
     """
-    files = tokenizer_files_in(Path(model_path))
-    if not any(f.name == "tokenizer.json" or f.name == "tokenizer.model" for f in files):
-        raise FileNotFoundError(f"{model_path} holds no tokenizer.json / tokenizer.model")
-    digest = files_digest(files)
-    store = await runtime.object_store(FILES_BUCKET)
-    for path in files:
-        name = f"{digest}/{path.name}"
-        try:
-            await store.get_info(name)
-            continue  # already uploaded (content-addressed)
-        except Exception:
-            pass
-        await store.put(name, path.read_bytes())
+    digest, names = await upload_tokenizer_files(runtime, model_path)
     card.tokenizer_bucket = FILES_BUCKET
-    card.tokenizer_files = [p.name for p in files]
+    card.tokenizer_files = names
     card.tokenizer_digest = digest
     await runtime.put_leased(MODELS_BUCKET, card_key(card), msgspec.msgpack.encode(card))
     log.info(
@@ -108,6 +144,35 @@ async def publish_model_card(
     return card
 
 
+async def upload_tokenizer_files(
+    runtime: DistributedRuntime, model_path: Path
+) -> tuple[str, list[str]]:
+    """Put the tokenizer files of `model_path` into the object store, skipping those
+    already there (content-addressed). Returns their digest and names.
+
+    Called again by a worker after every reconnect: a broker restarted without its store
+    has lost them, and a frontend that has not cached them yet could not load the model.
+    """
+    files = tokenizer_files_in(Path(model_path))
+    if not any(f.name == "tokenizer.json" or f.name == "tokenizer.model" for f in files):
+        raise FileNotFoundError(f"{model_path} holds no tokenizer.json / tokenizer.model")
+    digest = files_digest(files)
+    store = await runtime.object_store(FILES_BUCKET)
+    uploaded = 0
+    for path in files:
+        name = f"{digest}/{path.name}"
+        try:
+            await store.get_info(name)
+            continue  # already uploaded (content-addressed)
+        except Exception:
+            pass
+        await store.put(name, path.read_bytes())
+        uploaded += 1
+    if uploaded:
+        log.info("uploaded %d tokenizer files of %s (%s)", uploaded, model_path, digest)
+    return digest, [p.name for p in files]
+
+
 async def remove_model_card(runtime: DistributedRuntime, card: ModelCard) -> None:
     await runtime.delete_leased(MODELS_BUCKET, card_key(card))
 
@@ -115,26 +180,62 @@ async def remove_model_card(runtime: DistributedRuntime, card: ModelCard) -> Non
 async def fetch_tokenizer_files(
     runtime: DistributedRuntime, card: ModelCard, dest_root: Path
 ) -> Path:
-    """The card's tokenizer files in a local directory `dest_root/<digest>` (downloaded once)."""
-    if not card.tokenizer_digest or not card.tokenizer_files:
+    """The card's tokenizer files in a local directory `dest_root/<digest>` (downloaded once).
+
+    The card's fields are checked first (`check_tokenizer_fields`), so every path built here
+    is a direct child of `dest_root`. Files are downloaded into a private staging directory
+    inside `dest_root` and must hash to the card's digest (`files_digest`, as the worker
+    computed it) before they replace the cached copy; a cached copy is re-checked the same
+    way before it is trusted. Raises `TokenizerDigestError` on a mismatch.
+    """
+    check_tokenizer_fields(card)
+    digest = card.tokenizer_digest
+    if not digest or not card.tokenizer_files:
         raise ValueError(f"model card of {card.name} carries no tokenizer files")
-    target = Path(dest_root) / card.tokenizer_digest
-    if all((target / name).is_file() for name in card.tokenizer_files):
+    root = Path(dest_root)
+    target = root / digest
+    names = list(card.tokenizer_files)
+    if await asyncio.to_thread(_holds_verified_copy, target, names, digest):
         return target
-    Path(dest_root).mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{card.tokenizer_digest}.", dir=dest_root))
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{digest}.", dir=root))
     try:
         store = await runtime.object_store(card.tokenizer_bucket or FILES_BUCKET)
-        for name in card.tokenizer_files:
-            result = await store.get(f"{card.tokenizer_digest}/{name}")
+        for name in names:
+            result = await store.get(f"{digest}/{name}")
             (staging / name).write_bytes(result.data or b"")
-        if target.exists():
-            shutil.rmtree(target, ignore_errors=True)
+        actual = await asyncio.to_thread(files_digest, [staging / name for name in names])
+        if actual != digest:
+            raise TokenizerDigestError(
+                f"tokenizer files of model {card.name!r} hash to {actual}, not to the card's "
+                f"digest {digest}; refusing them"
+            )
+        if target.exists() or target.is_symlink():
+            _remove_cache_entry(target)
         os.replace(staging, target)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _holds_verified_copy(target: Path, names: list[str], digest: str) -> bool:
+    """Whether `target` already holds the named files, as plain files with that digest."""
+    files = [target / name for name in names]
+    if target.is_symlink() or not all(f.is_file() and not f.is_symlink() for f in files):
+        return False
+    try:
+        return files_digest(files) == digest
+    except OSError:
+        return False
+
+
+def _remove_cache_entry(path: Path) -> None:
+    """Remove a stale `<cache>/<digest>` entry; a symlink is unlinked, never followed."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
 
 
 @dataclass(frozen=True)
@@ -180,6 +281,12 @@ class ModelCardWatcher:
             card = _card_decoder.decode(value)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("ignoring undecodable model card %s: %s", key, exc)
+            return
+        try:
+            check_tokenizer_fields(card)
+        except InvalidModelCardError as exc:
+            log.error("refusing model card %r: %s", key, exc)
+            self._on_delete(key)  # whatever the key held before is no longer advertised
             return
         known = self._cards.get(key)
         self._cards[key] = card
