@@ -3,7 +3,14 @@
 # Every script: reuses the NATS server at $NATS_SERVER when one answers there, else starts
 # one; starts its processes in the background with logs under $LOG_DIR; waits until the
 # frontend lists the model; prints a curl line; and on exit (Ctrl-C, error, or a child
-# dying) stops every process it started.
+# dying) stops every process it started. Every background process is started through
+# `python -m dynamo.runtime.parent_death`, so it gets SIGTERM when this script dies, even
+# by SIGKILL (which no trap sees), and nothing is left behind holding ports or memory.
+#
+# NATS security: the components read NATS_USER/NATS_PASSWORD, NATS_TOKEN, NATS_CREDS,
+# NATS_NKEY_SEED and NATS_TLS_CA/_CERT/_KEY from the environment they inherit; a NATS
+# server started here requires the same NATS_USER/NATS_PASSWORD or NATS_TOKEN, and speaks
+# TLS with NATS_SERVER_TLS_CERT/NATS_SERVER_TLS_KEY (docs/runtime.md, Securing NATS).
 
 set -euo pipefail
 
@@ -42,10 +49,14 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-# start NAME CMD...: run CMD in the background, output to $LOG_DIR/NAME.log
+# redact URL: the URL with any credentials in it masked, for log lines
+redact() { sed -E 's#^(([A-Za-z][A-Za-z0-9+.-]*://)?)[^@/]*@#\1***@#; s#,(([A-Za-z][A-Za-z0-9+.-]*://)?)[^@/,]*@#,\1***@#g' <<<"$1"; }
+
+# start NAME CMD...: run CMD in the background, output to $LOG_DIR/NAME.log; CMD gets
+# SIGTERM when this script dies, however it dies
 start() {
   local name=$1; shift
-  "$@" >"$LOG_DIR/$name.log" 2>&1 &
+  "$PYTHON" -m dynamo.runtime.parent_death --parent-pid $$ -- "$@" >"$LOG_DIR/$name.log" 2>&1 &
   CHILDREN+=($!)
   log "started $name (pid $!): $*"
 }
@@ -57,12 +68,13 @@ nats_reachable() {
 # Sets and exports NATS_SERVER: the reachable one, or a new one we start.
 ensure_nats() {
   if [[ -n "${NATS_SERVER:-}" ]] && nats_reachable "$NATS_SERVER"; then
-    log "reusing NATS at $NATS_SERVER"
+    log "reusing NATS at $(redact "$NATS_SERVER")"
   else
-    local port
+    local port scheme=nats
     port=$("$PYTHON" -c 'from dynamo.runtime.nats_server import free_port; print(free_port())')
+    [[ -n "${NATS_SERVER_TLS_CERT:-}" ]] && scheme=tls
     start nats "$PYTHON" -m dynamo.runtime.nats_server --port "$port"
-    export NATS_SERVER="nats://127.0.0.1:$port"
+    export NATS_SERVER="$scheme://127.0.0.1:$port"
     local deadline=$((SECONDS + 15))
     until nats_reachable "$NATS_SERVER"; do
       ((SECONDS < deadline)) || { log "nats-server did not start; see $LOG_DIR/nats.log"; exit 1; }

@@ -9,6 +9,7 @@ while the engine loads; registration with the model card last; SIGTERM drain; ex
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -17,6 +18,10 @@ import uvloop
 from prometheus_client import REGISTRY
 
 from dynamo.llm.worker import ServedWorker, WorkerProcess, WorkerRegistration
+from dynamo.runtime.parent_death import (
+    children_die_with_this_process,
+    spawned_children_die_with_this_process,
+)
 from dynamo.vllm.args import (
     ConfigError,
     VllmWorkerConfig,
@@ -41,9 +46,11 @@ def build_process(cfg: VllmWorkerConfig) -> WorkerProcess:
         endpoint=cfg.endpoint,
         worker_type=backend.worker_type,
         nats_server=cfg.nats_server,
+        nats_options=cfg.nats_options,
         lease_ttl=cfg.lease_ttl,
         drain_timeout_s=cfg.drain_timeout_s,
         migration_limit=cfg.migration_limit,
+        max_inflight_requests=cfg.max_inflight_requests,
         publish_kv_events=cfg.kv_events_endpoint is not None,
     )
     if cfg.system_port is not None:
@@ -74,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # Counters' `_created` timestamps are noise on /metrics (one extra series per counter).
     prometheus_client.disable_created_metrics()
+    # vLLM starts its engine core with multiprocessing (spawned on CPU, forked or spawned
+    # on GPU): tie it to this process, so a SIGKILLed worker leaves no engine behind
+    # holding its memory (vLLM's own workers follow their engine core through a pipe).
+    children_die_with_this_process(signal.SIGKILL)
+    spawned_children_die_with_this_process(signal.SIGKILL)
     for line in resolved_config_lines(cfg):
         log.info("config: %s", line)
     return uvloop.run(build_process(cfg).run())

@@ -16,6 +16,8 @@ import time
 import msgspec
 
 from dynamo.runtime import naming, wire
+from dynamo.runtime.cli import ConfigError
+from dynamo.runtime.nats_options import add_nats_arguments, nats_options_from_args, redact_url
 from dynamo.runtime.nats_server import nats_url_from_env
 from dynamo.runtime.runtime import DistributedRuntime
 
@@ -100,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="NATS URL (default $NATS_SERVER or nats://127.0.0.1:4222)",
     )
+    add_nats_arguments(parser.add_argument_group("NATS authentication and TLS"))
     sub = parser.add_subparsers(dest="command", required=True)
     for name, func, text in (
         ("instances", _instances, "list live endpoint instances"),
@@ -117,9 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
 async def _main(args: argparse.Namespace) -> int:
     url = args.nats_server or nats_url_from_env()
     try:
-        runtime = await DistributedRuntime.connect(url, name="dynamo-cli", connect_timeout=2)
+        options = nats_options_from_args(args, url=url)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        runtime = await DistributedRuntime.connect(
+            url, name="dynamo-cli", connect_timeout=2, options=options
+        )
     except Exception as exc:
-        print(f"error: cannot connect to NATS at {url}: {exc}", file=sys.stderr)
+        print(f"error: cannot connect to NATS at {redact_url(url)}: {exc}", file=sys.stderr)
         return 1
     try:
         return await args.func(runtime, args)

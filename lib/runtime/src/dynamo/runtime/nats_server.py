@@ -5,7 +5,14 @@ no system install is needed. Launch scripts and test fixtures use `NatsServer` t
 server with JetStream on a given or ephemeral port and a private store directory; when
 `$NATS_SERVER` already points at a reachable server, `ensure_nats_server` reuses it instead.
 
-`python -m dynamo.runtime.nats_server --port 4222` runs one in the foreground.
+`python -m dynamo.runtime.nats_server --port 4222` runs one in the foreground. With
+`ServerSecurity` (CLI: `--user`/`--password`, `--token`, `--nkey`, `--tls-cert`/`--tls-key`,
+`--tls-ca`, `--tls-verify`) it requires clients to authenticate and/or speak TLS: the
+settings go to nats-server in a private config file that is deleted once the server is up.
+
+The server is tied to the process that starts it (`parent_death`): when that process dies,
+even by SIGKILL, the kernel sends nats-server SIGTERM, so no server outlives its owner
+holding the port and the store.
 """
 
 from __future__ import annotations
@@ -20,8 +27,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from urllib.parse import urlparse
+
+from dynamo.runtime.nats_options import redact_url
+from dynamo.runtime.nats_server_security import ServerSecurity, private_config_file
+from dynamo.runtime.parent_death import preexec_die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +72,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def is_reachable(url: str, timeout: float = 0.5) -> bool:
-    """True when something accepts TCP connections at the URL's host:port and says INFO."""
-    parsed = urlparse(url if "://" in url else f"nats://{url}")
+    """True when something accepts TCP connections at the URL's host:port and says INFO.
+
+    Works for TLS servers too: nats-server sends its INFO in the clear before the TLS
+    handshake. Only the first server of a comma-separated list is probed."""
+    first = url.split(",", 1)[0].strip()
+    parsed = urlparse(first if "://" in first else f"nats://{first}")
     host, port = parsed.hostname or "127.0.0.1", parsed.port or 4222
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
@@ -76,7 +92,12 @@ class NatsServer:
 
     `port=None` picks an ephemeral port; `store_dir=None` uses a temporary directory removed
     on `stop()`. `stop()` then `start()` again keeps the same port and store, which is how
-    tests simulate a broker restart.
+    tests simulate a broker restart. `security` makes clients authenticate and/or use TLS
+    (then `url` is `tls://...`).
+
+    The child gets SIGTERM when the thread that called `start()` exits (PR_SET_PDEATHSIG,
+    Linux): call it from the main thread or another one that lives as long as the
+    server. From a short-lived thread pass `die_with_parent=False`.
     """
 
     def __init__(
@@ -86,8 +107,12 @@ class NatsServer:
         host: str = "127.0.0.1",
         store_dir: Path | None = None,
         log_file: Path | None = None,
+        security: ServerSecurity | None = None,
+        die_with_parent: bool = True,
     ) -> None:
         self.host = host
+        self.security = security or ServerSecurity()
+        self.die_with_parent = die_with_parent
         self.port = port or free_port(host)
         self._own_store = store_dir is None
         self.store_dir = (
@@ -99,7 +124,8 @@ class NatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        scheme = "tls" if self.security.tls else "nats"
+        return f"{scheme}://{self.host}:{self.port}"
 
     @property
     def running(self) -> bool:
@@ -122,9 +148,26 @@ class NatsServer:
         log.info("starting nats-server on %s (store %s)", self.url, self.store_dir)
         # The log is appended to across restarts: only what this run writes counts.
         self._log_offset = self.log_file.stat().st_size if self.log_file.exists() else 0
-        self._proc = subprocess.Popen(
-            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
+        with private_config_file(self.security) as config:
+            if config is not None:
+                argv += ["--config", str(config)]
+            self._proc = subprocess.Popen(
+                argv,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                # Its own session: a Ctrl-C in the terminal reaches the components first,
+                # and they deregister before the broker goes.
+                start_new_session=True,
+                preexec_fn=self._preexec(),
+            )
+            self._wait_ready(timeout)
+        return self
+
+    def _preexec(self) -> Callable[[], None] | None:
+        return preexec_die_with_parent(signal.SIGTERM) if self.die_with_parent else None
+
+    def _wait_ready(self, timeout: float) -> None:
+        assert self._proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -132,7 +175,7 @@ class NatsServer:
                     f"nats-server exited with {self._proc.returncode}: {self._log_tail()}"
                 )
             if is_reachable(self.url, timeout=0.2) and self._jetstream_ready():
-                return self
+                return
             time.sleep(0.05)
         self.stop()
         raise NatsServerError(f"nats-server not ready on {self.url} after {timeout}s")
@@ -165,6 +208,13 @@ class NatsServer:
         if remove_store:
             shutil.rmtree(self.store_dir, ignore_errors=True)
 
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: no clean shutdown, nothing flushed); idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
     def close(self) -> None:
         """Stop and remove a temporary store directory."""
         self.stop(remove_store=self._own_store)
@@ -184,7 +234,7 @@ def ensure_nats_server(url: str | None = None) -> tuple[str, NatsServer | None]:
     """
     wanted = url or os.environ.get(ENV_NATS_SERVER, "").strip()
     if wanted and is_reachable(wanted):
-        log.info("reusing nats-server at %s", wanted)
+        log.info("reusing nats-server at %s", redact_url(wanted))
         return wanted, None
     port = None
     if wanted:
@@ -194,10 +244,22 @@ def ensure_nats_server(url: str | None = None) -> tuple[str, NatsServer | None]:
     return server.url, server
 
 
-def main(argv: list[str] | None = None) -> int:
+ENV_SERVER_TLS_CERT = "NATS_SERVER_TLS_CERT"
+ENV_SERVER_TLS_KEY = "NATS_SERVER_TLS_KEY"
+ENV_SERVER_TLS_CA = "NATS_SERVER_TLS_CA"
+ENV_SERVER_TLS_VERIFY = "NATS_SERVER_TLS_VERIFY"
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m dynamo.runtime.nats_server",
-        description="Run a nats-server with JetStream in the foreground (Ctrl-C stops it).",
+        description=(
+            "Run a nats-server with JetStream in the foreground (Ctrl-C stops it). The "
+            "authentication flags default to the variables the components read "
+            "($NATS_USER, $NATS_PASSWORD, $NATS_TOKEN), so one environment configures the "
+            "server and its clients alike; see docs/runtime.md, Securing NATS."
+        ),
     )
     parser.add_argument("--port", type=int, default=4222, help="client port (0 = ephemeral)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -205,9 +267,91 @@ def main(argv: list[str] | None = None) -> int:
         "--store-dir", type=Path, default=None,
         help="JetStream store directory (default: a temporary one, removed on exit)",
     )  # fmt: skip
-    args = parser.parse_args(argv)
+    auth = parser.add_argument_group("authentication (at most one method)")
+    auth.add_argument("--user", default=None, help="require this user (default: $NATS_USER)")
+    auth.add_argument(
+        "--password",
+        default=None,
+        help="password of --user (default: $NATS_PASSWORD; prefer the variable: flags show "
+        "in the process list)",
+    )
+    auth.add_argument("--token", default=None, help="require this token (default: $NATS_TOKEN)")
+    auth.add_argument(
+        "--nkey",
+        action="append",
+        default=[],
+        metavar="PUBLIC_KEY",
+        help="allow the user with this public NKey (U...); repeatable",
+    )
+    tls = parser.add_argument_group("TLS")
+    tls.add_argument(
+        "--tls-cert",
+        type=Path,
+        default=None,
+        help=f"server certificate (PEM); turns TLS on (default: ${ENV_SERVER_TLS_CERT})",
+    )
+    tls.add_argument(
+        "--tls-key", type=Path, default=None, help=f"its key (default: ${ENV_SERVER_TLS_KEY})"
+    )
+    tls.add_argument(
+        "--tls-ca",
+        type=Path,
+        default=None,
+        help=f"CA that signs client certificates (default: ${ENV_SERVER_TLS_CA})",
+    )
+    tls.add_argument(
+        "--tls-verify",
+        action="store_true",
+        default=None,
+        help="require clients to present a certificate signed by --tls-ca "
+        f"(default: ${ENV_SERVER_TLS_VERIFY}=1)",
+    )
+    return parser
+
+
+def security_from_args(
+    args: argparse.Namespace, env: Mapping[str, str] | None = None
+) -> ServerSecurity:
+    """The server's security settings, flags over variables; ValueError when they
+    contradict each other or name a missing file."""
+    env = os.environ if env is None else env
+
+    def pick(given: str | None, variable: str) -> str | None:
+        return given or env.get(variable, "").strip() or None
+
+    def pick_path(given: Path | None, variable: str) -> Path | None:
+        text = str(given) if given else env.get(variable, "").strip()
+        if not text:
+            return None
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise ValueError(f"no such file: {path} (from {'a flag' if given else '$' + variable})")
+        return path
+
+    verify = args.tls_verify or env.get(ENV_SERVER_TLS_VERIFY, "").strip().lower() in _TRUE
+    return ServerSecurity(
+        user=pick(args.user, "NATS_USER"),
+        password=pick(args.password, "NATS_PASSWORD"),
+        token=pick(args.token, "NATS_TOKEN"),
+        nkeys=tuple(args.nkey),
+        tls_cert=pick_path(args.tls_cert, ENV_SERVER_TLS_CERT),
+        tls_key=pick_path(args.tls_key, ENV_SERVER_TLS_KEY),
+        tls_ca=pick_path(args.tls_ca, ENV_SERVER_TLS_CA),
+        verify_clients=verify,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    server = NatsServer(args.port or None, host=args.host, store_dir=args.store_dir)
+    try:
+        security = security_from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    server = NatsServer(
+        args.port or None, host=args.host, store_dir=args.store_dir, security=security
+    )
     try:
         server.start()
     except NatsServerError as exc:
