@@ -8,6 +8,7 @@ so OpenAI client libraries raise their usual typed exceptions.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import msgspec
 
@@ -37,6 +38,7 @@ class OpenAIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -44,6 +46,8 @@ class OpenAIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        # HTTP headers the response must carry (`Retry-After`, `WWW-Authenticate`).
+        self.headers: Mapping[str, str] = headers or {}
 
     def detail(self) -> ErrorDetail:
         return ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
@@ -72,6 +76,28 @@ def no_workers(model: str) -> OpenAIError:
         f"No worker is serving model `{model}` right now; retry later.",
         type="service_unavailable",
         code="no_instances",
+    )
+
+
+def overloaded(model: str, what: str, retry_after_s: int) -> OpenAIError:
+    """The model has as many requests as the frontend admits (`what` says which bound):
+    503 with `Retry-After`, which OpenAI clients honour when they retry."""
+    return OpenAIError(
+        503,
+        f"Model `{model}` is overloaded ({what}); retry after {retry_after_s} s.",
+        type="service_unavailable",
+        code="overloaded",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def unauthorized() -> OpenAIError:
+    """A missing or wrong API key. The message never repeats what the client sent."""
+    return OpenAIError(
+        401,
+        "Missing or incorrect API key: send it as `Authorization: Bearer <key>`.",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
     )
 
 

@@ -9,19 +9,39 @@ The flow is the same for both OpenAI endpoints; only the `ResponseFormatter` dif
    unary: accumulate and send one JSON body;
 3. always close the engine stream: after a stop string, an error, or a client that went
    away, this cancels the request on the worker.
+
+A streaming client that stops reading (but keeps its connection open) would otherwise
+hold its request, its worker slot and a growing read-ahead queue for as long as the
+generation lasts: a write that waits longer than `Generation.write_timeout_s` for the
+client to take data aborts the connection, which ends the request like a disconnect.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 from aiohttp import web
 
-from dynamo.frontend.engine_client import EngineClient, EngineFailedError, EngineUnavailableError
+from dynamo.frontend.admission import RETRY_AFTER_S
+from dynamo.frontend.engine_client import (
+    EngineClient,
+    EngineFailedError,
+    EngineOverloadedError,
+    EngineRejectedError,
+    EngineUnavailableError,
+)
 from dynamo.frontend.engine_stream import EngineStream
-from dynamo.frontend.errors import OpenAIError, engine_error, error_event, no_workers
+from dynamo.frontend.errors import (
+    OpenAIError,
+    bad_request,
+    engine_error,
+    error_event,
+    no_workers,
+    overloaded,
+)
 from dynamo.frontend.metrics import RequestMetrics
 from dynamo.frontend.postprocessor import Postprocessor, TextDelta
 from dynamo.frontend.preprocessor import Prepared
@@ -32,6 +52,11 @@ log = logging.getLogger(__name__)
 
 # Status recorded for requests whose client disconnected (nginx's convention).
 CLIENT_CLOSED = 499
+
+# A write of at most this many bytes into an empty transport buffer cannot block (the
+# transport pauses the writer only above its 64 KiB high-water mark), so it needs no
+# timer: the common case, an SSE chunk to a client that keeps up, pays nothing.
+_UNBLOCKABLE_WRITE = 16 * 1024
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
@@ -50,6 +75,13 @@ class Generation:
     postprocessor: Postprocessor
     formatter: ResponseFormatter
     metrics: RequestMetrics
+    # Longest a streamed write may wait for the client to read; None: unbounded.
+    write_timeout_s: float | None = None
+
+
+class ClientStalled(ConnectionResetError):
+    """The client stopped reading a stream: a write waited past the write timeout and the
+    connection was aborted."""
 
 
 async def serve(http_request: web.Request, gen: Generation) -> web.StreamResponse:
@@ -80,6 +112,11 @@ async def serve(http_request: web.Request, gen: Generation) -> web.StreamRespons
 async def _next_batch(stream: EngineStream, model: str) -> list[LLMEngineOutput]:
     try:
         return await stream.next_batch()
+    except EngineOverloadedError as exc:
+        log.warning("workers of %s refuse more work: %s", model, exc)
+        raise overloaded(model, "every worker is busy", RETRY_AFTER_S) from exc
+    except EngineRejectedError as exc:  # the engine refused the request's parameters
+        raise bad_request(str(exc)) from exc
     except EngineUnavailableError as exc:
         log.warning("no worker for %s: %s", model, exc)
         raise no_workers(model) from exc
@@ -127,16 +164,57 @@ async def _stream(
     )
     await response.prepare(http_request)
     try:
-        status = await _write_events(response, gen, stream, batch)
-        await response.write_eof()
+        transport = http_request.transport
+        status = await _write_events(response, transport, gen, stream, batch)
+        await _bounded(response.write_eof(), transport, 0, gen.write_timeout_s)
+    except ClientStalled as exc:
+        log.warning("request %s: %s", gen.prepared.request.request_id, exc)
+        gen.metrics.disconnected()
+        status = CLIENT_CLOSED
     except ConnectionResetError:  # the client closed the connection under a write
         gen.metrics.disconnected()
         status = CLIENT_CLOSED
     return response, status
 
 
+async def _write(
+    response: web.StreamResponse,
+    transport: asyncio.Transport | None,
+    payload: bytes,
+    timeout: float | None,
+) -> None:
+    await _bounded(response.write(payload), transport, len(payload), timeout)
+
+
+async def _bounded(
+    write: Awaitable[None],
+    transport: asyncio.Transport | None,
+    size: int,
+    timeout: float | None,
+) -> None:
+    """Await `write` (of `size` bytes), bounded by `timeout` when it could block;
+    `ClientStalled` (after aborting the connection) when the client did not read in time.
+    (`transport` None: the connection is gone and the write raises.)"""
+    if (
+        timeout is None
+        or transport is None
+        or (transport.get_write_buffer_size() == 0 and size <= _UNBLOCKABLE_WRITE)
+    ):
+        await write
+        return
+    try:
+        async with asyncio.timeout(timeout):
+            await write
+    except TimeoutError:
+        transport.abort()
+        raise ClientStalled(
+            f"the client read nothing for {timeout:g}s; connection closed"
+        ) from None
+
+
 async def _write_events(
     response: web.StreamResponse,
+    transport: asyncio.Transport | None,
     gen: Generation,
     stream: EngineStream,
     batch: list[LLMEngineOutput],
@@ -151,7 +229,7 @@ async def _write_events(
         if gen.postprocessor.finished:
             payload += _trailer(gen, delta)
         if payload:
-            await response.write(payload)
+            await _write(response, transport, payload, gen.write_timeout_s)
         if gen.postprocessor.finished:
             break
         try:
@@ -159,7 +237,7 @@ async def _write_events(
         except OpenAIError as exc:
             # Headers are out: report in-band, as OpenAI does, and end the stream.
             log.warning("engine failed mid-stream for %s: %s", gen.model, exc.message)
-            await response.write(error_event(exc) + SSE_DONE)
+            await _write(response, transport, error_event(exc) + SSE_DONE, gen.write_timeout_s)
             status = exc.status
             break
     return status

@@ -1,8 +1,16 @@
 """The OpenAI-compatible HTTP server (aiohttp).
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`
-(and `/v1/models/{model}`), `GET /health`, `GET /live`, `GET /metrics`, and
-`GET /debug/kv` (what each KV router believes: cached blocks, load, hit rates).
+(and `/v1/models/{model}`), `GET /health`, `GET /live`, `GET /metrics`,
+`GET /debug/kv` (what each KV router believes: cached blocks, load, hit rates), and
+`GET /openapi.json` (`openapi.py`).
+
+The front door is hardened against hostile and overwhelming clients: an optional API key
+(`auth.py`); decoding that turns every malformed body into a 400 (`request_decoding.py`);
+per-model bounds on requests in flight and waiting for a worker (`admission.py`, 503 with
+`Retry-After` beyond them); deadlines on idle connections, request heads
+(`http_listener.py`), bodies (408) and on clients that stop reading a stream
+(`generation.py`).
 
 Every failure leaves as OpenAI's error shape `{"error": {message, type, param, code}}`,
 including aiohttp's own (unknown route, wrong method) via one middleware; bad input is
@@ -25,18 +33,27 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from dynamo.frontend.admission import (
+    RETRY_AFTER_S,
+    AdmissionControl,
+    AdmissionLimits,
+    AdmissionRejected,
+    RejectReason,
+)
+from dynamo.frontend.auth import api_key_middleware
 from dynamo.frontend.engine_client import EngineClient
 from dynamo.frontend.errors import (
     OpenAIError,
-    from_validation_error,
     http_error,
     internal_error,
     model_not_found,
     no_workers,
+    overloaded,
     payload_too_large,
     request_timeout,
 )
 from dynamo.frontend.generation import Generation, serve
+from dynamo.frontend.http_listener import ConnectionTimeouts, listen, track_request_heads
 from dynamo.frontend.metrics import METRICS_CONTENT_TYPE, FrontendMetrics
 from dynamo.frontend.model_registry import ModelManager, ServedModel
 from dynamo.frontend.openai_types import (
@@ -44,9 +61,12 @@ from dynamo.frontend.openai_types import (
     CompletionRequest,
     ModelInfo,
     ModelList,
+    SamplingFields,
 )
+from dynamo.frontend.openapi import OPENAPI_PATH, openapi_document
 from dynamo.frontend.postprocessor import Postprocessor
 from dynamo.frontend.preprocessor import OutputPlan, Prepared, Preprocessor
+from dynamo.frontend.request_decoding import decode_request
 from dynamo.frontend.responses import (
     ChatFormatter,
     CompletionFormatter,
@@ -67,6 +87,14 @@ DEFAULT_WORKER_WAIT_S = 5.0
 _READ_CHUNK = 256 * 1024
 # Longest wait for a request body to arrive completely.
 BODY_READ_TIMEOUT_S = 30.0
+# Longest a streamed response waits for a client that stopped reading before the
+# connection is dropped and the request cancelled (nginx's `send_timeout` default).
+DEFAULT_WRITE_TIMEOUT_S = 60.0
+
+_REJECTION_WHAT = {
+    RejectReason.INFLIGHT_LIMIT: "requests in flight",
+    RejectReason.WORKER_WAIT_LIMIT: "requests waiting for a worker",
+}
 
 
 @dataclass(frozen=True)
@@ -101,7 +129,9 @@ def json_response(body: bytes, status: int = 200) -> web.Response:
 
 
 def error_response(error: OpenAIError) -> web.Response:
-    return json_response(error.body(), error.status)
+    response = json_response(error.body(), error.status)
+    response.headers.update(error.headers)
+    return response
 
 
 @web.middleware
@@ -136,19 +166,36 @@ class HttpService:
         port: int = 8000,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         worker_wait_s: float = DEFAULT_WORKER_WAIT_S,
+        api_key: str | None = None,
+        admission: AdmissionLimits | None = None,
+        timeouts: ConnectionTimeouts | None = None,
+        write_timeout_s: float | None = DEFAULT_WRITE_TIMEOUT_S,
     ) -> None:
+        """`api_key`: None or empty serves without authentication; `write_timeout_s`
+        None lets a stream wait for its client for ever."""
         self.manager = manager
         self.metrics = metrics or FrontendMetrics()
         self.host = host
         self.port = port
         self.max_request_bytes = max_request_bytes
         self.worker_wait_s = worker_wait_s
+        self.admission = AdmissionControl(admission)
+        self.timeouts = timeouts or ConnectionTimeouts()
+        self.write_timeout_s = write_timeout_s
+        self._api_key = api_key or None
+        self._openapi = msgspec.json.encode(openapi_document(api_key_required=bool(api_key)))
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[openai_errors], client_max_size=self.max_request_bytes)
+        # Outermost first: the head deadline ends as soon as a request is handed over;
+        # every refusal after that, the API key's included, leaves as an OpenAI error.
+        middlewares = [track_request_heads, openai_errors]
+        if self._api_key is not None:
+            middlewares.append(api_key_middleware(self._api_key, self._count_unauthorized))
+        app = web.Application(middlewares=middlewares, client_max_size=self.max_request_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.list_models)
@@ -157,20 +204,34 @@ class HttpService:
         app.router.add_get("/live", self.live)
         app.router.add_get("/metrics", self.render_metrics)
         app.router.add_get("/debug/kv", self.debug_kv)
+        app.router.add_get(OPENAPI_PATH, self.render_openapi)
         return app
 
     async def start(self) -> None:
         """Listen on host:port (port 0 picks a free one; `self.port` then tells which)."""
         runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port)
-        await site.start()
-        self._runner = runner
-        if runner.addresses:  # the port actually bound (matters for port 0)
-            self.port = runner.addresses[0][1]
+        try:
+            listener = await listen(runner, self.host, self.port, self.timeouts, access_log=None)
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner, self._listener = runner, listener
+        if listener.sockets:  # the port actually bound (matters for port 0)
+            self.port = listener.sockets[0].getsockname()[1]
         log.info("frontend listening on http://%s:%d", self.host, self.port)
+        if self._api_key is not None:
+            log.info("API key required on every route but /health, /live and /metrics")
+        elif self.host in ("0.0.0.0", "::", ""):
+            log.warning(
+                "listening on every network interface without an API key: anyone who can "
+                "reach this host can use the API (--http-host, --api-key / $DYN_API_KEY)"
+            )
 
     async def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()  # no new connections; the runner closes the open ones
+            self._listener = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -226,6 +287,9 @@ class HttpService:
             body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE}
         )
 
+    async def render_openapi(self, request: web.Request) -> web.Response:
+        return json_response(self._openapi)
+
     async def debug_kv(self, request: web.Request) -> web.Response:
         """Per model and worker endpoint, the KV router's view (`debug_state()`): blocks
         cached per worker, booked and reported load, predicted hit rates, feed counters.
@@ -266,19 +330,34 @@ class HttpService:
             chunks.append(chunk)
 
     async def _generate(self, request: web.Request, kind: OpenAIEndpoint) -> web.StreamResponse:
-        """Decode → look up the model → preprocess → run on its engine."""
-        req = _decode(kind.decoder, await self._read_body(request))
+        """Decode → look up the model → admit → preprocess → run on its engine."""
+        req = decode_request(kind.decoder, await self._read_body(request))
         stream = bool(req.stream)
         model = self.manager.get(req.model)
         if model is None:
             self.metrics.count_rejected("", kind.name, stream, 404)
             raise model_not_found(req.model)
+        try:
+            with self.admission.admit(model.name):  # held until the response has ended
+                return await self._admitted(request, kind, req, model)
+        except AdmissionRejected as exc:
+            error = overloaded(exc.model, _REJECTION_WHAT[exc.reason], RETRY_AFTER_S)
+            # Per request, so debug only: a burst would flood the log; the metric counts.
+            log.debug("%s: 503 (%s at its limit of %d)", exc.model, exc.reason, exc.limit)
+            self.metrics.count_shed(exc.model, exc.reason)
+            self.metrics.count_rejected(exc.model, kind.name, stream, error.status)
+            raise error from None
+
+    async def _admitted(
+        self, request: web.Request, kind: OpenAIEndpoint, req: SamplingFields, model: ServedModel
+    ) -> web.StreamResponse:
+        """Preprocess and serve a request holding one of its model's in-flight places."""
         request_id = f"{kind.id_prefix}-{uuid.uuid4().hex}"
         try:
             prepared = await kind.prepare(model.preprocessor, req, request_id)
             model = await self._with_workers(model)
         except OpenAIError as exc:
-            self.metrics.count_rejected(model.name, kind.name, stream, exc.status)
+            self.metrics.count_rejected(model.name, kind.name, bool(req.stream), exc.status)
             raise
         assert model.engine is not None
         formatter = kind.formatter(request_id, model.name, prepared.plan)
@@ -286,11 +365,19 @@ class HttpService:
             request, self._generation(model, model.engine, kind, prepared, formatter)
         )
 
+    def _count_unauthorized(self) -> None:
+        self.metrics.count_shed("", "unauthorized")
+
     async def _with_workers(self, model: ServedModel) -> ServedModel:
         """`model` (as registered now) once a worker can take a request; 503 if none
-        becomes ready within `worker_wait_s`."""
+        becomes ready within `worker_wait_s`, or at once when `max_waiting` requests of
+        the model already wait (`AdmissionRejected`)."""
         if model.has_workers():
             return model
+        with self.admission.waiting_for_worker(model.name):
+            return await self._wait_for_workers(model)
+
+    async def _wait_for_workers(self, model: ServedModel) -> ServedModel:
         loop = asyncio.get_running_loop()
         start = loop.time()
         current = await self.manager.wait_for_workers(model.name, self.worker_wait_s)
@@ -318,14 +405,15 @@ class HttpService:
             pre.decode_fn(plan.skip_special_tokens),
             pre.token_texts,
         )
-        return Generation(model.name, prepared, engine, postprocessor, formatter, metrics)
-
-
-def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
-    try:
-        return decoder.decode(body)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise from_validation_error(exc) from exc
+        return Generation(
+            model.name,
+            prepared,
+            engine,
+            postprocessor,
+            formatter,
+            metrics,
+            write_timeout_s=self.write_timeout_s,
+        )
 
 
 def _model_info(model: ServedModel) -> ModelInfo:

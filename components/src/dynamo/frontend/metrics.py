@@ -80,9 +80,22 @@ class FrontendMetrics:
             ["model"],
             registry=r,
         )
+        self.rejected = Counter(
+            f"{PREFIX}_rejected_requests",
+            "Requests turned away before any work by the frontend's own bounds, by reason: "
+            "inflight_limit and worker_wait_limit (503 with Retry-After), unauthorized (401)",
+            ["model", "reason"],
+            registry=r,
+        )
         self.prefill_fallbacks = Counter(
             f"{PREFIX}_prefill_fallbacks",
             "Disaggregated requests the decode worker had to prefill itself",
+            ["model"],
+            registry=r,
+        )
+        self.migrations = Counter(
+            f"{PREFIX}_migrations",
+            "Streams moved to another worker mid-stream after theirs was lost (per move)",
             ["model"],
             registry=r,
         )
@@ -109,12 +122,20 @@ class FrontendMetrics:
         """Disaggregated serving fell back to prefill on the decode worker."""
         self.prefill_fallbacks.labels(model).inc()
 
+    def migration(self, model: str) -> None:
+        """A request continued on another worker after its worker was lost mid-stream."""
+        self.migrations.labels(model).inc()
+
     def request(self, model: str, endpoint: str, stream: bool) -> RequestMetrics:
         return RequestMetrics(self, model, endpoint, stream)
 
     def count_rejected(self, model: str, endpoint: str, stream: bool, status: int) -> None:
         """A request that failed before it reached an engine."""
         self.requests.labels(model, endpoint, _request_type(stream), str(status)).inc()
+
+    def count_shed(self, model: str, reason: str) -> None:
+        """A request the frontend refused to take on (`rejected_requests_total`)."""
+        self.rejected.labels(model, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,14 +17,24 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-NonNegInt = Annotated[int, Meta(ge=0)]
-PositiveInt = Annotated[int, Meta(ge=1)]
+# Every integer a request carries is bounded here, at decoding: the workers receive them
+# in msgpack, which cannot carry integers beyond 64 bits, and vLLM keeps them in C types.
+# Without the bounds, 2**64 in `seed` failed only when the request was sent (a 500).
+INT32_MAX = 2**31 - 1
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+NonNegInt = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+PositiveInt = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=2.0)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
-TokenId = Annotated[int, Meta(ge=0)]
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+# -1 and 0 disable top-k (vLLM's convention); the preprocessor rejects the other negatives.
+TopK = Annotated[int, Meta(ge=-INT32_MAX - 1, le=INT32_MAX)]
+Seed = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]  # vLLM's own bounds (a C long)
 
 # --------------------------------------------------------------------------- requests
 
@@ -47,9 +57,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     max_tokens: PositiveInt | None = None
     temperature: Temperature | None = None
     top_p: Probability | None = None
-    top_k: int | None = None  # -1 or 0 disable (vLLM convention); checked in the preprocessor
+    top_k: TopK | None = None
     min_p: Probability | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
