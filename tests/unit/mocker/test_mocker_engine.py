@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
+import msgspec
+import pytest
 from mocker_support import (
     EOS,
     EventLog,
@@ -21,8 +24,9 @@ from dynamo.llm.protocols import (
     KvAllCleared,
     KvBlockRemoved,
     KvBlockStored,
+    SamplingOptions,
 )
-from dynamo.mocker import AcceptanceModel, MockEngine, TimingModel
+from dynamo.mocker import AcceptanceModel, InvalidRequest, MockEngine, TimingModel
 
 
 async def started(**overrides: object) -> tuple[MockEngine, EventLog]:
@@ -275,19 +279,26 @@ async def test_eos_stop_tokens_min_tokens_and_ignore_eos() -> None:
     assert len(tokens_of(stop_later)) == 5
 
 
-async def test_bad_requests_end_with_an_error_output() -> None:
-    engine, _ = await started()
+async def test_bad_requests_are_refused_as_invalid_before_any_output() -> None:
+    engine, _ = await started(max_logprobs=5)
+    bad = {
+        "context length": request("a", prompt(128)),
+        "out of vocabulary": request("b", [5, 99999]),
+        "max_tokens must be at least 1": request("c", prompt(4), max_tokens=0),
+        "prompt is empty": request("d", []),
+        "top_p must be in (0, 1]": msgspec.structs.replace(
+            request("e", prompt(4)), sampling_options=SamplingOptions(top_p=0.0)
+        ),
+        "greater than max allowed: 5": request("f", prompt(4), logprobs=6),
+    }
     try:
-        too_long = await collect(engine, request("a", prompt(128)))
-        out_of_vocab = await collect(engine, request("b", [5, 99999]))
-        zero = await collect(engine, request("c", prompt(4), max_tokens=0))
-        empty = await collect(engine, request("d", []))
+        for reason, req in bad.items():
+            with pytest.raises(InvalidRequest, match=re.escape(reason)):
+                await collect(engine, req)
+        assert engine.counters.requests == 0  # none was admitted
+        assert tokens_of(await collect(engine, request("g", prompt(4), logprobs=5)))
     finally:
         await engine.stop()
-    for outputs in (too_long, out_of_vocab, zero, empty):
-        assert len(outputs) == 1
-        assert outputs[0].finish_reason is FinishReason.ERROR and outputs[0].error
-    assert "context length" in (too_long[0].error or "")
 
 
 async def test_max_tokens_defaults_to_the_rest_of_the_context() -> None:

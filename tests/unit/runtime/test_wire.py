@@ -38,6 +38,23 @@ def test_data_batch_end_error_frames() -> None:
     assert kind is wire.FrameKind.ERROR and wire.decode_error(body) == ("ValueError", "bad")
 
 
+@pytest.mark.parametrize(
+    "kind", [wire.ErrorKind.SHUTDOWN, wire.ErrorKind.OVERLOADED, wire.ErrorKind.INVALID_REQUEST]
+)
+def test_error_kinds_travel_as_reserved_types(kind: wire.ErrorKind) -> None:
+    """The frame's shape is unchanged: a client that predates a kind decodes it too."""
+    _, _, body = wire.decode_frame(wire.encode_kind_error(3, kind, "why"))
+    error_type, message = wire.decode_error(body)
+    assert (error_type, message) == (kind.value, "why")
+    assert wire.error_kind(error_type) is kind
+
+
+def test_a_class_name_is_an_internal_error() -> None:
+    assert wire.error_kind("ValueError") is wire.ErrorKind.INTERNAL
+    with pytest.raises(ValueError):
+        wire.encode_kind_error(0, wire.ErrorKind.INTERNAL, "no reserved name")
+
+
 def test_large_bursts_are_split_under_the_frame_limit() -> None:
     big = wire.encode(b"x" * 100_000)
     frames = wire.pack_frames(0, [big] * 12)

@@ -11,6 +11,9 @@ Claims:
 * a client cancel (the context stopped) or the runtime closing or cancelling the stream
   aborts the request in vLLM and counts it cancelled;
 * a dead engine ends the stream with an error output and reports the death once;
+* parameters vLLM refuses (its `SamplingParams` or the engine itself) end the request as
+  the client's error with vLLM's one-line reason and nothing of vLLM's repr, counted as
+  `rejected`; a full engine queue refuses it as overloaded (another worker may take it);
 * on a decode worker the KV transfer entry of the prompt is held while the request runs
   and deleted as consumed when it ends.
 
@@ -29,6 +32,7 @@ from typing import Any, cast
 
 import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import QueueOverflowError, VLLMValidationError
 from vllm.inputs import TokensPrompt
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -47,7 +51,7 @@ from dynamo.llm.protocols import (
     StopConditions,
     WorkerType,
 )
-from dynamo.runtime import Context
+from dynamo.runtime import Context, InvalidRequestError, WorkerOverloadedError
 from dynamo.vllm.engine import EngineFacts, VllmEngine
 from dynamo.vllm.handlers import GenerateHandler, RequestCounters
 from dynamo.vllm.kv_transfer import KvTransferJanitor, entry_name
@@ -409,6 +413,47 @@ async def test_an_engine_error_is_not_counted_as_a_cancel(tiny_model: Path) -> N
     assert worker.counters.finished == {"error": 1}
 
 
+# ------------------------------------------------------------------------------ refusals
+
+
+async def test_a_value_vllms_sampling_params_refuse_is_the_clients_error(tiny_model: Path) -> None:
+    worker = Worker(tiny_model, FakeAsyncLLM([step([5], finish_reason="length")]))
+    with pytest.raises(InvalidRequestError) as info:
+        await worker.run(make_request(sampling=SamplingOptions(top_p=0.0)))
+    # vLLM's own words, without the "(parameter=top_p, value=0.0)" its str() appends.
+    assert str(info.value) == "top_p must be in (0, 1], got 0.0."
+    assert worker.llm.params == []  # never reached the engine
+    assert worker.counters.finished == {"rejected": 1}
+    assert worker.counters.in_flight == 0
+
+
+async def test_a_request_the_engine_refuses_is_the_clients_error(tiny_model: Path) -> None:
+    llm = FakeAsyncLLM([])
+    llm.failure = VLLMValidationError(
+        "Requested sample logprobs of 30, which is greater than max allowed: 20\nat line 2",
+        parameter="logprobs",
+        value=30,
+    )
+    worker = Worker(tiny_model, llm)
+    with pytest.raises(InvalidRequestError) as info:
+        await worker.run(make_request())
+    assert str(info.value) == (
+        "Requested sample logprobs of 30, which is greater than max allowed: 20"
+    )
+    assert worker.counters.finished == {"rejected": 1}
+    assert worker.counters.in_flight == 0
+
+
+async def test_a_full_engine_queue_refuses_the_request_as_overloaded(tiny_model: Path) -> None:
+    llm = FakeAsyncLLM([])
+    llm.failure = QueueOverflowError()
+    worker = Worker(tiny_model, llm)
+    with pytest.raises(WorkerOverloadedError, match="busy"):
+        await worker.run(make_request())
+    assert worker.counters.finished == {"rejected": 1}
+    assert worker.counters.in_flight == 0
+
+
 # ----------------------------------------------------------------------- KV transfer entry
 
 
@@ -426,8 +471,8 @@ def far_future(janitor: KvTransferJanitor) -> float:
 
 async def test_decode_deletes_the_prompts_entry_once_consumed(tiny_model: Path) -> None:
     storage = tiny_model.parent / "kv"
+    janitor = KvTransferJanitor(storage, BLOCK_SIZE)  # creates (owns) the directory
     entry = kv_entry(storage)
-    janitor = KvTransferJanitor(storage, BLOCK_SIZE)
     llm = FakeAsyncLLM([step([5]), step([6], finish_reason="length")])
     worker = Worker(tiny_model, llm, WorkerType.DECODE, kv_connector=CONNECTOR, kv_janitor=janitor)
 
@@ -443,8 +488,8 @@ async def test_decode_deletes_the_prompts_entry_once_consumed(tiny_model: Path) 
 
 async def test_an_entry_shared_by_two_requests_outlives_the_first(tiny_model: Path) -> None:
     storage = tiny_model.parent / "kv"
+    janitor = KvTransferJanitor(storage, BLOCK_SIZE)  # creates (owns) the directory
     entry = kv_entry(storage)
-    janitor = KvTransferJanitor(storage, BLOCK_SIZE)
     script = [step([5]), step([6], finish_reason="length")]
     first = Worker(tiny_model, FakeAsyncLLM(script), WorkerType.DECODE, kv_janitor=janitor)
     second = Worker(tiny_model, FakeAsyncLLM(script), WorkerType.DECODE, kv_janitor=janitor)
@@ -460,8 +505,8 @@ async def test_an_entry_shared_by_two_requests_outlives_the_first(tiny_model: Pa
 
 async def test_a_prefill_worker_leaves_the_entry_for_the_decode_worker(tiny_model: Path) -> None:
     storage = tiny_model.parent / "kv"
+    janitor = KvTransferJanitor(storage, BLOCK_SIZE)  # creates (owns) the directory
     entry = kv_entry(storage)
-    janitor = KvTransferJanitor(storage, BLOCK_SIZE)
     llm = FakeAsyncLLM([step([42], finish_reason="length")])
     worker = Worker(tiny_model, llm, WorkerType.PREFILL, kv_connector=CONNECTOR, kv_janitor=janitor)
     await worker.run(make_request())

@@ -3,17 +3,24 @@
 One router serves one worker endpoint of one model; the factory builds it when the
 endpoint's first worker appears, from that worker's card (the KV router needs the model's
 block size) and the endpoint's runtime client (the KV router follows its ready set).
+
+Busy thresholds (`--busy-kv-usage`, `--busy-waiting-requests`) need the workers' load
+reports, which only the KV router follows: in other modes they are ignored, with a warning.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Awaitable, Callable
 
+from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.nats_feed import create_kv_router
 from dynamo.llm.protocols import ModelCard
 from dynamo.llm.router import RandomRouter, RoundRobinRouter, Router
 from dynamo.runtime import Client, DistributedRuntime
+
+log = logging.getLogger(__name__)
 
 
 class RouterMode(str, enum.Enum):
@@ -32,11 +39,14 @@ def make_router_factory(
     *,
     kv_overlap_score_weight: float = 1.0,
     router_temperature: float = 0.0,
+    busy: BusyThresholds | None = None,
 ) -> RouterFactory:
     """The factory for `--router-mode`. The KV router is fed by the workers' KV-event
     stream and load reports over `runtime`; there is deliberately no fallback without
     events: a "kv" router that cannot see caches would route by load alone while
-    claiming to chase cache hits."""
+    claiming to chase cache hits. `busy`: when a worker is skipped as busy (kv mode)."""
+    if busy is not None and busy.enabled and mode is not RouterMode.KV:
+        log.warning("busy thresholds need --router-mode kv (worker load reports); ignored")
 
     async def round_robin(card: ModelCard, client: Client) -> Router:
         return RoundRobinRouter()
@@ -51,6 +61,7 @@ def make_router_factory(
             client,
             overlap_score_weight=kv_overlap_score_weight,
             temperature=router_temperature,
+            busy=busy,
         )
 
     factories: dict[RouterMode, RouterFactory] = {

@@ -21,12 +21,13 @@ from dynamo.mocker.acceptance import AcceptanceModel
 from dynamo.mocker.config import MockEngineConfig
 from dynamo.mocker.engine import EngineCounters, MockEngine
 from dynamo.mocker.kv_cache import KvBlockPool
-from dynamo.mocker.request import RequestRejected
+from dynamo.mocker.request import InvalidRequest, RequestRejected
 from dynamo.mocker.timing import TimingModel
 
 __all__ = [
     "AcceptanceModel",
     "EngineCounters",
+    "InvalidRequest",
     "KvBlockPool",
     "MockEngine",
     "MockEngineConfig",

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynamo.llm.worker import DEFAULT_DRAIN_TIMEOUT_S
+from dynamo.llm.worker import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MIGRATION_LIMIT
+from dynamo.llm.worker.inflight import MAX_INFLIGHT_HELP, max_inflight_or_env
 from dynamo.mocker.acceptance import AcceptanceModel
 from dynamo.mocker.config import MockEngineConfig
 from dynamo.mocker.model_info import ModelInfo
@@ -21,10 +22,17 @@ from dynamo.mocker.timing import TimingModel
 from dynamo.runtime.cli import (
     ConfigError,
     non_negative_float,
+    non_negative_int,
     port,
     positive_float,
     positive_int,
 )
+from dynamo.runtime.nats_options import (
+    NatsConnectOptions,
+    add_nats_arguments,
+    nats_options_from_args,
+)
+from dynamo.runtime.nats_server import nats_url_from_env
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_SPECULATIVE_METHOD = "mocker"
@@ -40,10 +48,13 @@ class WorkerSettings:
     endpoint: str = "generate"
     served_model_name: str | None = None  # None: derived from the model
     nats_server: str | None = None  # None: $NATS_SERVER or nats://127.0.0.1:4222
+    nats_options: NatsConnectOptions | None = None  # None: the NATS_* variables
     lease_ttl: float | None = None  # None: $DYN_LEASE_TTL or the runtime default
     speculative_method: str = DEFAULT_SPECULATIVE_METHOD
     publish_kv_events: bool = True
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
+    migration_limit: int = DEFAULT_MIGRATION_LIMIT
+    max_inflight_requests: int | None = None  # None: 4 x max_num_seqs; 0: no bound
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,7 @@ class EngineFlags:
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    max_logprobs: int = 20
     num_speculative_tokens: int = 0
     acceptance_rates: tuple[float, ...] = (0.7,)
     acceptance_distribution: tuple[float, ...] | None = None
@@ -78,6 +90,7 @@ class EngineFlags:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len or model.max_position_embeddings or 8192,
                 enable_prefix_caching=self.enable_prefix_caching,
+                max_logprobs=self.max_logprobs,
                 num_speculative_tokens=k,
                 acceptance=acceptance,
                 timing=self.timing,
@@ -154,9 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--endpoint", default="generate", help="Endpoint serving generation.")
     where.add_argument(
         "--nats-server",
-        default=os.environ.get("NATS_SERVER"),
-        help="NATS URL (default: $NATS_SERVER, else nats://127.0.0.1:4222).",
+        default=None,  # read from the environment later: --help must not show credentials
+        help="NATS URL (default: $NATS_SERVER, else nats://127.0.0.1:4222); logs show it redacted.",
     )
+    add_nats_arguments(parser.add_argument_group("NATS authentication and TLS"))
     where.add_argument(
         "--lease-ttl",
         type=positive_float,
@@ -184,6 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Publish KV-cache events (stored / removed / cleared) for the KV router.",
     )
     where.add_argument(
+        "--max-inflight-requests",
+        type=non_negative_int,
+        default=None,
+        help=MAX_INFLIGHT_HELP,
+    )
+    where.add_argument(
         "--system-port",
         type=port,
         default=None,
@@ -194,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=non_negative_float,
         default=DEFAULT_DRAIN_TIMEOUT_S,
         help="On SIGTERM, seconds to let requests in flight finish before cancelling them.",
+    )
+    where.add_argument(
+        "--migration-limit",
+        type=non_negative_int,
+        default=DEFAULT_MIGRATION_LIMIT,
+        help="Advertised on the model card, as by a vLLM worker: how often a frontend may "
+        "move a request to another worker when this one dies mid-stream (the prompt plus "
+        "the tokens generated so far are resent); 0 fails the request instead.",
     )
     where.add_argument(
         "--log-level",
@@ -230,6 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="Reuse cached prompt blocks across requests (off: no hits and no KV events).",
+    )
+    cache.add_argument(
+        "--max-logprobs",
+        type=non_negative_int,
+        default=20,
+        help="Most log probabilities a request may ask for per token, as vLLM's flag: a "
+        "request asking for more is refused as the client's error (HTTP 400).",
     )
 
     timing = parser.add_argument_group(
@@ -331,6 +366,7 @@ def parse_args(argv: Sequence[str] | None = None) -> MockerArgs:
         max_num_batched_tokens=ns.max_num_batched_tokens,
         max_model_len=ns.max_model_len,
         enable_prefix_caching=ns.enable_prefix_caching,
+        max_logprobs=ns.max_logprobs,
         num_speculative_tokens=ns.num_speculative_tokens,
         acceptance_rates=ns.acceptance_rate,
         acceptance_distribution=ns.acceptance_distribution,
@@ -344,10 +380,13 @@ def parse_args(argv: Sequence[str] | None = None) -> MockerArgs:
         endpoint=ns.endpoint,
         served_model_name=ns.served_model_name,
         nats_server=ns.nats_server,
+        nats_options=nats_options_from_args(ns, url=ns.nats_server or nats_url_from_env()),
         lease_ttl=ns.lease_ttl,
         speculative_method=ns.speculative_method,
         publish_kv_events=ns.kv_events,
         drain_timeout=ns.drain_timeout,
+        migration_limit=ns.migration_limit,
+        max_inflight_requests=max_inflight_or_env(ns.max_inflight_requests),
     )
     return MockerArgs(
         model=ns.model,

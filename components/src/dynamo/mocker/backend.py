@@ -21,7 +21,8 @@ from dynamo.mocker.args import WorkerSettings
 from dynamo.mocker.config import MockEngineConfig
 from dynamo.mocker.engine import MockEngine
 from dynamo.mocker.kv_events import KvEventForwarder
-from dynamo.runtime import Context
+from dynamo.mocker.request import InvalidRequest
+from dynamo.runtime import Context, InvalidRequestError
 
 
 class MockerBackend:
@@ -59,13 +60,16 @@ class MockerBackend:
     ) -> AsyncIterator[LLMEngineOutput]:
         """The engine's outputs as they come. When the client goes away the runtime
         closes this generator; closing the engine stream aborts the request, which frees
-        its KV blocks at once."""
+        its KV blocks at once. Parameters the engine refuses end the request as the
+        client's error (`InvalidRequestError`: HTTP 400 at the frontend), as on vLLM."""
         outputs = self.engine.generate(request, context.id or request.request_id)
         try:
             async for output in outputs:
                 yield output
                 if context.is_stopped():
                     return
+        except InvalidRequest as exc:
+            raise InvalidRequestError(str(exc)) from None
         finally:
             await outputs.aclose()
 
@@ -104,9 +108,12 @@ def mocker_worker(
         endpoint=settings.endpoint,
         worker_type=WorkerType.AGGREGATED,
         nats_server=settings.nats_server,
+        nats_options=settings.nats_options,
         lease_ttl=settings.lease_ttl,
         drain_timeout_s=settings.drain_timeout,
+        migration_limit=settings.migration_limit,
         publish_kv_events=settings.publish_kv_events,
+        max_inflight_requests=settings.max_inflight_requests,
     )
     backend = MockerBackend(engine_config, speculative_method=settings.speculative_method)
     return ServedWorker(backend, registration, name=name)

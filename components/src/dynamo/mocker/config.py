@@ -23,6 +23,8 @@ class MockEngineConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
+    # Most log probabilities per token a request may ask for (vLLM's --max-logprobs).
+    max_logprobs: int = 20
     num_speculative_tokens: int = 0
     # None: 0.7 per position (a typical Eagle-style draft) for the configured K.
     acceptance: AcceptanceModel | None = None

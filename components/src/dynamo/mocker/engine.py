@@ -152,12 +152,11 @@ class MockEngine:
     ) -> AsyncIterator[LLMEngineOutput]:
         """Stream one request's outputs: one per step it took part in producing tokens,
         the last with `finish_reason`, usage and speculative statistics. Closing the
-        stream early aborts the request and frees its blocks at once."""
-        try:
-            state = self._submit(request, request_id or request.request_id)
-        except RequestRejected as exc:
-            yield LLMEngineOutput(finish_reason=FinishReason.ERROR, error=str(exc))
-            return
+        stream early aborts the request and frees its blocks at once.
+
+        A request the engine cannot take raises `RequestRejected` before any output, as
+        vLLM raises (`InvalidRequest` when its parameters are at fault)."""
+        state = self._submit(request, request_id or request.request_id)
         try:
             while True:
                 output = await state.outputs.get()

@@ -3,7 +3,8 @@
 Everything here concerns a single request and no shared state, so the engine module is
 left with scheduling and block accounting. `admit_request` validates a
 `PreprocessedRequest` the way vLLM does before it reaches the scheduler (prompt within the
-context, token ids in the vocabulary, max_tokens >= 1) and fixes the request's limits;
+context, token ids in the vocabulary, max_tokens >= 1, top_p in (0, 1], no more logprobs
+than `max_logprobs`) and fixes the request's limits;
 `MockRequest.sample` applies them token by token exactly as vLLM's stop checker does
 (EOS and stop tokens only once min_tokens are out, the stopping token kept in the output,
 max_tokens last).
@@ -32,6 +33,11 @@ from dynamo.mocker.tokens import TokenSampler, request_seed
 
 class RequestRejected(ValueError):
     """The request cannot be served at all (bad prompt, duplicate id, dead engine)."""
+
+
+class InvalidRequest(RequestRejected):
+    """The request's own parameters are refused (vLLM raises `VLLMValidationError`): the
+    client's error, which a worker reports as such (HTTP 400 at the frontend)."""
 
 
 class Phase(enum.Enum):
@@ -164,23 +170,38 @@ class MockRequest:
         ]
 
 
+def _check_sampling(request: PreprocessedRequest, config: MockEngineConfig) -> None:
+    """The sampling checks of vLLM that a frontend cannot make for every worker (its
+    `--max-logprobs`) or does not make (top_p of 0), in vLLM's words."""
+    top_p = request.sampling_options.top_p
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}.")
+    logprobs = request.output_options.logprobs
+    if logprobs is not None and logprobs > config.max_logprobs:
+        raise InvalidRequest(
+            f"Requested sample logprobs of {logprobs}, which is greater than max allowed: "
+            f"{config.max_logprobs}"
+        )
+
+
 def admit_request(
     request: PreprocessedRequest, request_id: str, config: MockEngineConfig
 ) -> MockRequest:
     """Validate a request and fix its limits; raises RequestRejected."""
     prompt = list(request.token_ids)
     if not prompt:
-        raise RequestRejected("the prompt is empty")
+        raise InvalidRequest("the prompt is empty")
     if len(prompt) >= config.max_model_len:
-        raise RequestRejected(
+        raise InvalidRequest(
             f"the prompt has {len(prompt)} tokens; the context length is {config.max_model_len}"
         )
     bad = next((t for t in prompt if not 0 <= t < config.vocab_size), None)
     if bad is not None:
-        raise RequestRejected(f"token id {bad} is out of vocabulary (size {config.vocab_size})")
+        raise InvalidRequest(f"token id {bad} is out of vocabulary (size {config.vocab_size})")
     stop = request.stop_conditions
     if stop.max_tokens is not None and stop.max_tokens < 1:
-        raise RequestRejected(f"max_tokens must be at least 1, got {stop.max_tokens}")
+        raise InvalidRequest(f"max_tokens must be at least 1, got {stop.max_tokens}")
+    _check_sampling(request, config)
     room = config.max_model_len - len(prompt)
     max_tokens = room if stop.max_tokens is None else min(stop.max_tokens, room)
     eos = () if stop.ignore_eos else (request.eos_token_ids or config.eos_token_ids)

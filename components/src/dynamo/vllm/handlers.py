@@ -3,6 +3,12 @@ generator served by the runtime, and the request counters it keeps.
 
 Cancellation: when the client goes away the runtime closes the handler's generator and
 sets `ctx.is_stopped()`; both paths abort the request in vLLM so its KV blocks are freed.
+
+Refusals: vLLM says which failures are the request's fault (`VLLMClientError`, e.g. a
+`top_p` of 0 or more logprobs than `--max-logprobs`) and which mean "not now" (its queue
+bounds, `QueueOverflowError` / `MaxQueuedTokensError`). The handler turns them into the
+runtime's typed refusals, so the client gets HTTP 400 with vLLM's one-line reason, or the
+frontend tries another worker, instead of a 500 carrying vLLM's internals.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError, VLLMClientError
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from dynamo.llm.protocols import (
@@ -20,12 +27,17 @@ from dynamo.llm.protocols import (
     PreprocessedRequest,
     WorkerType,
 )
-from dynamo.runtime import Context
+from dynamo.runtime import Context, InvalidRequestError, WorkerOverloadedError
 from dynamo.vllm.conversion import OutputTracker, to_prompt, to_sampling_params
 from dynamo.vllm.engine import VllmEngine
 from dynamo.vllm.kv_transfer import KvTransferJanitor
 
 log = logging.getLogger(__name__)
+
+REJECTED = "rejected"
+"""Finish reason counted for requests refused before running (bad parameters, full queue)."""
+MAX_REASON_CHARS = 500
+"""A refusal's reason reaches the HTTP client: one line, bounded."""
 
 
 class RequestCounters:
@@ -83,13 +95,17 @@ class GenerateHandler:
         facts = self.engine.facts
         assert facts is not None, "handler served before the engine started"
         prefill = self.worker_type is WorkerType.PREFILL
-        params = to_sampling_params(
-            request,
-            model_defaults=facts.sampling_defaults,
-            max_model_len=facts.max_model_len,
-            force_max_tokens=1 if prefill else None,
-            kv_transfer_params=self._kv_transfer_params(request),
-        )
+        try:
+            params = to_sampling_params(
+                request,
+                model_defaults=facts.sampling_defaults,
+                max_model_len=facts.max_model_len,
+                force_max_tokens=1 if prefill else None,
+                kv_transfer_params=self._kv_transfer_params(request),
+            )
+        except VLLMClientError as exc:  # vLLM's SamplingParams refused a value
+            self.counters.finish(REJECTED)
+            raise InvalidRequestError(refusal_reason(exc)) from None
         request_id = ctx.id or request.request_id
         tracker = OutputTracker(len(request.token_ids))
         llm = self.engine.engine
@@ -131,9 +147,19 @@ class GenerateHandler:
             self.counters.finish(FinishReason.ERROR.value)
             self.on_engine_dead(exc)
             yield LLMEngineOutput(finish_reason=FinishReason.ERROR, error=f"engine dead: {exc}")
+        except VLLMClientError as exc:  # the request's fault: HTTP 400, not the engine's
+            finished = True
+            self.counters.finish(REJECTED)
+            await self._abort(request_id)
+            raise InvalidRequestError(refusal_reason(exc)) from None
+        except (QueueOverflowError, MaxQueuedTokensError) as exc:  # vLLM's queue is full
+            finished = True
+            self.counters.finish(REJECTED)
+            await self._abort(request_id)
+            raise WorkerOverloadedError(refusal_reason(exc)) from None
         except Exception:
-            # vLLM failed the request (e.g. refused its parameters): an error, not a
-            # cancel; the runtime reports it to the client as the handler's error.
+            # vLLM failed the request: an error, not a cancel; the runtime reports it to
+            # the client as the handler's error.
             finished = True
             self.counters.finish(FinishReason.ERROR.value)
             await self._abort(request_id)
@@ -161,3 +187,12 @@ class GenerateHandler:
             await asyncio.shield(self.engine.engine.abort(request_id))
         except Exception as exc:  # the engine may be gone during shutdown
             log.debug("abort of %s failed: %s", request_id, exc)
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """vLLM's reason for refusing a request, as the client should read it: the text it was
+    raised with (without the `(parameter=..., value=...)` repr `VLLMValidationError`
+    appends), its first line, bounded."""
+    text = str(exc.args[0]).strip() if exc.args else ""
+    line = text.splitlines()[0] if text else type(exc).__name__
+    return line if len(line) <= MAX_REASON_CHARS else line[: MAX_REASON_CHARS - 3] + "..."

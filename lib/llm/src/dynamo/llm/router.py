@@ -26,6 +26,13 @@ from dynamo.llm.protocols import LLMEngineOutput, ModelCard, PreprocessedRequest
 from dynamo.runtime.selection import RandomChoice, RoundRobin
 
 
+class AllWorkersBusyError(Exception):
+    """`select` refuses the request: every candidate is over its busy threshold (a router
+    with load knowledge and thresholds set, e.g. the KV router's `--busy-kv-usage`).
+    Nothing is booked; the frontend answers 503 with `Retry-After` instead of piling more
+    work onto saturated workers."""
+
+
 @runtime_checkable
 class Router(Protocol):
     """Chooses a worker instance per request and follows the request's lifetime."""
@@ -35,7 +42,8 @@ class Router(Protocol):
         """The instance (one of `instance_ids`, never empty) to send `request` to.
 
         May record the decision (in `request.routing`) and book its expected load until
-        `on_finished`.
+        `on_finished`. Raises `AllWorkersBusyError` (booking nothing) when it judges every
+        candidate too busy to take more work.
         """
 
     def on_first_output(self, request_id: str, output: LLMEngineOutput) -> None:

@@ -67,6 +67,14 @@ def non_negative_int(text: str) -> int:
     return _at_least(_integer(text), 0, text)
 
 
+def fraction(text: str) -> float:
+    """A number in (0, 1] (shares of a capacity, e.g. a KV-cache usage threshold)."""
+    value = _number(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def port(text: str) -> int:
     """A TCP port, 0 to 65535 (0: the system picks a free one)."""
     value = _integer(text)

@@ -1,11 +1,22 @@
-"""Typed errors the runtime raises on the client side.
+"""Typed errors of the runtime.
 
-Callers catch these instead of transport errors: a frontend maps `NoInstancesError` to 503,
-retries a request on another worker after `InstanceGoneError` when nothing was streamed
-yet, and reports `RemoteError.message` (the handler's own exception text).
+Client side: callers catch these instead of transport errors: a frontend maps
+`NoInstancesError` to 503, places a request on another worker after `InstanceGoneError`
+when nothing was streamed yet, or after `InstanceOverloadedError` (the worker refused it),
+and reports `RemoteError.message` (the handler's own exception text), as the client's
+error when its `kind` is `ErrorKind.INVALID_REQUEST`.
+
+Serving side: a handler raises a `RequestRefusedError` (`InvalidRequestError`,
+`WorkerOverloadedError`) to end a request with a typed error frame instead of an
+anonymous failure, so the caller can tell "your request is wrong" and "try elsewhere"
+from "the engine failed".
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
+
+from dynamo.runtime.wire import ErrorKind, error_kind
 
 
 class DynamoRuntimeError(Exception):
@@ -25,17 +36,75 @@ class InstanceGoneError(DynamoRuntimeError):
         super().__init__(f"instance {instance_id:016x} is gone" + (f": {detail}" if detail else ""))
 
 
+class InstanceOverloadedError(DynamoRuntimeError):
+    """The instance refused the request before running any of it: it already serves as
+    many requests as it accepts. Nothing happened there, so another instance may take it."""
+
+    def __init__(self, instance_id: int, detail: str = "") -> None:
+        self.instance_id = instance_id
+        super().__init__(
+            f"instance {instance_id:016x} is overloaded" + (f": {detail}" if detail else "")
+        )
+
+
 class RemoteError(DynamoRuntimeError):
-    """The remote handler raised; `message` is its text, `remote_type` its class name."""
+    """The remote handler raised; `message` is its text, `remote_type` its class name (or
+    the reserved name of its kind), `kind` what it means to the caller."""
 
     def __init__(self, message: str, remote_type: str = "Exception") -> None:
         self.message = message
         self.remote_type = remote_type
+        self.kind = error_kind(remote_type)
         super().__init__(f"{remote_type}: {message}")
 
 
+def error_from_frame(instance_id: int, error_type: str, message: str) -> DynamoRuntimeError:
+    """The error a client raises for an ERROR frame from `instance_id`: a worker that
+    shut down is gone, one that refused the request is overloaded, anything else is the
+    handler's error."""
+    kind = error_kind(error_type)
+    if kind is ErrorKind.SHUTDOWN:
+        return InstanceGoneError(instance_id, message)
+    if kind is ErrorKind.OVERLOADED:
+        return InstanceOverloadedError(instance_id, message)
+    return RemoteError(message, error_type)
+
+
+class RequestRefusedError(Exception):
+    """Raised by a handler to refuse a request with a typed error frame of `kind` (its
+    text is the frame's message: one clean line, it reaches the end client)."""
+
+    kind: ClassVar[ErrorKind]
+
+
+class InvalidRequestError(RequestRefusedError):
+    """The request is the caller's fault (parameters the engine refuses): clients receive
+    a `RemoteError` of kind `INVALID_REQUEST`, and the frontend answers HTTP 400."""
+
+    kind = ErrorKind.INVALID_REQUEST
+
+
+class WorkerOverloadedError(RequestRefusedError):
+    """The engine cannot take the request now (its queue is full). Raise it before
+    yielding anything: clients receive `InstanceOverloadedError` and place the request on
+    another instance. Raised after outputs were sent it is reported as an ordinary error,
+    since the caller could not resend the request without repeating them."""
+
+    kind = ErrorKind.OVERLOADED
+
+
 class StreamTimeoutError(DynamoRuntimeError, TimeoutError):
-    """No frame arrived within the caller's timeout."""
+    """No frame arrived within the caller's timeout (the first item's, or the one between
+    items): the instance still holds its lease but stopped answering this request."""
+
+    def __init__(self, message: str, instance_id: int | None = None) -> None:
+        self.instance_id = instance_id
+        super().__init__(message)
+
+
+class ClientClosedError(DynamoRuntimeError):
+    """The `Client` a stream was opened through was closed: it no longer watches the
+    instances, so it could not tell the stream that its instance went away."""
 
 
 class StreamProtocolError(DynamoRuntimeError):

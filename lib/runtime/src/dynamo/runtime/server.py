@@ -14,6 +14,19 @@ The outbox is bounded (`_HIGH_WATER_BYTES`): a handler that outruns the connecti
 Cancellation: a control message names the stream's reply subject; the request's
 `Context` turns stopped and the producer task is cancelled, which closes the handler's
 generator (its `finally` blocks run, e.g. to abort the request in the engine).
+
+Bounds and failures, so that no request is left running for a client that will never
+hear from it, and no burst can make a worker create tasks without limit:
+
+* `max_inflight`: an endpoint serving that many requests refuses the next one at once
+  with an `OVERLOADED` error frame (no task is created), which the caller takes as "send
+  it elsewhere";
+* a frame that cannot be published (larger than the server's max payload, the outbound
+  buffer full while NATS is unreachable, a closed connection) cancels the producer (the
+  engine aborts the request) and ends the stream with an error frame if one can still be
+  sent;
+* a handler raising a `RequestRefusedError` ends the stream with an error frame of that
+  kind (e.g. `INVALID_REQUEST`: the client's fault, HTTP 400 at the frontend).
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from dynamo.runtime import wire
+from dynamo.runtime.errors import RequestRefusedError
 from dynamo.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -37,6 +51,13 @@ log = logging.getLogger(__name__)
 Handler = Callable[[Any, "Context"], AsyncIterator[Any]]
 
 _HIGH_WATER_BYTES = 256 * 1024
+
+PUBLISH_FLUSH_TIMEOUT_S = 2.0
+"""How long a publish may wait for nats-py to flush a full outbound buffer (the runtime
+connects with it as nats-py's `flush_timeout`). Without it, a publish that forced a flush
+just as the connection dropped waits until NATS is back, holding its request (and the
+engine's work on it) however long the outage lasts; with it the publish returns, and the
+next one fails with `OutboundBufferLimitError`, which cancels the request."""
 
 
 class Context:
@@ -154,7 +175,12 @@ class EndpointServer:
         handler: Handler,
         request_type: Any = None,
         registry: InflightRegistry | None = None,
+        *,
+        max_inflight: int | None = None,
     ) -> None:
+        """`max_inflight`: the most requests served at once (None or 0: no bound)."""
+        if max_inflight is not None and max_inflight < 0:
+            raise ValueError(f"max_inflight must be >= 0, got {max_inflight}")
         self._nc = nc
         self.subject = subject
         self.instance_id = instance_id
@@ -163,11 +189,18 @@ class EndpointServer:
         self._sub: Subscription | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._registry = registry if registry is not None else InflightRegistry()
+        self.max_inflight = max_inflight or None
         self.requests_served = 0
+        self.requests_refused = 0  # refused because `max_inflight` were in flight
+        self._refusing = False  # refused one since the last time there was room
 
     @property
     def in_flight(self) -> int:
         return len(self._tasks)
+
+    def is_full(self) -> bool:
+        """True while `max_inflight` requests are in flight (new ones are refused)."""
+        return self.max_inflight is not None and len(self._tasks) >= self.max_inflight
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(self.subject, cb=self._on_request)
@@ -194,57 +227,102 @@ class EndpointServer:
         if not msg.reply:
             log.warning("request on %s without a reply subject dropped", self.subject)
             return
+        if self.is_full():
+            await self._refuse(msg.reply)
+            return
         task = asyncio.create_task(self._serve(msg.reply, msg.data))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if self._refusing and not self.is_full():
+            self._refusing = False
+            log.info(
+                "%s: below %d requests in flight, accepting again", self.subject, self.max_inflight
+            )
+
+    async def _refuse(self, reply: str) -> None:
+        """Answer at once, without a task: the caller places the request elsewhere."""
+        self.requests_refused += 1
+        if not self._refusing:  # once per episode, not once per request
+            self._refusing = True
+            log.warning(
+                "%s: %d requests in flight, its bound; refusing new ones",
+                self.subject,
+                self.max_inflight,
+            )
+        message = f"the worker is serving its limit of {self.max_inflight} requests"
+        await self._send_quietly(
+            reply, wire.encode_kind_error(0, wire.ErrorKind.OVERLOADED, message)
+        )
+
+    async def _send_quietly(self, reply: str, frame: bytes) -> bool:
+        """Publish a last frame when possible; False (logged at debug) when not."""
+        try:
+            await self._nc.publish(reply, frame)
+        except Exception as exc:
+            log.debug("frame to %s not sent: %s", reply, _describe(exc))
+            return False
+        return True
 
     async def _serve(self, reply: str, data: bytes) -> None:
         self.requests_served += 1
-        seq = 0
         try:
             request_id, raw = wire.decode_request(data)
             request = self._decoder.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            await self._nc.publish(
-                reply, wire.encode_error(seq, "BadRequest", f"undecodable request: {exc}")
+            await self._send_quietly(
+                reply, wire.encode_error(0, "BadRequest", f"undecodable request: {exc}")
             )
             return
         inflight = InflightRequest(Context(request_id, self.instance_id))
         self._registry.add(reply, inflight)
         outbox = _Outbox()
         inflight.producer = asyncio.create_task(self._produce(request, inflight.context, outbox))
+        sender = _FrameSender(self._nc, reply)
         try:
-            while True:
-                await outbox.ready.wait()
-                items = outbox.take()
-                for frame in wire.pack_frames(seq, items):
-                    await self._nc.publish(reply, frame)
-                    seq += 1
-                if outbox.finished and not outbox.items:
-                    break
+            await _forward(outbox, sender)
             if inflight.context.is_stopped():
                 return  # the client is gone; nobody reads a terminal frame
-            if outbox.error is None:
-                await self._nc.publish(reply, wire.encode_end(seq))
-            else:
-                error = outbox.error
-                await self._nc.publish(
-                    reply, wire.encode_error(seq, type(error).__name__, str(error))
-                )
+            error = outbox.error
+            await sender.send(
+                wire.encode_end(sender.seq) if error is None else _error_frame(sender.seq, error)
+            )
         except asyncio.CancelledError:
             inflight.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await inflight.producer
-            with contextlib.suppress(Exception):
-                await self._nc.publish(
-                    reply,
-                    wire.encode_error(
-                        seq, wire.SHUTDOWN_ERROR_TYPE, "it shut down before the request finished"
-                    ),
-                )
+            message = "it shut down before the request finished"
+            await self._send_quietly(
+                reply, wire.encode_kind_error(sender.seq, wire.ErrorKind.SHUTDOWN, message)
+            )
             raise
+        except Exception as exc:  # a frame could not be published
+            await self._abandon(inflight, sender, exc)
         finally:
             self._registry.remove(reply)
+
+    async def _abandon(
+        self, inflight: InflightRequest, sender: _FrameSender, exc: Exception
+    ) -> None:
+        """A frame could not be sent: stop the producer (its handler's `finally` aborts
+        the request in the engine) and tell the client, if a small frame still gets out
+        (during an outage it does not: the client's own deadline ends its wait)."""
+        what = f"{sender.last_size} bytes: {_describe(exc)}"
+        log.warning(
+            "request %s on %s: response frame %d not sent (%s); cancelling the request",
+            inflight.context.id,
+            self.subject,
+            sender.seq,
+            what,
+        )
+        inflight.cancel()
+        await cancel_and_wait(inflight.producer)
+        message = f"the worker could not send its response ({what})"
+        await self._send_quietly(
+            sender.reply, wire.encode_error(sender.seq, type(exc).__name__, message)
+        )
 
     async def _produce(self, request: Any, context: Context, outbox: _Outbox) -> None:
         agen = self._handler(request, context)
@@ -264,3 +342,49 @@ class EndpointServer:
             outbox.close(exc)
             return
         outbox.close()
+
+
+class _FrameSender:
+    """Publishes one request's frames in order and remembers how far it got (the number
+    of the next frame, the size of the last one tried)."""
+
+    __slots__ = ("_nc", "last_size", "reply", "seq")
+
+    def __init__(self, nc: NatsClient, reply: str) -> None:
+        self._nc = nc
+        self.reply = reply
+        self.seq = 0
+        self.last_size = 0
+
+    async def send(self, frame: bytes) -> None:
+        self.last_size = len(frame)
+        await self._nc.publish(self.reply, frame)
+        self.seq += 1
+
+
+async def _forward(outbox: _Outbox, sender: _FrameSender) -> None:
+    """Send what the producer queues, one frame per wake-up (BATCH for several items),
+    until it finished and everything is out."""
+    while True:
+        await outbox.ready.wait()
+        for frame in wire.pack_frames(sender.seq, outbox.take()):
+            await sender.send(frame)
+        if outbox.finished and not outbox.items:
+            return
+
+
+def _error_frame(seq: int, error: BaseException) -> bytes:
+    """The terminal frame of a handler that raised: a refusal keeps its kind, except an
+    `OVERLOADED` one after outputs were sent (the caller must not send it elsewhere and
+    repeat them); anything else is reported under its class name."""
+    if isinstance(error, RequestRefusedError) and (
+        seq == 0 or error.kind is not wire.ErrorKind.OVERLOADED
+    ):
+        return wire.encode_kind_error(seq, error.kind, str(error))
+    return wire.encode_error(seq, type(error).__name__, str(error))
+
+
+def _describe(exc: BaseException) -> str:
+    """`Type: text` of an exception, or just its type when it has no text."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

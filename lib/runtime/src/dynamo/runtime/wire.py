@@ -8,9 +8,11 @@ Response stream, one NATS message per frame, published to the request's reply in
     [seq, DATA,  payload]          one response item
     [seq, BATCH, [payload, ...]]   several items that were ready at once
     [seq, END,   nil]              the handler finished
-    [seq, ERROR, [type, message]]  the handler raised (terminal)
+    [seq, ERROR, [type, message]]  the request failed (terminal)
 
-`seq` counts frames from 0 so a receiver detects a lost frame.
+`seq` counts frames from 0 so a receiver detects a lost frame. An ERROR frame's `type` is
+the handler's exception class name, or one of the reserved names of `ErrorKind` that tell
+the caller what it may do next (send the request elsewhere, or report the client's error).
 """
 
 from __future__ import annotations
@@ -115,15 +117,45 @@ def encode_end(seq: int) -> bytes:
     return _encoder.encode((seq, FrameKind.END, None))
 
 
-# Error type of the terminal frame a server sends for a request it had to abandon because
-# it is shutting down (its drain time ran out). Clients raise `InstanceGoneError` for it,
-# not `RemoteError`: the request did not fail, its worker went away, so a caller may
-# place or migrate it elsewhere exactly as when a worker dies.
-SHUTDOWN_ERROR_TYPE = "WorkerShutdown"
+class ErrorKind(str, enum.Enum):
+    """What a failed request means to its caller.
+
+    The kind travels as the `type` of the ERROR frame (the reserved names below, which no
+    exception class name collides with in practice), so the frame's shape is the same for
+    every error and a client that predates a kind still sees an ordinary remote error.
+    """
+
+    INTERNAL = "internal"
+    """The handler failed (any other `type`: the exception's class name)."""
+    SHUTDOWN = "WorkerShutdown"
+    """The worker abandoned the request because it is shutting down (its drain time ran
+    out): it did not fail, its worker went away, so it may be placed or migrated
+    elsewhere exactly as when a worker dies."""
+    OVERLOADED = "WorkerOverloaded"
+    """The worker refused the request before running any of it (it serves its bound of
+    requests already): sending it to another instance is safe."""
+    INVALID_REQUEST = "InvalidRequest"
+    """The request itself is at fault (parameters the engine refuses): the client's
+    error, which no other instance would accept either."""
+
+
+_KINDS_BY_TYPE = {kind.value: kind for kind in ErrorKind if kind is not ErrorKind.INTERNAL}
+
+
+def error_kind(error_type: str) -> ErrorKind:
+    """The kind an ERROR frame's `type` stands for (`INTERNAL` for a class name)."""
+    return _KINDS_BY_TYPE.get(error_type, ErrorKind.INTERNAL)
 
 
 def encode_error(seq: int, error_type: str, message: str) -> bytes:
     return _encoder.encode((seq, FrameKind.ERROR, (error_type, message)))
+
+
+def encode_kind_error(seq: int, kind: ErrorKind, message: str) -> bytes:
+    """An ERROR frame of a reserved kind (not `INTERNAL`, which has no reserved name)."""
+    if kind is ErrorKind.INTERNAL:
+        raise ValueError("an internal error is sent with its exception's class name")
+    return encode_error(seq, kind.value, message)
 
 
 def decode_frame(data: bytes) -> tuple[int, FrameKind, msgspec.Raw]:

@@ -15,6 +15,9 @@ router's cost"):
   flight on w are not counted twice. When the worker's own `LoadMetrics` are recent and
   report more blocks than the books (other frontends route to it too), they win.
 
+Busy workers (`busy.BusyThresholds`, off by default) are left out before scoring; when
+every candidate is busy `schedule` raises `AllWorkersBusyError` and books nothing.
+
 ``overlap_score_weight`` trades time-to-first-token (high: chase cache hits) against
 load balance (low: spread decode load). ``router_temperature`` 0 picks the lowest cost
 (ties broken at random, so equal workers share load); above 0 the choice is sampled from
@@ -37,6 +40,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from dynamo.llm.kv_router.active_sequences import MultiWorkerSequences, speculative_depth
+from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.hashing import compute_block_hashes, num_blocks_spanned
 from dynamo.llm.kv_router.indexer import KvIndexer
 from dynamo.llm.protocols import (
@@ -48,7 +52,7 @@ from dynamo.llm.protocols import (
     RoutingHints,
     SpeculativeInfo,
 )
-from dynamo.llm.router import Router
+from dynamo.llm.router import AllWorkersBusyError, Router
 from dynamo.runtime.selection import RoundRobin
 
 log = logging.getLogger(__name__)
@@ -175,6 +179,7 @@ class KvScheduler:
         load_metrics_ttl_s: float = DEFAULT_LOAD_METRICS_TTL_S,
         load_report_hold_off_s: float = DEFAULT_LOAD_REPORT_HOLD_OFF_S,
         clock: Callable[[], float] = time.monotonic,
+        busy: BusyThresholds | None = None,
     ) -> None:
         if overlap_score_weight < 0:
             raise ValueError("overlap_score_weight must be >= 0")
@@ -195,6 +200,8 @@ class KvScheduler:
         self._released_at: dict[int, float] = {}  # worker id -> last time a request ended
         self._clock = clock
         self.routed: dict[int, RoutingTally] = {}
+        self.busy = busy if busy is not None else BusyThresholds()
+        self.busy_refusals = 0  # requests refused because every candidate was busy
 
     # ------------------------------------------------------------------ inputs
 
@@ -244,6 +251,7 @@ class KvScheduler:
         if not token_ids:
             raise ValueError("a request needs at least one token")
         self.sequences.free(request_id)  # a retried request is re-booked, not counted twice
+        worker_ids = self.not_busy(worker_ids)
         hashes = compute_block_hashes(token_ids, self.block_size)
         scores = self._score_all(token_ids, hashes, worker_ids)
         best = choose(scores, self.temperature, self._rng)
@@ -256,6 +264,26 @@ class KvScheduler:
         )
         self.routed.setdefault(best.worker_id, RoutingTally()).add(decision)
         return decision
+
+    def not_busy(self, worker_ids: Sequence[int]) -> Sequence[int]:
+        """The candidates that are not busy; `AllWorkersBusyError` when none is."""
+        if not self.busy.enabled:
+            return worker_ids
+        reasons = {w: self.busy_reason(w) for w in worker_ids}
+        free = [w for w in worker_ids if reasons[w] is None]
+        if free:
+            return free
+        self.busy_refusals += 1
+        why = "; ".join(f"{w:016x}: {reason}" for w, reason in reasons.items())
+        raise AllWorkersBusyError(f"all {len(worker_ids)} workers are busy ({why})")
+
+    def busy_reason(self, worker_id: int) -> str | None:
+        """Why the worker counts as busy now (None: it does not, or its load is unknown)."""
+        load = self._recent_load(worker_id)
+        if load is None:
+            return None
+        seqs = self.sequences.get(worker_id)
+        return self.busy.busy_reason(load, seqs.active_blocks if seqs is not None else 0)
 
     def mark_prefill_completed(self, request_id: str, num_new_tokens: int = 0) -> None:
         """The request's first output arrived: its prefill is no longer pending, and the
@@ -290,6 +318,8 @@ class KvScheduler:
             "block_size": self.block_size,
             "overlap_score_weight": self.overlap_score_weight,
             "temperature": self.temperature,
+            "busy_thresholds": self.busy.as_dict(),
+            "busy_refusals": self.busy_refusals,
             "unique_blocks": self.indexer.num_unique_blocks(),
             "indexer": asdict(self.indexer.stats),
             "routing": total.as_dict(),
@@ -318,6 +348,7 @@ class KvScheduler:
             "num_speculative_tokens": speculative_depth(self.worker_spec(worker_id).speculative),
             "routed": tally.as_dict(),
             "load": self._load_view(worker_id),
+            "busy": self.busy_reason(worker_id) if self.busy.enabled else None,
         }
 
     def _load_view(self, worker_id: int) -> dict[str, Any] | None:
@@ -366,6 +397,14 @@ class KvScheduler:
         active += self._unbooked_load(worker_id, seqs.active_blocks)
         cost = self.overlap_score_weight * prefill_blocks + active
         return WorkerScore(worker_id, overlap, prefill_blocks, active, k, cost)
+
+    def _recent_load(self, worker_id: int) -> LoadMetrics | None:
+        """The worker's own last load report, unless it is older than the TTL."""
+        entry = self._metrics.get(worker_id)
+        if entry is None:
+            return None
+        received, metrics = entry
+        return metrics if self._clock() - received <= self._metrics_ttl else None
 
     def _unbooked_load(self, worker_id: int, booked_blocks: int) -> int:
         """Blocks the worker reports beyond what this router booked there (requests
@@ -433,7 +472,7 @@ class KvRouter(Router):
         """Score the candidates, book the request on the cheapest, and record the
         choice in `request.routing`."""
         if not request.token_ids:
-            return self._no_tokens.pick(instance_ids)
+            return self._no_tokens.pick(self.scheduler.not_busy(instance_ids))
         decision = self.scheduler.schedule(request.request_id, request.token_ids, instance_ids)
         routing = request.routing if request.routing is not None else RoutingHints()
         routing.backend_instance_id = decision.worker_id
@@ -534,6 +573,7 @@ def build_kv_router(
     temperature: float = 0.0,
     sources: Sequence[AsyncIterable[RouterInput]] = (),
     rng: random.Random | None = None,
+    busy: BusyThresholds | None = None,
 ) -> KvRouter:
     """A `KvRouter` for the model of `card` (its block size; the card's worker is known
     at once). Must run inside an event loop when `sources` are given."""
@@ -544,6 +584,7 @@ def build_kv_router(
         overlap_score_weight=overlap_score_weight,
         temperature=temperature,
         rng=rng,
+        busy=busy,
     )
     router = KvRouter(scheduler)
     router.update_card(card)

@@ -1,0 +1,257 @@
+"""Workers refusing requests, behind a real frontend over a real nats-server.
+
+Two mocker workers, each accepting one request at a time (`--max-inflight-requests 1`)
+and at most 2 log probabilities per token (`--max-logprobs 2`).
+
+Claims:
+* a request that reaches a worker already at its bound is refused there at once, without
+  running, and the frontend places it on the other worker: the client sees a normal
+  answer, and the full worker's engine never saw the request;
+* when every worker is at its bound the client gets 503 with `Retry-After` at once;
+* parameters a worker refuses (more logprobs than it allows) are the client's error:
+  HTTP 400 with the worker's one-line reason, streaming or not, on both OpenAI endpoints;
+* a second frontend over the same workers in kv mode with `--busy-kv-usage 0.1`: once
+  each worker holds a long prompt (over 10 % of its KV cache, as the router books it), the
+  router itself refuses the next request, 503 with `Retry-After`, without sending it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from dynamo.frontend.frontend import FrontendConfig
+from dynamo.frontend.routing import RouterMode
+from dynamo.llm.worker import ServedWorker
+from dynamo.mocker.args import WorkerSettings
+from dynamo.mocker.backend import MockerBackend, mocker_worker
+from dynamo.mocker.config import MockEngineConfig
+from dynamo.mocker.model_info import ModelInfo
+from dynamo.mocker.timing import TimingModel
+from dynamo.runtime.nats_server import free_port
+from dynamo.testing.frontends import InLoopFrontend
+from dynamo.testing.http import wait_for_instances_async
+from dynamo.testing.waiting import wait_until_async
+
+MODEL = "mock-refusals"
+MAX_LOGPROBS = 2
+TIMEOUT_S = 20.0
+
+
+@dataclass
+class Cluster:
+    base: str
+    workers: list[ServedWorker[MockerBackend]]
+    namespace: str
+    nats_url: str
+    tokenizer_cache: Path
+
+    def engine_requests(self) -> list[int]:
+        """Requests each worker's engine was handed (a refused one never is)."""
+        return [w.backend.engine.counters.requests for w in self.workers]
+
+    def running(self) -> list[int]:
+        return [w.backend.engine.num_running + w.backend.engine.num_waiting for w in self.workers]
+
+
+@pytest_asyncio.fixture(scope="module")
+async def cluster(
+    nats_url: str, embedded_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Cluster]:
+    namespace = "refuse" + uuid.uuid4().hex[:8]
+    info = ModelInfo.load(embedded_model)
+    engine_config = MockEngineConfig(
+        block_size=16,
+        num_gpu_blocks=1024,
+        max_model_len=4096,
+        max_logprobs=MAX_LOGPROBS,
+        # ~20 ms per token: a long request stays in flight while the test works.
+        timing=TimingModel(prefill_ms_per_token=0.001, decode_ms_per_step=20.0),
+        vocab_size=info.vocab_size,
+        eos_token_ids=info.eos_token_ids,
+        special_token_ids=info.special_token_ids,
+    )
+    settings = WorkerSettings(
+        namespace=namespace, nats_server=nats_url, lease_ttl=10.0, max_inflight_requests=1
+    )
+    workers = [
+        mocker_worker(
+            settings,
+            engine_config,
+            model_path=embedded_model,
+            served_model_name=MODEL,
+            name=f"m{i}",
+        )
+        for i in range(2)
+    ]
+    frontend = InLoopFrontend(
+        FrontendConfig(
+            http_host="127.0.0.1",
+            http_port=free_port(),
+            namespace=namespace,
+            nats_server=nats_url,
+            router_mode=RouterMode.ROUND_ROBIN,
+            tokenizer_cache=tmp_path_factory.mktemp("tok"),
+        )
+    )
+    try:
+        await asyncio.gather(*(w.start() for w in workers))
+        await wait_for_instances_async(frontend.base_url, MODEL, 2, timeout=60, interval=0.05)
+        yield Cluster(
+            frontend.base_url, workers, namespace, nats_url, tmp_path_factory.mktemp("tok-kv")
+        )
+    finally:
+        await frontend.stop()
+        await asyncio.gather(*(w.stop(drain_timeout=1.0) for w in workers))
+
+
+def chat(content: str, **fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **fields}
+
+
+@contextlib.asynccontextmanager
+async def long_stream(
+    session: aiohttp.ClientSession, base: str, prompt: str = "Count to a thousand."
+) -> AsyncIterator[None]:
+    """A streaming request that keeps one worker busy until the block ends (leaving it
+    closes the connection, which cancels the request on its worker)."""
+    body = chat(prompt, max_tokens=2000, stream=True)
+    async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        await resp.content.readline()  # the first event: it runs on a worker
+        yield
+
+
+async def settled(cluster: Cluster) -> None:
+    """Wait until no request runs on any worker (a previous test's streams ended)."""
+    await wait_until_async(
+        lambda: (
+            sum(cluster.running()) == 0
+            and all(w.backend.engine.sequences.active_requests == 0 for w in cluster.workers)
+        ),
+        timeout=TIMEOUT_S,
+        what="the workers to be idle",
+    )
+
+
+async def test_a_full_worker_refuses_and_the_request_runs_on_the_other(cluster: Cluster) -> None:
+    await settled(cluster)
+    async with aiohttp.ClientSession() as session, long_stream(session, cluster.base):
+        busy = [i for i, n in enumerate(cluster.running()) if n]
+        assert len(busy) == 1
+        full, free = busy[0], 1 - busy[0]
+        before = cluster.engine_requests()
+        # Round-robin offers the full worker every other placement: at least two of
+        # these four are refused there and placed again on the free one.
+        for i in range(4):
+            async with session.post(
+                f"{cluster.base}/v1/chat/completions", json=chat(f"Question {i}.", max_tokens=2)
+            ) as resp:
+                assert resp.status == 200, await resp.text()
+                body = await resp.json()
+                assert body["choices"][0]["finish_reason"] == "length"
+        after = cluster.engine_requests()
+        assert after[full] == before[full]  # refused without reaching its engine
+        assert after[free] - before[free] == 4
+
+
+async def test_when_every_worker_is_full_the_client_gets_503_with_retry_after(
+    cluster: Cluster,
+) -> None:
+    await settled(cluster)
+    async with (
+        aiohttp.ClientSession() as session,
+        long_stream(session, cluster.base),
+        long_stream(session, cluster.base),
+    ):
+        assert cluster.running() == [1, 1]
+        before = cluster.engine_requests()
+        async with session.post(
+            f"{cluster.base}/v1/chat/completions", json=chat("One more?", max_tokens=2)
+        ) as resp:
+            assert resp.status == 503, await resp.text()
+            assert int(resp.headers["Retry-After"]) >= 1
+            error = (await resp.json())["error"]
+        assert error["type"] == "service_unavailable"
+        assert cluster.engine_requests() == before
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+async def test_parameters_a_worker_refuses_are_a_400_with_its_reason(
+    cluster: Cluster, stream: bool, endpoint: str
+) -> None:
+    await settled(cluster)
+    if endpoint == "chat":
+        path = "/v1/chat/completions"
+        body = chat("Hi.", max_tokens=2, logprobs=True, top_logprobs=5, stream=stream)
+    else:
+        path = "/v1/completions"
+        body = {"model": MODEL, "prompt": "Hi.", "max_tokens": 2, "logprobs": 5, "stream": stream}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{cluster.base}{path}", json=body) as resp:
+            assert resp.status == 400, await resp.text()
+            error = (await resp.json())["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"] == (
+        f"Requested sample logprobs of 5, which is greater than max allowed: {MAX_LOGPROBS}"
+    )
+
+
+async def test_a_kv_router_refuses_when_every_worker_is_busy(cluster: Cluster) -> None:
+    await settled(cluster)
+    kv = InLoopFrontend(
+        FrontendConfig(
+            http_host="127.0.0.1",
+            http_port=free_port(),
+            namespace=cluster.namespace,
+            nats_server=cluster.nats_url,
+            router_mode=RouterMode.KV,
+            tokenizer_cache=cluster.tokenizer_cache,
+            busy_kv_usage=0.1,
+        )
+    )
+    endpoint = f"{cluster.namespace}/backend/generate"
+
+    async def router_view() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{kv.base_url}/debug/kv") as resp:
+                return (await resp.json())["models"][MODEL][endpoint]
+
+    async def loads_known() -> bool:  # the reports carry each worker's total blocks
+        try:
+            workers = (await router_view())["workers"]
+        except (KeyError, aiohttp.ClientError):
+            return False
+        return len(workers) == 2 and all(w["load"] for w in workers.values())
+
+    long_prompt = "word " * 1800  # ~113 of 1024 blocks: over 10 % once booked
+    try:
+        await wait_until_async(loads_known, timeout=60, what="the kv router to see both loads")
+        async with (
+            aiohttp.ClientSession() as session,
+            long_stream(session, kv.base_url, long_prompt),
+            long_stream(session, kv.base_url, long_prompt + "again"),
+        ):
+            assert cluster.running() == [1, 1]
+            before = cluster.engine_requests()
+            async with session.post(
+                f"{kv.base_url}/v1/chat/completions", json=chat("Short?", max_tokens=2)
+            ) as resp:
+                assert resp.status == 503, await resp.text()
+                assert int(resp.headers["Retry-After"]) >= 1
+            assert cluster.engine_requests() == before  # no worker was even asked
+            view = await router_view()
+            assert view["busy_refusals"] == 1
+            assert all(w["busy"] for w in view["workers"].values())
+    finally:
+        await kv.stop()
