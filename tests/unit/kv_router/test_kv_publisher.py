@@ -6,14 +6,17 @@ checks `start()` runs the background loop, and that one waits for the report its
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
-from dynamo.llm.kv_router.publisher import KvEventPublisher, LoadPublisher
+from dynamo.llm.kv_router.publisher import RESYNC_CHUNK_BLOCKS, KvEventPublisher, LoadPublisher
 from dynamo.llm.protocols import (
     KvAllCleared,
+    KvBlockRemoved,
     KvBlockStored,
+    KvEventData,
     LoadMetrics,
     RouterEvent,
     decode,
@@ -23,18 +26,24 @@ WORKER = 9
 
 
 class RecordingStream:
-    """Duck-types `EventStream`: records publishes and purges, can fail on demand."""
+    """Duck-types `EventStream`: records publishes and purges, can fail on demand, and
+    can play a stream the broker lost (`missing`: publishes fail until `ensure`)."""
 
     name = "test"
 
     def __init__(self) -> None:
         self.log: list[tuple[str, Any]] = []
         self.fail_next = 0
+        self.missing = False
 
-    async def ensure(self, runtime: Any) -> None:
+    async def ensure(self, runtime: Any) -> bool:
         self.log.append(("ensure", None))
+        created, self.missing = self.missing, False
+        return created
 
     async def publish(self, runtime: Any, subject: str, payload: bytes) -> int:
+        if self.missing:
+            raise ConnectionError("no stream")
         if self.fail_next:
             self.fail_next -= 1
             raise ConnectionError("broker away")
@@ -49,11 +58,41 @@ def stored(event_id: int) -> RouterEvent:
     return RouterEvent(WORKER, event_id, KvBlockStored(block_hashes=[event_id]))
 
 
+class ListeningRuntime:
+    """Duck-types the runtime's reconnect listeners (the stream does the publishing)."""
+
+    def __init__(self) -> None:
+        self.listeners: list[Callable[[], Awaitable[None]]] = []
+
+    def add_reconnect_listener(self, listener: Callable[[], Awaitable[None]]) -> None:
+        self.listeners.append(listener)
+
+    def remove_reconnect_listener(self, listener: Callable[[], Awaitable[None]]) -> None:
+        self.listeners.remove(listener)
+
+
 async def make_publisher() -> tuple[KvEventPublisher, RecordingStream]:
     stream = RecordingStream()
-    publisher = KvEventPublisher(object(), "ns", "backend", WORKER, stream=stream)  # type: ignore[arg-type]
+    runtime = ListeningRuntime()
+    publisher = KvEventPublisher(runtime, "ns", "backend", WORKER, stream=stream)  # type: ignore[arg-type]
     await publisher.start()
+    assert runtime.listeners == [publisher.resync]
     return publisher, stream
+
+
+def published(stream: RecordingStream) -> list[tuple[str, int, list[int]]]:
+    """(kind, event id, block hashes) of every event that reached the stream."""
+    return [
+        (type(e.data).__name__, e.event_id, _hashes(e.data))
+        for op, e in stream.log
+        if op == "publish"
+    ]
+
+
+def _hashes(data: KvEventData) -> list[int]:
+    if isinstance(data, KvBlockStored | KvBlockRemoved):
+        return list(data.block_hashes)
+    return []
 
 
 async def test_a_clear_purges_the_subject_before_it_is_published() -> None:
@@ -69,22 +108,59 @@ async def test_a_clear_purges_the_subject_before_it_is_published() -> None:
     ]
 
 
-async def test_after_a_failed_publish_routers_are_told_to_forget() -> None:
+async def test_after_a_failed_publish_the_whole_cache_is_announced_again() -> None:
     publisher, stream = await make_publisher()
     await publisher.publish(stored(1))
     stream.fail_next = 1
     with pytest.raises(ConnectionError):
         await publisher.publish(stored(2))  # lost: could have been a removal
-    await publisher.publish(stored(3))
-    published = [arg for op, arg in stream.log if op == "publish"]
-    assert [(type(e.data).__name__, e.event_id) for e in published] == [
-        ("KvBlockStored", 1),
-        ("KvAllCleared", 2),
-        ("KvBlockStored", 3),
+    await publisher.publish(RouterEvent(WORKER, 3, KvBlockRemoved(block_hashes=[1])))
+    # Purge, clear, then what the worker holds now (block 2, not the removed 1): the
+    # removal itself is folded into the announcement, and ids keep increasing.
+    assert published(stream) == [
+        ("KvBlockStored", 1, [1]),
+        ("KvAllCleared", 2, []),
+        ("KvBlockStored", 3, [2]),
     ]
+    assert ("purge", publisher.subject) in stream.log
     assert (publisher.stats.failures, publisher.stats.resyncs) == (1, 1)
     await publisher.publish(stored(4))  # back to normal: no more clears
-    assert stream.log[-1][1].event_id == 4 and publisher.stats.resyncs == 1
+    assert published(stream)[-1] == ("KvBlockStored", 4, [4])
+    assert publisher.stats.resyncs == 1
+
+
+async def test_a_reconnect_re_announces_every_cached_block_in_chunks() -> None:
+    publisher, stream = await make_publisher()
+    many = list(range(100, 100 + RESYNC_CHUNK_BLOCKS + 5))
+    await publisher.publish(RouterEvent(WORKER, 0, KvBlockStored(block_hashes=many)))
+    stream.log.clear()
+    await publisher.resync()  # what the runtime calls after a reconnect
+    assert [op for op, _ in stream.log[:2]] == ["ensure", "purge"]
+    assert published(stream) == [
+        ("KvAllCleared", 1, []),
+        ("KvBlockStored", 2, many[:RESYNC_CHUNK_BLOCKS]),
+        ("KvBlockStored", 3, many[RESYNC_CHUNK_BLOCKS:]),
+    ]
+    await publisher.publish(stored(1))  # the caller's id is behind: raised above the rest
+    assert published(stream)[-1] == ("KvBlockStored", 4, [1])
+
+
+async def test_an_event_that_met_a_lost_stream_is_published_once_it_is_recreated() -> None:
+    publisher, stream = await make_publisher()
+    await publisher.publish(stored(1))
+    stream.missing = True  # the broker restarted without its store
+    await publisher.publish(stored(2))  # no error: the stream is recreated at once
+    assert published(stream)[-2:] == [("KvAllCleared", 2, []), ("KvBlockStored", 3, [1, 2])]
+    assert (publisher.stats.streams_recreated, publisher.stats.failures) == (1, 0)
+
+
+async def test_a_closed_publisher_no_longer_re_announces() -> None:
+    publisher, stream = await make_publisher()
+    await publisher.publish(stored(1))
+    publisher.close()
+    count = len(stream.log)
+    await publisher.resync()
+    assert len(stream.log) == count
 
 
 class RecordingCore:

@@ -5,7 +5,11 @@
   from the stream). Bounded by age and size so it cannot grow without limit.
 * `StreamSubscription` — an ordered push consumer from the start of the stream (or a given
   sequence), recreated after a broker reconnect from the last sequence it delivered, so
-  nothing is applied twice and nothing is skipped while the stream still holds it.
+  nothing is applied twice and nothing is skipped while the stream still holds it. A
+  broker restarted without its store has lost the stream: the subscription notices (the
+  stream's creation time changed), tells its owner (`on_reset`: what it learnt from the
+  old stream may be stale) and replays the new stream from its first sequence, since its
+  sequence numbers restarted. The resubscription is retried with backoff until it holds.
 * Core subjects (`DistributedRuntime.publish/subscribe`) carry periodic snapshots such as
   load metrics, where only the latest value matters.
 """
@@ -13,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -21,12 +26,15 @@ from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 
+from dynamo.runtime.backoff import Backoff, retry_until_done
 from dynamo.runtime.runtime import DistributedRuntime
 
 log = logging.getLogger(__name__)
 
 EventHandler = Callable[[str, bytes, int], Awaitable[None]]
 """handler(subject, payload, stream_sequence)"""
+ResetHandler = Callable[[], None]
+"""Called when the stream was recreated: everything delivered before may be stale."""
 
 
 @dataclass(frozen=True)
@@ -47,15 +55,24 @@ class EventStream:
             storage=StorageType.FILE,
         )
 
-    async def ensure(self, runtime: DistributedRuntime) -> None:
-        """Create the stream if it does not exist (idempotent)."""
+    async def ensure(self, runtime: DistributedRuntime) -> bool:
+        """Create the stream if it does not exist (idempotent); True when this call
+        created it (it was missing: first use, or a broker restarted without its store)."""
         try:
             await runtime.js.stream_info(self.name)
+            return False
         except NotFoundError:
             try:
                 await runtime.js.add_stream(self.config())
+                return True
             except BadRequestError:
                 await runtime.js.stream_info(self.name)  # created concurrently
+                return False
+
+    async def identity(self, runtime: DistributedRuntime) -> StreamIdentity:
+        """What tells this incarnation of the stream from a recreated one."""
+        info = await runtime.js.stream_info(self.name)
+        return StreamIdentity(created=info.created, last_sequence=info.state.last_seq)
 
     async def publish(self, runtime: DistributedRuntime, subject: str, payload: bytes) -> int:
         """Publish and wait for the stream's ack; returns the stream sequence."""
@@ -65,6 +82,22 @@ class EventStream:
     async def purge_subject(self, runtime: DistributedRuntime, subject: str) -> None:
         """Drop every stored event of `subject` (e.g. a worker whose cache was reset)."""
         await runtime.js.purge_stream(self.name, subject=subject)
+
+
+@dataclass(frozen=True)
+class StreamIdentity:
+    """A stream's creation time (and, for servers that do not report it, its last
+    sequence): a stream recreated under the same name has a new one."""
+
+    created: datetime.datetime | None
+    last_sequence: int
+
+    def replaced_by(self, now: StreamIdentity, delivered: int) -> bool:
+        """Whether `now` is another stream than this one, given that sequences up to
+        `delivered` were delivered from this one."""
+        if self.created is not None and now.created is not None:
+            return now.created != self.created
+        return now.last_sequence < delivered  # sequences never go back within one stream
 
 
 class StreamSubscription:
@@ -78,17 +111,24 @@ class StreamSubscription:
         handler: EventHandler,
         *,
         start_sequence: int = 1,
+        on_reset: ResetHandler | None = None,
+        backoff: Backoff | None = None,
     ) -> None:
         self._runtime = runtime
         self._stream = stream
         self._filter = subject_filter
         self._handler = handler
+        self._on_reset = on_reset
+        self._backoff = backoff or Backoff()
         self.last_sequence = start_sequence - 1
+        self.resets = 0  # times the stream was found recreated
+        self._identity: StreamIdentity | None = None
         self._sub = None
         self._closed = False
 
     async def start(self) -> StreamSubscription:
         await self._stream.ensure(self._runtime)
+        self._identity = await self._stream.identity(self._runtime)
         await self._subscribe()
         self._runtime.add_reconnect_listener(self._resubscribe)
         return self
@@ -104,15 +144,43 @@ class StreamSubscription:
         )
 
     async def _resubscribe(self) -> None:
+        """The reconnect listener: resubscribe, retrying until it holds (a router left
+        without its subscription would never learn another event)."""
+        await retry_until_done(
+            self._resubscribe_once,
+            what=f"resubscribing to {self._stream.name} ({self._filter})",
+            backoff=self._backoff,
+        )
+
+    async def _resubscribe_once(self) -> None:
         if self._closed:
             return
-        with contextlib.suppress(Exception):
-            await self._sub.unsubscribe()
-        try:
-            await self._stream.ensure(self._runtime)
-            await self._subscribe()
-        except Exception as exc:
-            log.warning("resubscribing to %s failed: %s", self._filter, exc)
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+        await self._stream.ensure(self._runtime)
+        identity = await self._stream.identity(self._runtime)
+        known, self._identity = self._identity, identity
+        if known is not None and known.replaced_by(identity, self.last_sequence):
+            self._reset()
+        await self._subscribe()
+
+    def _reset(self) -> None:
+        log.warning(
+            "stream %s was recreated (the broker lost its store): replaying %s from the "
+            "start, what came before #%d is forgotten",
+            self._stream.name,
+            self._filter,
+            self.last_sequence,
+        )
+        self.last_sequence = 0
+        self.resets += 1
+        if self._on_reset is not None:
+            try:
+                self._on_reset()
+            except Exception:
+                log.exception("reset handler of %s failed", self._filter)
 
     async def _on_msg(self, msg: Msg) -> None:
         seq = msg.metadata.sequence.stream
@@ -126,6 +194,7 @@ class StreamSubscription:
 
     async def close(self) -> None:
         self._closed = True
+        self._runtime.remove_reconnect_listener(self._resubscribe)
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()

@@ -5,6 +5,15 @@
 watch is recreated on every reconnect (and whenever it fails), each time starting with a
 full snapshot that is diffed against what was known, so a key that vanished while we were
 disconnected is reported as deleted and nothing is reported twice.
+
+A broker restarted without its store comes back empty, and the snapshot taken right
+after the reconnect may be older than its owners' re-puts (each restores its leased keys
+when it reconnects, at the latest on its next heartbeat). Reporting those keys deleted
+would make every worker leave and come back: a model vanishes from the frontend for a
+moment, its clients and routers are rebuilt. So after a *re*-watch, a key missing from
+the snapshot is only reported deleted if it is still missing `missing_grace_s` later
+(the lease TTL: by then a live owner has put it again); an explicit delete or expiry
+seen on the live watch is reported at once.
 """
 
 from __future__ import annotations
@@ -39,13 +48,17 @@ class BucketWatcher:
         *,
         on_put: OnPut | None = None,
         on_delete: OnDelete | None = None,
+        missing_grace_s: float = 0.0,
     ) -> None:
         self._js = js
         self.bucket = bucket
         self.key_filter = key_filter
         self._on_put = on_put
         self._on_delete = on_delete
+        self.missing_grace_s = missing_grace_s
         self.entries: dict[str, bytes] = {}
+        # Keys a re-watch's snapshot lacked, with the timer that reports them deleted.
+        self._missing: dict[str, asyncio.TimerHandle] = {}
         self._synced = asyncio.Event()
         self._restart = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -65,6 +78,9 @@ class BucketWatcher:
         self._closed = True
         await cancel_and_wait(self._task)
         self._task = None
+        for timer in self._missing.values():
+            timer.cancel()
+        self._missing.clear()
 
     async def _run(self) -> None:
         while not self._closed:
@@ -111,13 +127,33 @@ class BucketWatcher:
                 await watcher.stop()
 
     def _apply_snapshot(self, snapshot: dict[str, bytes]) -> None:
+        rewatch = self._synced.is_set() and self.missing_grace_s > 0
         for key in [k for k in self.entries if k not in snapshot]:
-            self._delete(key)
+            if rewatch:
+                self._expect_back(key)
+            else:
+                self._delete(key)
         for key, value in snapshot.items():
             self._put(key, value)
         self._synced.set()
 
+    def _expect_back(self, key: str) -> None:
+        """`key` is missing from a re-watch's snapshot: delete it unless it is put again
+        within the grace period."""
+        if key in self._missing:
+            return
+        loop = asyncio.get_running_loop()
+        self._missing[key] = loop.call_later(self.missing_grace_s, self._still_missing, key)
+
+    def _still_missing(self, key: str) -> None:
+        if self._missing.pop(key, None) is not None:
+            log.info("%s/%s: not put again after a reconnect; gone", self.bucket, key)
+            self._delete(key)
+
     def _put(self, key: str, value: bytes) -> None:
+        timer = self._missing.pop(key, None)
+        if timer is not None:
+            timer.cancel()
         if self.entries.get(key) == value:
             return
         self.entries[key] = value
@@ -125,6 +161,9 @@ class BucketWatcher:
             self._safe(self._on_put, key, value)
 
     def _delete(self, key: str) -> None:
+        timer = self._missing.pop(key, None)
+        if timer is not None:
+            timer.cancel()
         if self.entries.pop(key, None) is None:
             return
         if self._on_delete is not None:

@@ -8,6 +8,13 @@ A `KvRouter` (NATS-free, `scheduler.py`) is fed by three subscriptions, owned he
 * the workers' load reports (core NATS, `subjects.load_metrics_filter`);
 * the endpoint client's set of ready instances: a worker that leaves it has its blocks
   dropped, and `WorkerMembership` keeps its late or replayed events from resurrecting it.
+
+A broker restarted without its store comes back with an empty stream whose sequence
+numbers start again at 1. The subscription notices (`StreamSubscription`, `on_reset`):
+the feed then forgets every cached block it learnt (the events that would have told it
+of removals during the outage are gone), keeps the workers, their load and their
+bookings, and replays the new stream from its start, where every worker re-announces
+its whole cache after its own reconnect (`KvEventPublisher.resync`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
 
+from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.membership import DEFAULT_GRACE_S, WorkerMembership
 from dynamo.llm.kv_router.publisher import kv_events_stream
 from dynamo.llm.kv_router.scheduler import KvRouter, build_kv_router
@@ -32,7 +40,7 @@ from dynamo.llm.kv_router.subjects import (
     kv_events_filter,
     load_metrics_filter,
 )
-from dynamo.llm.protocols import LoadMetrics, ModelCard, RouterEvent, decode
+from dynamo.llm.protocols import KvAllCleared, LoadMetrics, ModelCard, RouterEvent, decode
 from dynamo.runtime.client import Client
 from dynamo.runtime.events import EventStream, StreamSubscription
 from dynamo.runtime.runtime import DistributedRuntime
@@ -55,6 +63,7 @@ class FeedStats:
     load_ignored: int = 0
     load_malformed: int = 0
     workers_removed: int = 0
+    stream_resets: int = 0  # the stream was found recreated (broker lost its store)
     replay_target_seq: int = 0  # last stream sequence of this component at start
     replay_seconds: float = 0.0
     replay_complete: bool = False
@@ -88,6 +97,7 @@ class KvRouterFeed:
         self._load_sub: Subscription | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._replayed = asyncio.Event()
+        self._indexed: set[int] = set()  # workers whose events reached the router
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -104,7 +114,11 @@ class KvRouterFeed:
             self._replayed.set()
         started = time.monotonic()
         self._events = await StreamSubscription(
-            self._runtime, self._stream, self._events_filter, self._on_event
+            self._runtime,
+            self._stream,
+            self._events_filter,
+            self._on_event,
+            on_reset=self._on_stream_reset,
         ).start()
         self._load_sub = await self._runtime.subscribe(self._load_filter, self._on_load)
         self._sweeper = asyncio.create_task(self._sweep(), name="kv-feed-sweep")
@@ -169,7 +183,22 @@ class KvRouterFeed:
             self.stats.events_ignored += 1
             return
         self._router.apply_event(event)
+        self._indexed.add(event.worker_id)
         self.stats.events += 1
+
+    def _on_stream_reset(self) -> None:
+        """The stream was recreated empty: forget every worker's cached blocks (not the
+        workers). The clear is the router's own input, a `KvAllCleared` per worker, with
+        event id -1 so the worker's next real event (ids count from 0) applies."""
+        self.stats.stream_resets += 1
+        workers, self._indexed = sorted(self._indexed), set()
+        for worker_id in workers:
+            self._router.apply_event(RouterEvent(worker_id, -1, KvAllCleared()))
+        log.warning(
+            "kv router: event stream of %s recreated; forgot the cached blocks of %d workers",
+            self._events_filter,
+            len(workers),
+        )
 
     async def _on_load(self, msg: Msg) -> None:
         try:
@@ -200,6 +229,7 @@ class KvRouterFeed:
     def _remove(self, worker_id: int, why: str) -> None:
         log.info("kv router: forgetting worker %016x (%s)", worker_id, why)
         self._router.remove_worker(worker_id)
+        self._indexed.discard(worker_id)
         self.stats.workers_removed += 1
 
     # ------------------------------------------------------------------ internals
@@ -222,11 +252,12 @@ async def create_kv_router(
     temperature: float = 0.0,
     replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
     grace_s: float = DEFAULT_GRACE_S,
+    busy: BusyThresholds | None = None,
 ) -> KvRouter:
     """A `KvRouter` for the model of `card`, fed from NATS, with the stream's history of
     the card's namespace/component already applied. `router.close()` unsubscribes."""
     router = build_kv_router(
-        card, overlap_score_weight=overlap_score_weight, temperature=temperature
+        card, overlap_score_weight=overlap_score_weight, temperature=temperature, busy=busy
     )
     feed = KvRouterFeed(runtime, router, card.namespace, card.component, client, grace_s=grace_s)
     router.attach(feed)

@@ -27,7 +27,16 @@ from dynamo.llm.kv_router.subjects import (
     kv_events_subject,
     load_metrics_subject,
 )
-from dynamo.llm.protocols import KvAllCleared, LoadMetrics, RouterEvent, encode
+from dynamo.llm.protocols import (
+    KvAllCleared,
+    KvBlockRemoved,
+    KvBlockStored,
+    KvEventData,
+    LoadMetrics,
+    RouterEvent,
+    encode,
+)
+from dynamo.runtime.backoff import Backoff, retry_until_done
 from dynamo.runtime.events import EventStream
 from dynamo.runtime.runtime import DistributedRuntime
 from dynamo.runtime.tasks import cancel_and_wait
@@ -45,28 +54,44 @@ def kv_events_stream() -> EventStream:
     return EventStream(KV_EVENTS_STREAM, kv_events_stream_subjects(), max_age_s=KV_EVENTS_MAX_AGE_S)
 
 
+RESYNC_CHUNK_BLOCKS = 4096
+"""Most block hashes in one `KvBlockStored` of a re-announcement (about 37 KB of
+msgpack, far below NATS' default 1 MB message limit)."""
+
+
 @dataclass(slots=True)
 class PublisherStats:
     """What a `KvEventPublisher` did (logs, debug views, tests)."""
 
-    published: int = 0
+    published: int = 0  # events handed to `publish` that reached the stream
     purges: int = 0
     failures: int = 0
-    resyncs: int = 0  # cleared announcements added after a failed publish
+    resyncs: int = 0  # full re-announcements of the cache (after a failure or reconnect)
+    streams_recreated: int = 0  # the stream was missing (broker restarted without store)
 
 
 class KvEventPublisher:
     """Publishes one worker's KV events to its JetStream subject.
 
-    Two rules keep what routers rebuild from the stream correct:
+    Rules that keep what routers rebuild from the stream correct:
 
     * an `KvAllCleared` first purges the worker's subject: nothing before a clear can
       matter to a router replaying later, so the stream holds only the worker's current
       cache history (on start, the relay's opening clear drops what a previous process
       with the same id left);
-    * after a failed publish (broker away), the next successful one is preceded by a
-      `KvAllCleared`: a lost removal would leave routers believing in a block that is
-      gone, while forgetting blocks only costs cache hits.
+    * the publisher mirrors the worker's cache from the events it is given (published or
+      not), and whenever routers may have missed something it *re-announces* it: purge,
+      `KvAllCleared`, then every cached block (`KvBlockStored` in chunks of
+      `RESYNC_CHUNK_BLOCKS`). That happens before the next event after a failed publish
+      (a lost removal would leave routers believing in a block that is gone), and after
+      every reconnect to NATS, retried until it holds (a broker restarted without its
+      store lost the stream; an idle worker may send no event for a long time, and a
+      clear alone would make routers forget a shared prefix the worker still holds and
+      will never announce again);
+    * a failed publish checks the stream: when it was missing and had to be recreated,
+      the event is published again at once (inside a re-announcement), rather than lost;
+    * event ids on the wire are the caller's, raised where a re-announcement took ids,
+      so they always increase per worker (routers drop an id they have seen).
     """
 
     def __init__(
@@ -77,45 +102,134 @@ class KvEventPublisher:
         worker_id: int,
         *,
         stream: EventStream | None = None,
+        backoff: Backoff | None = None,
     ) -> None:
         self._runtime = runtime
         self._stream = stream or kv_events_stream()
+        self._backoff = backoff or Backoff()
         self.subject = kv_events_subject(namespace, component, worker_id)
         self.worker_id = worker_id
         self.stats = PublisherStats()
+        self.cached: set[int] = set()  # the worker's cached blocks, as its events say
+        self._last_id: int | None = None  # the last event id put on the wire
         self._dirty = False
+        self._closed = False
         self._lock = asyncio.Lock()
 
     async def start(self) -> KvEventPublisher:
-        """Make sure the stream exists (idempotent)."""
+        """Make sure the stream exists (idempotent); re-announce after every reconnect."""
         await self._stream.ensure(self._runtime)
+        self._runtime.add_reconnect_listener(self.resync)
         return self
+
+    def close(self) -> None:
+        """Stop re-announcing on reconnect (the worker is leaving). Idempotent."""
+        self._closed = True
+        self._runtime.remove_reconnect_listener(self.resync)
 
     async def publish(self, event: RouterEvent) -> None:
         """Publish one event (in call order); raises when NATS did not take it."""
         async with self._lock:
+            _apply(self.cached, event.data)  # the engine's truth, whether NATS takes it or not
+            try:
+                await self._publish(event)
+                return
+            except Exception:
+                self._dirty = True
+                if not await self._recreated_stream():
+                    self.stats.failures += 1
+                    raise
             try:
                 await self._publish(event)
             except Exception:
-                self._dirty = True
                 self.stats.failures += 1
                 raise
 
+    async def resync(self) -> None:
+        """Re-announce the whole cache now, retrying with backoff until it holds (the
+        runtime calls this after every reconnect)."""
+        await retry_until_done(
+            self._resync_once,
+            what=f"kv events: re-announcing the cache of worker {self.worker_id:016x}",
+            backoff=self._backoff,
+        )
+
+    async def _resync_once(self) -> None:
+        if self._closed:
+            return
+        async with self._lock:
+            try:
+                if await self._stream.ensure(self._runtime):
+                    self._note_recreated()
+                await self._announce_cache()
+            except Exception:
+                self._dirty = True
+                raise
+            self._dirty = False
+
+    async def _recreated_stream(self) -> bool:
+        """After a failed publish: whether the stream was missing and is now recreated
+        (then publishing again can succeed). False when the broker is unreachable."""
+        try:
+            created = await self._stream.ensure(self._runtime)
+        except Exception as exc:
+            log.debug("kv events: stream check after a failed publish failed: %s", exc)
+            return False
+        if created:
+            self._note_recreated()
+        return bool(created)
+
+    def _note_recreated(self) -> None:
+        self.stats.streams_recreated += 1
+        log.warning(
+            "kv events: stream %s was missing (broker restarted without its store); recreated it",
+            self._stream.name,
+        )
+
     async def _publish(self, event: RouterEvent) -> None:
-        cleared = isinstance(event.data, KvAllCleared)
-        if cleared or self._dirty:
-            await self._stream.purge_subject(self._runtime, self.subject)
-            self.stats.purges += 1
-        if self._dirty and not cleared:
-            # Ids only need to increase per worker; the clear restarts the sequence just
-            # below the event that follows it.
-            resync = RouterEvent(self.worker_id, event.event_id - 1, KvAllCleared())
-            await self._stream.publish(self._runtime, self.subject, encode(resync))
-            self.stats.resyncs += 1
-            log.warning("kv events: publishing resumed, announced an empty cache to routers")
-        await self._stream.publish(self._runtime, self.subject, encode(event))
+        if isinstance(event.data, KvAllCleared):
+            await self._purge()
+            await self._send(event.data, event.event_id)
+        elif self._dirty:
+            # Routers may have missed events: tell them everything, this event included
+            # (the mirror already holds its effect).
+            await self._announce_cache()
+            log.warning("kv events: publishing resumed, re-announced the cache to routers")
+        else:
+            await self._send(event.data, event.event_id)
         self._dirty = False
         self.stats.published += 1
+
+    async def _announce_cache(self) -> None:
+        await self._purge()
+        await self._send(KvAllCleared())
+        blocks = sorted(self.cached)
+        for start in range(0, len(blocks), RESYNC_CHUNK_BLOCKS):
+            chunk = blocks[start : start + RESYNC_CHUNK_BLOCKS]
+            await self._send(KvBlockStored(block_hashes=chunk))
+        self.stats.resyncs += 1
+
+    async def _purge(self) -> None:
+        await self._stream.purge_subject(self._runtime, self.subject)
+        self.stats.purges += 1
+
+    async def _send(self, data: KvEventData, event_id: int | None = None) -> None:
+        """Put one event on the wire with an id above every id sent before."""
+        floor = -1 if self._last_id is None else self._last_id + 1
+        wire_id = max(floor, event_id if event_id is not None else floor)
+        event = RouterEvent(self.worker_id, wire_id, data)
+        await self._stream.publish(self._runtime, self.subject, encode(event))
+        self._last_id = wire_id
+
+
+def _apply(cached: set[int], data: KvEventData) -> None:
+    """Update a mirror of a worker's cache with one of its events."""
+    if isinstance(data, KvBlockStored):
+        cached.update(data.block_hashes)
+    elif isinstance(data, KvBlockRemoved):
+        cached.difference_update(data.block_hashes)
+    else:
+        cached.clear()
 
 
 class CorePublisher(Protocol):
