@@ -1,30 +1,49 @@
 """`RuntimeEngineClient` over a stand-in for `dynamo.runtime.Client`: every placement
-through the router, re-placement that avoids the instance that failed, error mapping,
-cancellation and router bookkeeping. (The real `Client` is tested against a real
-nats-server in tests/integration.)"""
+through the router, re-placement that avoids the instance that failed (also with the KV
+router, which would otherwise pick the same cached worker again), stream deadlines treated
+as a lost worker, error mapping, cancellation, router bookkeeping (released whatever
+fails after a booking), migration counting, and a close that lets requests in flight
+finish. (The real `Client` is tested against a real nats-server in tests/integration.)"""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from dynamo.frontend.__main__ import build_parser, config_from_args
 from dynamo.frontend.engine_client import (
+    DEFAULT_FIRST_TOKEN_TIMEOUT_S,
+    DEFAULT_INTER_TOKEN_TIMEOUT_S,
     EngineFailedError,
     EngineUnavailableError,
     RuntimeEngineClient,
+    StreamDeadlines,
 )
+from dynamo.llm.kv_router.hashing import compute_block_hashes
+from dynamo.llm.kv_router.scheduler import KvRouter, build_kv_router
 from dynamo.llm.protocols import (
     CompletionUsage,
     FinishReason,
+    KvBlockStored,
     LLMEngineOutput,
+    ModelCard,
     PreprocessedRequest,
     PromptTokensDetails,
+    RouterEvent,
     StopConditions,
 )
 from dynamo.llm.router import RandomRouter, RoundRobinRouter
-from dynamo.runtime import InstanceGoneError, NoInstancesError, RemoteError, StreamTimeoutError
+from dynamo.runtime import (
+    ClientClosedError,
+    InstanceGoneError,
+    NoInstancesError,
+    RemoteError,
+    StreamTimeoutError,
+)
+from dynamo.testing.waiting import wait_until_async
 
 
 class FakeStream:
@@ -51,12 +70,20 @@ class FakeStream:
 class FakeClient:
     """Answers `direct` with the next scripted stream; `routable_ids` is `ids`."""
 
-    def __init__(self, scripts: list[list[Any]], ids: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        scripts: list[list[Any]],
+        ids: list[int] | None = None,
+        open_error: Exception | None = None,
+    ) -> None:
         self._scripts = iter(scripts)
         self.ids = [1, 2] if ids is None else ids
+        self.open_error = open_error  # raised by `direct` (e.g. a request that cannot be encoded)
         self.sent: list[tuple[str, int]] = []
         self.requests: list[PreprocessedRequest] = []
         self.streams: list[FakeStream] = []
+        self.options: list[dict[str, Any]] = []
+        self.closed = False
 
     def instance_ids(self) -> list[int]:
         return list(self.ids)
@@ -67,6 +94,9 @@ class FakeClient:
     def direct(self, request: Any, instance_id: int, **kwargs: Any) -> FakeStream:
         assert instance_id in self.ids, "the router picks among the routable instances"
         assert kwargs["response_type"] is LLMEngineOutput
+        if self.open_error is not None:
+            raise self.open_error
+        self.options.append(kwargs)
         self.requests.append(request)
         self.sent.append((kwargs["request_id"], instance_id))
         stream = FakeStream(instance_id, next(self._scripts))
@@ -74,7 +104,7 @@ class FakeClient:
         return stream
 
     async def close(self) -> None:
-        pass
+        self.closed = True
 
 
 class BookkeepingRouter(RandomRouter):
@@ -222,3 +252,206 @@ async def test_migration_limit_is_respected() -> None:
     with pytest.raises(EngineFailedError, match="worker lost"):
         await _collect(client)
     assert len(fake.sent) == 2 and client.migrations == 1
+
+
+# --------------------------------------------------------------------------- exclusion
+
+
+class SpyRouter(BookkeepingRouter):
+    """Records the candidates of every placement; prefers the highest instance id, as a
+    KV router prefers the worker holding the prompt's prefix (the same one every time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.candidates: list[list[int]] = []
+
+    async def select(self, request: PreprocessedRequest, instance_ids: Any) -> int:
+        self.candidates.append(list(instance_ids))
+        return max(instance_ids)
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [InstanceGoneError(2), StreamTimeoutError("no first output", 2)],
+    ids=["gone", "first-token-timeout"],
+)
+async def test_re_placement_never_offers_the_instance_it_was_lost_on(refusal: Exception) -> None:
+    fake = FakeClient([[refusal], [DONE]])
+    router = SpyRouter()
+    outputs = await _collect(RuntimeEngineClient(fake, router))
+    assert outputs == [DONE]
+    assert router.candidates == [[1, 2], [1]]
+    assert [instance for _, instance in fake.sent] == [2, 1]
+    assert router.finished == ["req", "req"]
+
+
+def _kv_card(instance_id: int) -> ModelCard:
+    return ModelCard(
+        name="m", namespace="ns", component="backend", endpoint="generate",
+        instance_id=instance_id, kv_block_size=4,
+    )  # fmt: skip
+
+
+def _kv_router_preferring(worker: int, prompt: list[int]) -> KvRouter:
+    """A real KV router whose index says `worker` caches all of `prompt`."""
+    router = build_kv_router(_kv_card(1), rng=random.Random(0))
+    router.update_card(_kv_card(2))
+    hashes = compute_block_hashes(prompt, 4)
+    router.scheduler.apply_event(RouterEvent(worker, 0, KvBlockStored(block_hashes=hashes)))
+    return router
+
+
+async def test_kv_router_retry_goes_to_another_worker_not_the_cached_dead_one() -> None:
+    """The KV router scores the worker holding the prefix best every time: a retry that
+    offered it again would go to the dead worker three times and fail."""
+    prompt = list(range(100, 116))
+    router = _kv_router_preferring(2, prompt)
+    fake = FakeClient([[InstanceGoneError(2)], [DONE], [DONE], [DONE]])
+    request = PreprocessedRequest(request_id="req", model="m", token_ids=prompt)
+    outputs = [out async for out in RuntimeEngineClient(fake, router).generate(request)]
+    assert outputs == [DONE]
+    assert [instance for _, instance in fake.sent] == [2, 1]
+    assert router.scheduler.sequences.worker_of("req") is None, "every booking released"
+
+
+async def test_kv_migration_goes_to_another_worker() -> None:
+    prompt = list(range(100, 116))
+    router = _kv_router_preferring(2, prompt)
+    fake = FakeClient([[LLMEngineOutput(token_ids=[5]), InstanceGoneError(2)], [DONE], [DONE]])
+    request = PreprocessedRequest(request_id="req", model="m", token_ids=prompt)
+    client = RuntimeEngineClient(fake, router, migration_limit=3)
+    outputs = [out async for out in client.generate(request)]
+    assert [t for o in outputs for t in o.token_ids] == [5, 7]
+    assert [instance for _, instance in fake.sent] == [2, 1]
+    assert router.scheduler.sequences.worker_of("req") is None
+
+
+# --------------------------------------------------------------------------- bookings
+
+
+@pytest.mark.parametrize(
+    "error",
+    [OverflowError("can't serialize ints > 2**64 - 1"), ValueError("bad"), RuntimeError("bug")],
+)
+async def test_a_failure_after_booking_releases_the_booking(error: Exception) -> None:
+    """Opening the stream (encoding the request) happens after the router booked it:
+    whatever it raises, the booking is released."""
+    prompt = list(range(100, 116))
+    router = _kv_router_preferring(2, prompt)
+    fake = FakeClient([], open_error=error)
+    request = PreprocessedRequest(request_id="req", model="m", token_ids=prompt)
+    with pytest.raises(type(error)):
+        _ = [out async for out in RuntimeEngineClient(fake, router).generate(request)]
+    assert router.scheduler.sequences.worker_of("req") is None
+    assert router.scheduler.sequences.loads()[2].active_blocks == 0
+
+
+async def test_a_failure_after_booking_tells_the_router_once() -> None:
+    router = BookkeepingRouter()
+    fake = FakeClient([], open_error=OverflowError("too big"))
+    with pytest.raises(OverflowError):
+        await _collect(RuntimeEngineClient(fake, router))
+    assert router.finished == ["req"]
+
+
+# --------------------------------------------------------------------------- deadlines
+
+
+async def test_deadlines_reach_every_stream() -> None:
+    fake = FakeClient([[InstanceGoneError(1)], [DONE]])
+    deadlines = StreamDeadlines(first_token_s=7.0, inter_token_s=2.0)
+    await _collect(_client(fake, deadlines=deadlines))
+    assert [(o["first_item_timeout"], o["item_timeout"]) for o in fake.options] == [(7.0, 2.0)] * 2
+    fake = FakeClient([[DONE]])
+    await _collect(_client(fake))
+    assert fake.options[0]["first_item_timeout"] == DEFAULT_FIRST_TOKEN_TIMEOUT_S == 300.0
+    assert fake.options[0]["item_timeout"] == DEFAULT_INTER_TOKEN_TIMEOUT_S == 60.0
+
+
+def test_deadlines_from_the_command_line() -> None:
+    assert StreamDeadlines.from_seconds(0, 0) == StreamDeadlines(None, None)
+    assert StreamDeadlines.from_seconds(5, 1.5) == StreamDeadlines(5.0, 1.5)
+    with pytest.raises(ValueError, match="inter_token_s must be > 0"):
+        StreamDeadlines(inter_token_s=-1)
+    config = config_from_args(build_parser().parse_args([]))
+    assert config.stream_deadlines == StreamDeadlines(300.0, 60.0)
+    args = ["--first-token-timeout", "0", "--inter-token-timeout", "2.5"]
+    config = config_from_args(build_parser().parse_args(args))
+    assert config.stream_deadlines == StreamDeadlines(None, 2.5)
+
+
+def test_deadline_flags_default_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYN_FIRST_TOKEN_TIMEOUT", "12")
+    monkeypatch.setenv("DYN_INTER_TOKEN_TIMEOUT", "0")
+    config = config_from_args(build_parser().parse_args([]))
+    assert config.stream_deadlines == StreamDeadlines(12.0, None)
+
+
+async def test_silent_worker_after_tokens_is_migrated_and_counted() -> None:
+    fake = FakeClient(
+        [[LLMEngineOutput(token_ids=[10]), StreamTimeoutError("no next output", 1)], [DONE]]
+    )
+    migrated: list[str] = []
+    client = _client(fake, migration_limit=1, on_migration=migrated.append)
+    outputs = await _collect(client)
+    assert [t for o in outputs for t in o.token_ids] == [10, 7]
+    assert fake.sent[0][1] != fake.sent[1][1]
+    assert fake.requests[1].token_ids == [1, 2, 10]
+    assert migrated == ["m"] and client.migrations == 1
+    assert all(stream.closed for stream in fake.streams), "the silent stream is cancelled"
+
+
+async def test_silent_worker_without_migrations_is_a_clear_failure() -> None:
+    fake = FakeClient([[LLMEngineOutput(token_ids=[10]), StreamTimeoutError("sent nothing", 1)]])
+    with pytest.raises(EngineFailedError, match="worker stopped responding: sent nothing"):
+        await _collect(_client(fake, migration_limit=0))
+
+
+async def test_no_instance_answering_in_time_is_a_failure_not_a_503() -> None:
+    fake = FakeClient([[StreamTimeoutError("t1", 1)], [StreamTimeoutError("t2", 2)]])
+    with pytest.raises(EngineFailedError, match="stopped responding: t2"):
+        await _collect(_client(fake))
+    assert [instance for _, instance in fake.sent] in ([1, 2], [2, 1])
+
+
+# --------------------------------------------------------------------------- closing
+
+
+@pytest.mark.parametrize(
+    ("script", "expected"),
+    [
+        ([ClientClosedError("closed")], EngineUnavailableError),
+        ([LLMEngineOutput(token_ids=[5]), ClientClosedError("closed")], EngineFailedError),
+    ],
+)
+async def test_closed_runtime_client_ends_the_request(script: list[Any], expected: type) -> None:
+    fake = FakeClient([script, [DONE]])
+    with pytest.raises(expected, match="closed"):
+        await _collect(_client(fake, migration_limit=3))
+    assert len(fake.sent) == 1, "a closed client is not retried"
+
+
+async def test_close_lets_requests_in_flight_finish_then_releases() -> None:
+    """The registry closes an endpoint's client when its last card goes, which is also
+    how a worker's graceful drain begins: its requests in flight must not be cut."""
+    fake = FakeClient([[LLMEngineOutput(token_ids=[i]) for i in range(3)] + [DONE]])
+    router = BookkeepingRouter()
+    client = RuntimeEngineClient(fake, router)
+    gen = client.generate(_request())
+    assert (await gen.__anext__()).token_ids == [0]
+    await client.close()
+    assert not fake.closed
+    with pytest.raises(EngineUnavailableError, match="gone"):
+        await _collect(client)
+    rest = [out.token_ids async for out in gen]
+    assert rest == [[1], [2], [7]]
+    # The release runs as a task once the last request ended.
+    await wait_until_async(lambda: fake.closed, timeout=5, what="the runtime client closed")
+
+
+async def test_close_when_idle_releases_at_once() -> None:
+    fake = FakeClient([])
+    client = _client(fake)
+    await client.close()
+    assert fake.closed
+    await client.close()  # idempotent

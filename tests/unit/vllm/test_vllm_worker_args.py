@@ -60,7 +60,7 @@ def test_runtime_defaults(parse, tiny_model: Path) -> None:
     assert cfg.nats_server == "nats://127.0.0.1:4222"
     assert cfg.lease_ttl == 5.0
     assert cfg.system_port is None
-    assert cfg.migration_limit == 0
+    assert cfg.migration_limit == 3  # migration on by default (aggregated)
     assert cfg.drain_timeout_s == 30.0
     assert cfg.dry_run is True
     assert cfg.engine_args.speculative_config is None
@@ -82,6 +82,20 @@ def test_environment_fallbacks(parse, monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.system_port == 0
     cfg = parse("--nats-server", "nats://other:1", "--system-port", "9345")
     assert (cfg.nats_server, cfg.system_port) == ("nats://other:1", 9345)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ((), 3),
+        (("--is-decode-worker",), 3),
+        (("--is-prefill-worker",), 0),  # a prefill leg is never migrated
+        (("--migration-limit", "0"), 0),
+        (("--is-prefill-worker", "--migration-limit", "2"), 2),
+    ],
+)
+def test_migration_limit_defaults_by_role(parse, argv: tuple[str, ...], expected: int) -> None:
+    assert parse(*argv).migration_limit == expected
 
 
 def test_runtime_flags_are_validated(parse, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,11 +18,31 @@ from pathlib import Path
 import prometheus_client
 import uvloop
 
+from dynamo.frontend.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_WAITING
 from dynamo.frontend.disagg import DEFAULT_PREFILL_TIMEOUT_S
+from dynamo.frontend.engine_client import (
+    DEFAULT_FIRST_TOKEN_TIMEOUT_S,
+    DEFAULT_INTER_TOKEN_TIMEOUT_S,
+)
 from dynamo.frontend.frontend import FrontendConfig, default_tokenizer_cache, run_frontend
-from dynamo.frontend.http_server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_WORKER_WAIT_S
+from dynamo.frontend.http_listener import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S
+from dynamo.frontend.http_server import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_WORKER_WAIT_S,
+    DEFAULT_WRITE_TIMEOUT_S,
+)
 from dynamo.frontend.routing import RouterMode
-from dynamo.runtime.cli import non_negative_float, port, positive_float, positive_int
+from dynamo.runtime.cli import (
+    ConfigError,
+    fraction,
+    non_negative_float,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+)
+from dynamo.runtime.nats_options import add_nats_arguments, nats_options_from_args
+from dynamo.runtime.nats_server import nats_url_from_env
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,9 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--nats-server",
-        default=os.environ.get("NATS_SERVER", "nats://127.0.0.1:4222"),
-        help="NATS URL used for discovery and requests; $NATS_SERVER overrides the default.",
+        default=argparse.SUPPRESS,  # not shown by --help: it may carry credentials
+        help="NATS URL used for discovery and requests (default: $NATS_SERVER, else "
+        "nats://127.0.0.1:4222). Credentials in it (nats://user:pass@host) work, but are "
+        "better given with the flags or variables below; logs show it redacted.",
     )
+    add_nats_arguments(parser.add_argument_group("NATS authentication and TLS"))
     parser.add_argument(
         "--router-mode",
         choices=[m.value for m in RouterMode],
@@ -70,6 +93,22 @@ def build_parser() -> argparse.ArgumentParser:
         type=non_negative_float,
         default=0.0,
         help="kv mode: softmax temperature over worker costs; 0 always picks the cheapest.",
+    )
+    parser.add_argument(
+        "--busy-kv-usage",
+        type=fraction,
+        default=os.environ.get("DYN_BUSY_KV_USAGE") or None,
+        help="kv mode: a worker whose KV cache is at least this full (0-1, from its load "
+        "reports and this router's bookings) gets no new requests; when every worker is "
+        "busy the request gets 503 with Retry-After. Default: $DYN_BUSY_KV_USAGE, else off.",
+    )
+    parser.add_argument(
+        "--busy-waiting-requests",
+        type=positive_int,
+        default=os.environ.get("DYN_BUSY_WAITING_REQUESTS") or None,
+        help="kv mode: a worker reporting at least this many waiting requests gets no new "
+        "requests (503 with Retry-After when all are busy). "
+        "Default: $DYN_BUSY_WAITING_REQUESTS, else off.",
     )
     parser.add_argument(
         "--max-request-bytes",
@@ -98,6 +137,25 @@ def build_parser() -> argparse.ArgumentParser:
         "a late lease heartbeat) before it fails with 503; 0 fails at once.",
     )
     parser.add_argument(
+        "--first-token-timeout",
+        type=non_negative_float,
+        default=os.environ.get("DYN_FIRST_TOKEN_TIMEOUT", str(DEFAULT_FIRST_TOKEN_TIMEOUT_S)),
+        help="Seconds a worker may take to send a request's first output (a long prefill "
+        "under load) before it counts as lost: the request is cancelled there and placed "
+        "on another worker, or fails. 0 disables; $DYN_FIRST_TOKEN_TIMEOUT overrides the "
+        "default.",
+    )
+    parser.add_argument(
+        "--inter-token-timeout",
+        type=non_negative_float,
+        default=os.environ.get("DYN_INTER_TOKEN_TIMEOUT", str(DEFAULT_INTER_TOKEN_TIMEOUT_S)),
+        help="Seconds a worker may go between two outputs of a request before it counts as "
+        "lost (it holds its lease but stopped producing): the request is cancelled there "
+        "and migrated (the workers' --migration-limit) or fails with an error event. "
+        "0 disables; $DYN_INTER_TOKEN_TIMEOUT overrides the default.",
+    )
+    add_http_hardening_arguments(parser)
+    parser.add_argument(
         "--log-level",
         default=os.environ.get("DYN_LOG", "INFO").upper(),
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -106,19 +164,84 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_http_hardening_arguments(parser: argparse.ArgumentParser) -> None:
+    """API key, admission bounds and connection timeouts (docs/frontend.md, "Authentication"
+    and "Limits and overload"); each also read from a `DYN_*` variable."""
+    group = parser.add_argument_group("HTTP authentication and limits")
+    group.add_argument(
+        "--api-key",
+        default=argparse.SUPPRESS,  # never shown by --help, nor in the process's defaults
+        help="Require `Authorization: Bearer <key>` on every route except /health, /live and "
+        "/metrics (401 otherwise). Default: $DYN_API_KEY; unset or empty serves without "
+        "authentication. Prefer the variable: a flag is visible in the process list.",
+    )
+    group.add_argument(
+        "--max-inflight-requests",
+        type=positive_int,
+        default=os.environ.get("DYN_MAX_INFLIGHT_REQUESTS", str(DEFAULT_MAX_INFLIGHT)),
+        help="Per model, the most requests admitted at once (streams included); more get "
+        "503 with Retry-After at once. $DYN_MAX_INFLIGHT_REQUESTS overrides the default.",
+    )
+    group.add_argument(
+        "--max-waiting-requests",
+        type=non_negative_int,
+        default=os.environ.get("DYN_MAX_WAITING_REQUESTS", str(DEFAULT_MAX_WAITING)),
+        help="Per model, the most requests waiting for a ready worker (see "
+        "--worker-wait-timeout); more get 503 with Retry-After at once. "
+        "$DYN_MAX_WAITING_REQUESTS overrides the default.",
+    )
+    group.add_argument(
+        "--keep-alive-timeout",
+        type=positive_float,
+        default=os.environ.get("DYN_HTTP_KEEP_ALIVE_TIMEOUT", str(DEFAULT_KEEP_ALIVE_TIMEOUT_S)),
+        help="Seconds an idle client connection is kept open (from its opening or its last "
+        "response until a complete request head). $DYN_HTTP_KEEP_ALIVE_TIMEOUT overrides "
+        "the default.",
+    )
+    group.add_argument(
+        "--header-timeout",
+        type=positive_float,
+        default=os.environ.get("DYN_HTTP_HEADER_TIMEOUT", str(DEFAULT_HEADER_TIMEOUT_S)),
+        help="Seconds a client has, from the first byte of a request, to send the complete "
+        "request head; the connection is closed otherwise (slow-header clients). "
+        "$DYN_HTTP_HEADER_TIMEOUT overrides the default.",
+    )
+    group.add_argument(
+        "--write-timeout",
+        type=non_negative_float,
+        default=os.environ.get("DYN_HTTP_WRITE_TIMEOUT", str(DEFAULT_WRITE_TIMEOUT_S)),
+        help="Seconds a streamed response waits for a client that stopped reading before "
+        "the connection is dropped and the request cancelled; 0 waits for ever. "
+        "$DYN_HTTP_WRITE_TIMEOUT overrides the default.",
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
+    """The frontend's settings; ConfigError for contradictory NATS settings."""
+    nats_server = vars(args).get("nats_server") or nats_url_from_env()
     return FrontendConfig(
         http_host=args.http_host,
         http_port=args.http_port,
         namespace=args.namespace,
-        nats_server=args.nats_server,
+        nats_server=nats_server,
+        nats_options=nats_options_from_args(args, url=nats_server),
         router_mode=RouterMode(args.router_mode),
         kv_overlap_score_weight=args.kv_overlap_score_weight,
         router_temperature=args.router_temperature,
+        busy_kv_usage=args.busy_kv_usage,
+        busy_waiting_requests=args.busy_waiting_requests,
         max_request_bytes=args.max_request_bytes,
         tokenizer_cache=args.tokenizer_cache,
         prefill_timeout_s=args.prefill_timeout,
         worker_wait_s=args.worker_wait_timeout,
+        first_token_timeout_s=args.first_token_timeout,
+        inter_token_timeout_s=args.inter_token_timeout,
+        api_key=vars(args).get("api_key") or os.environ.get("DYN_API_KEY") or None,
+        max_inflight_requests=args.max_inflight_requests,
+        max_waiting_requests=args.max_waiting_requests,
+        keep_alive_timeout_s=args.keep_alive_timeout,
+        header_timeout_s=args.header_timeout,
+        write_timeout_s=args.write_timeout,
     )
 
 
@@ -142,8 +265,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     # itself does not need. The switch is process-wide, so it is set here, not in the
     # library code that tests embed.
     prometheus_client.disable_created_metrics()
-    config = config_from_args(args)
-    uvloop.run(_serve(config))  # faster socket I/O than asyncio's loop for many streams
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        uvloop.run(_serve(config))  # faster socket I/O than asyncio's loop for many streams
+    except ConnectionError as exc:  # no NATS server, or one that refuses our credentials
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -11,25 +11,35 @@ one, a re-placement after a worker vanished before its first output, and a migra
 mid-stream, asks the endpoint's `Router` and sends with `Client.direct`. The runtime
 itself never retries. (`dynamo.testing.engines.InMemoryEngineClient` is the in-process
 stand-in the HTTP tests use.)
+
+No request waits forever: a worker that dies is noticed through its lease, and one that
+holds its lease but stops answering a request is caught by the `StreamDeadlines` (first
+output, then between outputs); both count as losing the worker.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
 
 from dynamo.llm.protocols import LLMEngineOutput, PreprocessedRequest
-from dynamo.llm.router import Router
+from dynamo.llm.router import AllWorkersBusyError, Router
 from dynamo.runtime import (
     Client,
+    ClientClosedError,
     DynamoRuntimeError,
+    ErrorKind,
     InstanceGoneError,
+    InstanceOverloadedError,
     NoInstancesError,
     RemoteError,
     ResponseStream,
+    StreamTimeoutError,
 )
 
 log = logging.getLogger(__name__)
@@ -37,13 +47,60 @@ log = logging.getLogger(__name__)
 InstancesChanged = Callable[[], None]
 """Called with no arguments whenever an endpoint's set of ready instances changes."""
 
+MigrationHook = Callable[[str], None]
+"""Called with the model name each time a request is migrated to another worker."""
+
+DEFAULT_FIRST_TOKEN_TIMEOUT_S = 300.0
+"""Generous: a long prompt's prefill on a big model, queued behind others under load."""
+DEFAULT_INTER_TOKEN_TIMEOUT_S = 60.0
+"""No healthy engine goes a minute between two outputs of a running request."""
+
+
+@dataclass(frozen=True)
+class StreamDeadlines:
+    """How long a worker may stay silent on a request before it counts as lost: until the
+    first output of each placement, and between two outputs. None disables a deadline
+    (the request then waits as long as the worker holds its lease).
+
+    A worker past a deadline is treated as a worker that died: the request is cancelled
+    there, then placed again (nothing streamed yet), migrated (tokens streamed and
+    migrations left), or failed with a clear error, never left hanging."""
+
+    first_token_s: float | None = DEFAULT_FIRST_TOKEN_TIMEOUT_S
+    inter_token_s: float | None = DEFAULT_INTER_TOKEN_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        _check_deadline("first_token_s", self.first_token_s)
+        _check_deadline("inter_token_s", self.inter_token_s)
+
+    @classmethod
+    def from_seconds(cls, first_token_s: float, inter_token_s: float) -> StreamDeadlines:
+        """From command-line values, where 0 disables a deadline."""
+        return cls(first_token_s or None, inter_token_s or None)
+
+
+def _check_deadline(name: str, value: float | None) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"{name} must be > 0 or None (no deadline), got {value}")
+
 
 class EngineUnavailableError(Exception):
     """No worker can take the request right now (HTTP 503)."""
 
 
+class EngineOverloadedError(EngineUnavailableError):
+    """Workers exist but none takes more work now: every one tried refused the request
+    (its bound of requests in flight), or the router judged them all busy (HTTP 503 with
+    `Retry-After`)."""
+
+
 class EngineFailedError(Exception):
     """The worker failed the request (HTTP 500, or an error event mid-stream)."""
+
+
+class EngineRejectedError(Exception):
+    """The worker refused the request's parameters: the client's error (HTTP 400), with
+    the engine's one-line reason."""
 
 
 class EngineClient(Protocol):
@@ -79,20 +136,42 @@ MAX_PLACEMENT_ATTEMPTS = 3
 class RuntimeEngineClient:
     """`EndpointClient` over the runtime `Client` of one model endpoint.
 
-    A request whose worker disappears before the first output is re-placed on another
+    A request whose worker is lost before the first output is re-placed on another
     instance (nothing was streamed yet, so the client cannot tell). A worker lost after
     that is survived by *migration*, up to `migration_limit` times (the workers'
     `--migration-limit`, advertised on their model card): the request continues on another
     instance with the tokens generated so far appended to the prompt, so the client sees
-    one uninterrupted stream. With no migrations left a lost worker is an error. An
-    instance that failed a request is not offered to the router again for that request.
+    one uninterrupted stream. With no migrations left a lost worker is an error. "Lost"
+    means its lease expired, it had no responder, it shut down before finishing, or it
+    missed a `StreamDeadlines` deadline. An instance a request was lost on is not offered
+    to the router again for that request, whatever the router prefers (a KV router would
+    otherwise pick the same dead worker's cached prefix every time).
+
+    `close()` while requests are in flight lets them finish first: the model registry
+    closes an endpoint's client when its last model card goes, which is also the first
+    step of that worker's graceful drain, and while the runtime `Client` stays open it
+    still reports the instance's loss to the streams (a closed `Client` fails them).
     """
 
-    def __init__(self, client: Client, router: Router, *, migration_limit: int = 0) -> None:
+    def __init__(
+        self,
+        client: Client,
+        router: Router,
+        *,
+        migration_limit: int = 0,
+        deadlines: StreamDeadlines | None = None,
+        on_migration: MigrationHook | None = None,
+    ) -> None:
         self._client = client
         self._router = router
         self.migration_limit = max(0, migration_limit)
+        self.deadlines = deadlines if deadlines is not None else StreamDeadlines()
+        self._on_migration = on_migration
         self.migrations = 0  # performed, for metrics and tests
+        self._active = 0  # generate() calls in flight
+        self._closing = False
+        self._released = False
+        self._release_task: asyncio.Task[None] | None = None
 
     @property
     def router(self) -> Router:
@@ -105,76 +184,166 @@ class RuntimeEngineClient:
         self._client.add_listener(lambda _ready: listener())
 
     async def generate(self, request: PreprocessedRequest) -> AsyncGenerator[LLMEngineOutput, None]:
-        generated: list[int] = []  # tokens streamed to the caller so far, over all legs
-        failed: set[int] = set()  # instances this request was lost on
-        leg = request
-        placements = migrations = 0
-        while True:
-            produced_here = False
-            already = len(generated)
-            stream = await self._place(leg, failed, resuming=bool(generated))
-            try:
-                async for output in stream:
-                    if not produced_here:
-                        produced_here = True
-                        self._router.on_first_output(leg.request_id, output)
-                    generated.extend(output.token_ids)
-                    if already:
-                        _account_for_migration(output, len(request.token_ids), already)
-                    yield output
-                return
-            except InstanceGoneError as exc:
-                failed.add(stream.instance_id)
-                if not generated and placements + 1 < MAX_PLACEMENT_ATTEMPTS:
+        if self._closing:
+            raise EngineUnavailableError(f"the workers of {request.model} are gone")
+        self._active += 1
+        try:
+            generated: list[int] = []  # tokens streamed to the caller so far, over all legs
+            failed: set[int] = set()  # instances this request was lost on
+            leg = request
+            placements = migrations = 0
+            lost: DynamoRuntimeError | None = None  # why the last placement was lost
+            while True:
+                target = await self._choose(leg, failed, resuming=bool(generated), lost=lost)
+                # The router may have booked the request on `target`: from here on, every
+                # way out (including encoding the request) ends in `on_finished`.
+                stream: ResponseStream[LLMEngineOutput] | None = None
+                produced_here = False
+                already = len(generated)
+                try:
+                    stream = self._open(leg, target)
+                    async for output in stream:
+                        if not produced_here:
+                            produced_here = True
+                            self._router.on_first_output(leg.request_id, output)
+                        generated.extend(output.token_ids)
+                        if already:
+                            _account_for_migration(output, len(request.token_ids), already)
+                        yield output
+                    return
+                except (InstanceGoneError, StreamTimeoutError) as exc:
+                    failed.add(target)
+                    lost = exc
+                    if not generated and placements + 1 < MAX_PLACEMENT_ATTEMPTS:
+                        placements += 1
+                        log.warning(
+                            "request %s: worker lost before first output (%s), placing it again",
+                            request.request_id, exc,
+                        )  # fmt: skip
+                    elif generated and migrations < self.migration_limit:
+                        migrations += 1
+                        self._migrated(request.model)
+                        leg = continuation(request, generated)
+                        log.warning(
+                            "request %s: worker lost after %d tokens (%s); migrating (%d of %d)",
+                            request.request_id, len(generated), exc, migrations,
+                            self.migration_limit,
+                        )  # fmt: skip
+                    else:
+                        raise EngineFailedError(_lost_message(exc)) from exc
+                except InstanceOverloadedError as exc:
+                    # Refused before it ran anything: safe to send elsewhere.
+                    failed.add(target)
+                    lost = exc
+                    if placements + 1 >= MAX_PLACEMENT_ATTEMPTS:
+                        if generated:
+                            raise EngineFailedError(_lost_message(exc)) from exc
+                        raise EngineOverloadedError(str(exc)) from exc
                     placements += 1
-                    log.warning(
-                        "request %s: worker gone before first output (%s), placing it again",
-                        request.request_id, exc,
-                    )  # fmt: skip
-                elif generated and migrations < self.migration_limit:
-                    migrations += 1
-                    self.migrations += 1
-                    leg = continuation(request, generated)
-                    log.warning(
-                        "request %s: worker lost after %d tokens; migrating (%d of %d)",
-                        request.request_id, len(generated), migrations, self.migration_limit,
-                    )  # fmt: skip
-                else:
-                    raise EngineFailedError(f"worker lost during the request: {exc}") from exc
-            except NoInstancesError as exc:
-                if generated:
-                    raise EngineFailedError(
-                        f"worker lost and no instance to continue on: {exc}"
-                    ) from exc
-                raise EngineUnavailableError(str(exc)) from exc
-            except RemoteError as exc:
-                raise EngineFailedError(exc.message) from exc
-            except DynamoRuntimeError as exc:  # timeouts, protocol errors, shutdown
-                raise EngineFailedError(f"{type(exc).__name__}: {exc}") from exc
-            finally:
-                await stream.aclose()
-                self._router.on_finished(leg.request_id)
+                    log.debug("request %s: %s; placing it again", request.request_id, exc)
+                except ClientClosedError as exc:
+                    if generated:
+                        raise EngineFailedError(f"worker lost: {exc}") from exc
+                    raise EngineUnavailableError(str(exc)) from exc
+                except NoInstancesError as exc:
+                    if generated:
+                        raise EngineFailedError(
+                            f"worker lost and no instance to continue on: {exc}"
+                        ) from exc
+                    raise EngineUnavailableError(str(exc)) from exc
+                except RemoteError as exc:
+                    if exc.kind is ErrorKind.INVALID_REQUEST:
+                        raise EngineRejectedError(exc.message) from exc
+                    raise EngineFailedError(exc.message) from exc
+                except DynamoRuntimeError as exc:  # protocol errors, shutdown
+                    raise EngineFailedError(f"{type(exc).__name__}: {exc}") from exc
+                finally:
+                    if stream is not None:
+                        await stream.aclose()
+                    self._router.on_finished(leg.request_id)
+        finally:
+            self._active -= 1
+            if self._closing and not self._active:
+                self._release_soon()
 
-    async def _place(
-        self, request: PreprocessedRequest, failed: set[int], *, resuming: bool
-    ) -> ResponseStream[LLMEngineOutput]:
+    async def _choose(
+        self,
+        request: PreprocessedRequest,
+        failed: set[int],
+        *,
+        resuming: bool,
+        lost: DynamoRuntimeError | None,
+    ) -> int:
         """Ask the router where `request` goes among the routable instances it was not
-        lost on, and open the stream there (nothing is sent until it is iterated)."""
+        lost on."""
         candidates = [i for i in self._client.routable_ids() if i not in failed]
         if not candidates:
             if resuming:
                 raise EngineFailedError(
                     f"worker lost and no other instance of {request.model} to continue on"
+                    + (f" ({lost})" if lost is not None else "")
                 )
+            if isinstance(lost, StreamTimeoutError):  # instances exist, none answered
+                raise EngineFailedError(_lost_message(lost))
+            if isinstance(lost, InstanceOverloadedError):  # instances exist, all refused
+                raise EngineOverloadedError(f"every instance of {request.model} refused: {lost}")
             raise EngineUnavailableError(f"no instances serve model {request.model}")
-        target = await self._router.select(request, candidates)
+        try:
+            return await self._router.select(request, candidates)
+        except AllWorkersBusyError as exc:
+            if resuming:
+                raise EngineFailedError(f"worker lost and every other one is busy: {exc}") from exc
+            raise EngineOverloadedError(str(exc)) from exc
+
+    def _open(self, request: PreprocessedRequest, target: int) -> ResponseStream[LLMEngineOutput]:
+        """The stream of `request` to `target` (nothing is sent until it is iterated)."""
         return self._client.direct(
-            request, target, response_type=LLMEngineOutput, request_id=request.request_id
+            request,
+            target,
+            response_type=LLMEngineOutput,
+            request_id=request.request_id,
+            first_item_timeout=self.deadlines.first_token_s,
+            item_timeout=self.deadlines.inter_token_s,
         )
 
+    def _migrated(self, model: str) -> None:
+        self.migrations += 1
+        if self._on_migration is not None:
+            self._on_migration(model)
+
     async def close(self) -> None:
-        await self._router.close()
-        await self._client.close()
+        """Release the router and the runtime client now, or, with requests in flight,
+        when the last of them ends (see the class docstring); new requests are refused
+        (503) from now on."""
+        self._closing = True
+        if not self._active:
+            await self._release()
+
+    def _release_soon(self) -> None:
+        """`close()` came while requests were in flight and the last one just ended."""
+        if self._release_task is None:
+            self._release_task = asyncio.get_running_loop().create_task(self._release_quietly())
+
+    async def _release_quietly(self) -> None:
+        try:
+            await self._release()
+        except Exception:  # nobody awaits this task: a failure is only worth a log line
+            log.exception("releasing the engine client of a closed endpoint failed")
+
+    async def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        try:
+            await self._router.close()
+        finally:
+            await self._client.close()
+
+
+def _lost_message(exc: DynamoRuntimeError) -> str:
+    if isinstance(exc, StreamTimeoutError):
+        return f"worker stopped responding: {exc}"
+    return f"worker lost during the request: {exc}"
 
 
 def continuation(request: PreprocessedRequest, generated: list[int]) -> PreprocessedRequest:

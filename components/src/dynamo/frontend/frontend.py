@@ -5,7 +5,10 @@ everything else is tested without a broker. It turns model-card events
 (`dynamo.llm.model_card.ModelCardWatcher`) into `ModelManager` calls (fetching each
 model's tokenizer files once, `fetch_tokenizer_files`), builds one `RuntimeEngineClient`
 (with the configured `Router`) per worker endpoint, and tells each endpoint's router of
-the workers that come and go.
+the workers that come and go. A card that fails to load (its tokenizer files are not in
+the object store yet after a broker restart, ...) is tried again with backoff
+(`card_retry.CardRetries`: 0.5 s doubling to 10 s, shortest again after a reconnect)
+for as long as it is registered.
 """
 
 from __future__ import annotations
@@ -14,19 +17,35 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from dynamo.frontend.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_WAITING, AdmissionLimits
+from dynamo.frontend.card_retry import CardRetries
 from dynamo.frontend.disagg import DEFAULT_PREFILL_TIMEOUT_S
-from dynamo.frontend.engine_client import EndpointClient, RuntimeEngineClient
+from dynamo.frontend.engine_client import (
+    DEFAULT_FIRST_TOKEN_TIMEOUT_S,
+    DEFAULT_INTER_TOKEN_TIMEOUT_S,
+    EndpointClient,
+    MigrationHook,
+    RuntimeEngineClient,
+    StreamDeadlines,
+)
+from dynamo.frontend.http_listener import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    ConnectionTimeouts,
+)
 from dynamo.frontend.http_server import (
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_WORKER_WAIT_S,
+    DEFAULT_WRITE_TIMEOUT_S,
     HttpService,
 )
 from dynamo.frontend.metrics import FrontendMetrics
 from dynamo.frontend.model_registry import ModelManager, endpoint_key
 from dynamo.frontend.routing import RouterFactory, RouterMode, make_router_factory
+from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.model_card import (
     CardAdded,
     CardEvent,
@@ -36,6 +55,7 @@ from dynamo.llm.model_card import (
 )
 from dynamo.llm.protocols import ModelCard
 from dynamo.runtime import DistributedRuntime
+from dynamo.runtime.nats_options import NatsConnectOptions
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +72,29 @@ class FrontendConfig:
     http_port: int = 8000
     namespace: str = "dynamo"
     nats_server: str = "nats://127.0.0.1:4222"
+    nats_options: NatsConnectOptions | None = None  # None: the NATS_* variables
     router_mode: RouterMode = RouterMode.ROUND_ROBIN
     kv_overlap_score_weight: float = 1.0
     router_temperature: float = 0.0
+    busy_kv_usage: float | None = None  # kv mode: a worker this full is skipped (None: off)
+    busy_waiting_requests: int | None = None  # kv mode: a worker with this queue is skipped
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     tokenizer_cache: Path | None = None
     prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT_S
     worker_wait_s: float = DEFAULT_WORKER_WAIT_S
+    first_token_timeout_s: float = DEFAULT_FIRST_TOKEN_TIMEOUT_S  # 0: no deadline
+    inter_token_timeout_s: float = DEFAULT_INTER_TOKEN_TIMEOUT_S  # 0: no deadline
+    # None or "": no authentication. Kept out of repr so that no log of the config shows it.
+    api_key: str | None = field(default=None, repr=False)
+    max_inflight_requests: int = DEFAULT_MAX_INFLIGHT  # per model
+    max_waiting_requests: int = DEFAULT_MAX_WAITING  # per model, waiting for a worker
+    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S  # 0: a stream waits for its client
+
+    @property
+    def stream_deadlines(self) -> StreamDeadlines:
+        return StreamDeadlines.from_seconds(self.first_token_timeout_s, self.inter_token_timeout_s)
 
 
 class ModelCardSync:
@@ -70,24 +106,65 @@ class ModelCardSync:
         manager: ModelManager,
         router_factory: RouterFactory,
         tokenizer_cache: Path,
+        *,
+        deadlines: StreamDeadlines | None = None,
+        on_migration: MigrationHook | None = None,
+        retries: CardRetries | None = None,
     ) -> None:
         self._runtime = runtime
         self._manager = manager
         self._router_factory = router_factory
         self._cache = tokenizer_cache
+        self._deadlines = deadlines
+        self._on_migration = on_migration
+        self.retries = retries or CardRetries()
 
     async def run(self, namespace: str) -> None:
         """Apply card events until cancelled. Events are applied in order (an instance's
-        removal must not overtake its addition); a failing event is logged and skipped."""
+        removal must not overtake its addition), and so are retries of cards that failed
+        to load, while their card is still registered."""
         watcher = await ModelCardWatcher(self._runtime, namespace).start()
+        self._runtime.add_reconnect_listener(self.retries.hurry)
+        events = aiter(watcher)
+        next_event: asyncio.Future[CardEvent] | None = None
         try:
-            async for event in watcher:
-                try:
-                    await self.apply(event)
-                except Exception:
-                    log.exception("could not apply model card event %r", event)
+            while True:
+                if next_event is None:
+                    next_event = asyncio.ensure_future(anext(events))
+                await asyncio.wait({next_event}, timeout=self.retries.seconds_until_next())
+                if next_event.done():
+                    event, next_event = next_event.result(), None
+                    await self._apply_or_retry(event)
+                for card in self.retries.due():
+                    if card in watcher.cards:
+                        await self._apply_or_retry(CardAdded(card))
+                    else:  # removed or replaced since: its own event decides
+                        self.retries.forget(card)
         finally:
+            if next_event is not None:
+                next_event.cancel()
+            self._runtime.remove_reconnect_listener(self.retries.hurry)
             await watcher.close()
+
+    async def _apply_or_retry(self, event: CardEvent) -> None:
+        """Apply one event; a card that fails to load is scheduled for another try."""
+        try:
+            await self.apply(event)
+        except Exception as exc:
+            if not isinstance(event, CardAdded):
+                log.exception("could not apply model card event %r", event)
+                return
+            pending = self.retries.failed(event.card)
+            log.warning(
+                "could not load model %s from instance %016x (attempt %d): %s; retrying in %.1fs",
+                event.card.name,
+                event.card.instance_id,
+                pending.failures,
+                exc or type(exc).__name__,
+                self.retries.backoff.delay(pending.failures),
+            )
+        else:
+            self.retries.forget(event.card)
 
     async def apply(self, event: CardEvent) -> None:
         card = event.card
@@ -119,14 +196,20 @@ class ModelCardSync:
         )
         client = await endpoint.client()
         router = await self._router_factory(card, client)
-        return RuntimeEngineClient(client, router, migration_limit=card.migration_limit)
+        return RuntimeEngineClient(
+            client,
+            router,
+            migration_limit=card.migration_limit,
+            deadlines=self._deadlines,
+            on_migration=self._on_migration,
+        )
 
 
 async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set (or forever): connect, watch cards, serve HTTP."""
     stop = stop or asyncio.Event()
     runtime = await DistributedRuntime.connect(
-        config.nats_server, name="frontend", wait_for_server=30
+        config.nats_server, name="frontend", wait_for_server=30, options=config.nats_options
     )
     metrics = FrontendMetrics()
     manager = ModelManager(
@@ -139,6 +222,10 @@ async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None
         port=config.http_port,
         max_request_bytes=config.max_request_bytes,
         worker_wait_s=config.worker_wait_s,
+        api_key=config.api_key,
+        admission=AdmissionLimits(config.max_inflight_requests, config.max_waiting_requests),
+        timeouts=ConnectionTimeouts(config.keep_alive_timeout_s, config.header_timeout_s),
+        write_timeout_s=config.write_timeout_s or None,
     )
     watcher: asyncio.Task[None] | None = None
     try:
@@ -147,9 +234,15 @@ async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None
             runtime,
             kv_overlap_score_weight=config.kv_overlap_score_weight,
             router_temperature=config.router_temperature,
+            busy=BusyThresholds(config.busy_kv_usage, config.busy_waiting_requests),
         )
         sync = ModelCardSync(
-            runtime, manager, router_factory, config.tokenizer_cache or default_tokenizer_cache()
+            runtime,
+            manager,
+            router_factory,
+            config.tokenizer_cache or default_tokenizer_cache(),
+            deadlines=config.stream_deadlines,
+            on_migration=metrics.migration,
         )
         watcher = asyncio.create_task(sync.run(config.namespace))
         await service.start()

@@ -28,7 +28,9 @@ from typing import Any
 
 from vllm.engine.arg_utils import AsyncEngineArgs
 
+from dynamo.llm.worker.inflight import max_inflight_or_env
 from dynamo.runtime.cli import ConfigError
+from dynamo.runtime.nats_options import NatsConnectOptions, nats_options_from_args
 from dynamo.runtime.runtime import default_lease_ttl
 from dynamo.vllm.config_layers import collect_layers, merge_engine_values
 from dynamo.vllm.config_report import resolved_config_lines, resolved_config_yaml
@@ -38,6 +40,7 @@ from dynamo.vllm.speculative_resolution import resolve_speculative
 from dynamo.vllm.worker_parser import (
     DEFAULT_COMPONENT,
     DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_MIGRATION_LIMIT,
     DEFAULT_NATS,
     PREFILL_COMPONENT,
     DisaggregationMode,
@@ -74,6 +77,8 @@ class VllmWorkerConfig:
     """Local directory of the target model (tokenizer files for the model card)."""
     nats_server: str
     lease_ttl: float
+    nats_options: NatsConnectOptions
+    """Credentials and TLS of the NATS connection (flags over NATS_* variables)."""
     system_port: int | None
     """Metrics/health HTTP port; None disables the server, 0 picks a free port."""
     kv_events_port: int | None
@@ -83,6 +88,8 @@ class VllmWorkerConfig:
     (`ipc://$TMPDIR/dynamo-kv-*-events.sock`, see `kv_events_endpoint`), or they are off."""
     migration_limit: int
     dry_run: bool
+    max_inflight_requests: int | None = None
+    """Bound on requests accepted at once (0: none; None: 4 x max_num_seqs)."""
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     extra_engine_args: Path | None = None
     speculators_checkpoint: Path | None = None
@@ -108,6 +115,14 @@ class VllmWorkerConfig:
         return cfg.replay_endpoint if cfg is not None and cfg.enable_kv_cache_events else None
 
 
+def migration_limit_for(mode: DisaggregationMode, given: int | None) -> int:
+    """`--migration-limit` as given, else the default of the worker's role: a prefill
+    worker's one-token leg is never migrated (its loss falls back to local prefill)."""
+    if given is not None:
+        return given
+    return 0 if mode == "prefill" else DEFAULT_MIGRATION_LIMIT
+
+
 def parse_worker_args(argv: Sequence[str] | None = None) -> VllmWorkerConfig:
     """Parse the command line (and the files it names) into a VllmWorkerConfig.
 
@@ -126,6 +141,7 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> VllmWorkerConfig:
     resolve_speculative(values, sources, layers, checkpoint, dry_run=dry_run)
     check_block_size(values, sources)
     kv_events_port = configure_kv_events(values, sources, full["kv_events_port"])
+    nats_server = full["nats_server"] or os.environ.get("NATS_SERVER") or DEFAULT_NATS
     configure_kv_transfer(values, sources, mode, full["namespace"])
     if layers.file is not None and layers.file.ignored:
         log.warning(
@@ -142,13 +158,15 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> VllmWorkerConfig:
         endpoint=full["endpoint"],
         served_model_name=served,
         model_path=target_dir,
-        nats_server=full["nats_server"] or os.environ.get("NATS_SERVER") or DEFAULT_NATS,
+        nats_server=nats_server,
+        nats_options=nats_options_from_args(full, url=nats_server),
         lease_ttl=full["lease_ttl"] or default_lease_ttl(),
         system_port=system_port_or_env(full["system_port"]),
         kv_events_port=kv_events_port,
-        migration_limit=full["migration_limit"],
+        migration_limit=migration_limit_for(mode, full["migration_limit"]),
         dry_run=dry_run,
         drain_timeout_s=full["drain_timeout"],
+        max_inflight_requests=max_inflight_or_env(full["max_inflight_requests"]),
         extra_engine_args=Path(full["extra_engine_args"]) if full["extra_engine_args"] else None,
         speculators_checkpoint=checkpoint.path if checkpoint else None,
         sources=sources,

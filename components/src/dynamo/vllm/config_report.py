@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from vllm.engine.arg_utils import AsyncEngineArgs
 
+from dynamo.runtime.nats_options import redact_url
 from dynamo.vllm.config_layers import SRC_VLLM, SRC_WORKER
 
 if TYPE_CHECKING:  # args.py imports this module: the config class is only a type here
@@ -32,11 +33,15 @@ def _worker_summary(cfg: VllmWorkerConfig) -> dict[str, Any]:
         "speculators_checkpoint": str(cfg.speculators_checkpoint)
         if cfg.speculators_checkpoint
         else None,
-        "nats_server": cfg.nats_server,
+        "nats_server": redact_url(cfg.nats_server),
+        "nats_security": cfg.nats_options.describe(cfg.nats_server),
         "lease_ttl": cfg.lease_ttl,
         "system_port": cfg.system_port,
         "kv_events_port": cfg.kv_events_port,
         "migration_limit": cfg.migration_limit,
+        "max_inflight_requests": "auto (4 x max_num_seqs)"
+        if cfg.max_inflight_requests is None
+        else cfg.max_inflight_requests,
         "extra_engine_args": str(cfg.extra_engine_args) if cfg.extra_engine_args else None,
     }
 

@@ -20,7 +20,8 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from dynamo.llm.models import DEFAULT_MODEL
-from dynamo.llm.worker import DEFAULT_DRAIN_TIMEOUT_S
+from dynamo.llm.worker import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MIGRATION_LIMIT
+from dynamo.llm.worker.inflight import MAX_INFLIGHT_HELP
 from dynamo.runtime.cli import (
     ConfigError,
     non_negative_float,
@@ -28,6 +29,7 @@ from dynamo.runtime.cli import (
     port,
     positive_float,
 )
+from dynamo.runtime.nats_options import add_nats_arguments
 from dynamo.runtime.runtime import DEFAULT_LEASE_TTL_S
 
 DisaggregationMode = Literal["agg", "prefill", "decode"]
@@ -189,10 +191,12 @@ def _add_worker_flags(parser: FlexibleArgumentParser) -> None:
     group.add_argument(
         "--migration-limit",
         type=non_negative_int,
-        default=0,
+        default=None,
         help="How often a request may move to another worker when this one dies mid-stream: "
         "the frontend resends the prompt plus the tokens generated so far to another "
-        "instance, and the client sees one uninterrupted stream (default 0: fail the request).",
+        "instance, and the client sees one uninterrupted stream; 0 fails the request "
+        f"instead (default: {DEFAULT_MIGRATION_LIMIT} for aggregated and decode workers, 0 "
+        "for prefill workers, whose single output is never migrated)." + _OWN_DEFAULT,
     )
     group.add_argument(
         "--system-port",
@@ -211,14 +215,22 @@ def _add_worker_flags(parser: FlexibleArgumentParser) -> None:
     group.add_argument(
         "--nats-server",
         default=None,
-        help=f"NATS URL (default: $NATS_SERVER, else {DEFAULT_NATS}).{_OWN_DEFAULT}",
+        help=f"NATS URL (default: $NATS_SERVER, else {DEFAULT_NATS}); logs and --dry-run "
+        f"show it redacted.{_OWN_DEFAULT}",
     )
+    add_nats_arguments(group)
     group.add_argument(
         "--lease-ttl",
         type=positive_float,
         default=None,
         help="Seconds a registration outlives a silent worker "
         f"(default: $DYN_LEASE_TTL, else {DEFAULT_LEASE_TTL_S:g})." + _OWN_DEFAULT,
+    )
+    group.add_argument(
+        "--max-inflight-requests",
+        type=non_negative_int,
+        default=None,
+        help=MAX_INFLIGHT_HELP + _OWN_DEFAULT,
     )
     group.add_argument(
         "--drain-timeout",

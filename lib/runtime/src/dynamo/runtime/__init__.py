@@ -10,13 +10,18 @@ async for item in client.round_robin(request):   # or .random(), .direct(req, id
 
 from dynamo.runtime.client import Client, ResponseStream
 from dynamo.runtime.errors import (
+    ClientClosedError,
     DynamoRuntimeError,
     InstanceGoneError,
+    InstanceOverloadedError,
+    InvalidRequestError,
     NoInstancesError,
     RemoteError,
+    RequestRefusedError,
     RuntimeClosedError,
     StreamProtocolError,
     StreamTimeoutError,
+    WorkerOverloadedError,
 )
 from dynamo.runtime.runtime import (
     Component,
@@ -26,24 +31,30 @@ from dynamo.runtime.runtime import (
     ServedEndpoint,
 )
 from dynamo.runtime.server import Context
-from dynamo.runtime.wire import InstanceInfo, InstanceStatus
+from dynamo.runtime.wire import ErrorKind, InstanceInfo, InstanceStatus
 
 __all__ = [
     "Client",
+    "ClientClosedError",
     "Component",
     "Context",
     "DistributedRuntime",
     "DynamoRuntimeError",
     "Endpoint",
+    "ErrorKind",
     "InstanceGoneError",
     "InstanceInfo",
+    "InstanceOverloadedError",
     "InstanceStatus",
+    "InvalidRequestError",
     "Namespace",
     "NoInstancesError",
     "RemoteError",
+    "RequestRefusedError",
     "ResponseStream",
     "RuntimeClosedError",
     "ServedEndpoint",
     "StreamProtocolError",
     "StreamTimeoutError",
+    "WorkerOverloadedError",
 ]

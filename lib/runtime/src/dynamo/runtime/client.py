@@ -16,11 +16,20 @@ layer's engine client re-places or migrates through its router). The stream only
   responders" at once; nothing was processed, so sending elsewhere is safe; the instance
   is also left out of `routable_ids()` for one lease TTL), when its key leaves the bucket
   before the END frame (a SIGKILLed worker is detected within the lease window instead of
-  hanging the caller), or when it shut down before finishing;
-* `NoInstancesError` when there is nobody to send to.
+  hanging the caller), when it shut down before finishing, or when it was no longer
+  registered by the time the stream started (nothing sent);
+* `NoInstancesError` when there is nobody to send to;
+* `StreamTimeoutError` when the instance stays silent longer than the stream's deadline
+  (`first_item_timeout` before the first item, `item_timeout` between items): it holds its
+  lease but stopped answering this request (a STOP is sent, so it stops working on it);
+* `ClientClosedError` when the `Client` is closed while the stream is open: a closed
+  client no longer watches the instances, so it could not report the instance's loss and
+  the stream would wait forever.
 
 Closing a stream early (`aclose()`, `async with`, or breaking out and closing) sends a
-STOP on the instance's control subject, which cancels the handler.
+STOP on the instance's control subject, which cancels the handler; so does closing a
+stream that failed on this side (deadline, closed client, malformed frame) while the
+instance may still be working on it.
 """
 
 from __future__ import annotations
@@ -39,11 +48,12 @@ from nats.js.api import Header
 
 from dynamo.runtime import naming, wire
 from dynamo.runtime.errors import (
+    ClientClosedError,
     InstanceGoneError,
     NoInstancesError,
-    RemoteError,
     StreamProtocolError,
     StreamTimeoutError,
+    error_from_frame,
 )
 from dynamo.runtime.selection import RandomChoice, RoundRobin
 
@@ -73,6 +83,7 @@ class Client:
         self._random = RandomChoice()
         self._changed = asyncio.Event()
         self._listeners: list[InstancesListener] = []
+        self._closed = False
         self._watcher = runtime.watch_bucket(
             naming.INSTANCES_BUCKET,
             naming.instance_key_filter(endpoint.namespace, endpoint.component, endpoint.name),
@@ -85,7 +96,21 @@ class Client:
         return self
 
     async def close(self) -> None:
+        """Stop watching the endpoint. Every stream still open through this client ends
+        with `ClientClosedError` at once (it could not learn of its instance's loss any
+        more), and new streams are refused. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        open_streams = [s for streams in self._streams_by_instance.values() for s in streams]
+        self._streams_by_instance.clear()
+        for stream in open_streams:
+            stream.fail(ClientClosedError(f"the client of {self.endpoint.path} was closed"))
         await self.runtime.close_watcher(self._watcher)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     # ------------------------------------------------------------------ instances
 
@@ -211,7 +236,8 @@ class Client:
         *,
         response_type: type[T],
         request_id: str | None = ...,
-        timeout: float | None = ...,
+        first_item_timeout: float | None = ...,
+        item_timeout: float | None = ...,
     ) -> ResponseStream[T]: ...
 
     @overload
@@ -222,7 +248,8 @@ class Client:
         *,
         response_type: None = ...,
         request_id: str | None = ...,
-        timeout: float | None = ...,
+        first_item_timeout: float | None = ...,
+        item_timeout: float | None = ...,
     ) -> ResponseStream[Any]: ...
 
     def direct(
@@ -232,17 +259,22 @@ class Client:
         *,
         response_type: type[Any] | None = None,
         request_id: str | None = None,
-        timeout: float | None = None,
+        first_item_timeout: float | None = None,
+        item_timeout: float | None = None,
     ) -> ResponseStream[Any]:
         """A stream of `request` sent to `instance_id` (nothing is sent before the first
-        `__anext__`). Items are decoded as `response_type` (plain data when None)."""
+        `__anext__`). Items are decoded as `response_type` (plain data when None). The
+        stream fails with `StreamTimeoutError` when no frame arrives within
+        `first_item_timeout` seconds before its first item or `item_timeout` seconds
+        after one (None: wait as long as the instance holds its lease)."""
         return ResponseStream(
             self,
             request,
             instance_id,
             response_type=response_type,
             request_id=request_id,
-            timeout=timeout,
+            first_item_timeout=first_item_timeout,
+            item_timeout=item_timeout,
         )
 
     def round_robin(self, request: object, **kwargs: Any) -> ResponseStream[Any]:
@@ -264,7 +296,10 @@ class Client:
 
 class ResponseStream(Generic[T]):
     """Async iterator over one request's responses from one instance. Nothing is sent
-    until the first `__anext__`; `aclose()` before the end cancels the request there."""
+    until the first `__anext__`; `aclose()` before the end cancels the request there.
+
+    The deadlines are inactivity limits, counted from when the reader starts waiting: a
+    reader that is slow itself never makes the instance look silent."""
 
     def __init__(
         self,
@@ -274,14 +309,19 @@ class ResponseStream(Generic[T]):
         *,
         response_type: type[T] | None = None,
         request_id: str | None = None,
-        timeout: float | None = None,
+        first_item_timeout: float | None = None,
+        item_timeout: float | None = None,
     ) -> None:
         self._client = client
         self.instance_id = instance_id
         self.request_id = request_id or uuid.uuid4().hex
         self._payload = wire.encode_request(self.request_id, request)
         self._decoder = wire.decoder_for(response_type)
-        self._timeout = timeout
+        self._first_item_timeout = first_item_timeout
+        self._item_timeout = item_timeout
+        self._received_item = False
+        self._ended_remotely = False  # END / ERROR frame or no responder: nothing to cancel
+        self._cancel_sent = False
         self._reply: str | None = None
         self._frames: collections.deque[bytes | None] = collections.deque()  # None: no responder
         self._items: collections.deque[T] = collections.deque()
@@ -308,6 +348,7 @@ class ResponseStream(Generic[T]):
                     self._no_responder()
                     continue
                 if self._process(frame):
+                    self._received_item = True
                     return self._items.popleft()
                 continue
             if self._error is not None:
@@ -324,8 +365,9 @@ class ResponseStream(Generic[T]):
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Stop the stream; cancels the request on the server if it had not ended."""
-        if self._started and not self._done and self._error is None:
+        """Stop the stream; cancels the request on the server unless the server ended it
+        (an END or ERROR frame, or it had no responder). Idempotent."""
+        if self._started and not self._ended_remotely:
             await self._cancel_remote()
         self._done = True
         self._release()
@@ -343,9 +385,15 @@ class ResponseStream(Generic[T]):
     async def _start(self) -> None:
         self._started = True
         client = self._client
+        if client.closed:
+            self._ended_remotely = True  # nothing was sent
+            raise ClientClosedError(f"the client of {client.endpoint.path} was closed")
         if not client.knows(self.instance_id):
-            raise NoInstancesError(
-                f"instance {self.instance_id:016x} of {client.endpoint.path} is unknown"
+            # It left between the caller's choice and now; nothing was sent, so the
+            # request may go elsewhere exactly as after a "no responders".
+            self._ended_remotely = True
+            raise InstanceGoneError(
+                self.instance_id, f"not registered on {client.endpoint.path} (any more)"
             )
         self._reply = client.runtime.inbox.open(self._on_message)
         client.track(self, self.instance_id)
@@ -354,6 +402,7 @@ class ResponseStream(Generic[T]):
         )
 
     def _no_responder(self) -> None:
+        self._ended_remotely = True
         self._client.mark_unreachable(self.instance_id)
         log.debug("instance %016x had no responder", self.instance_id)
         self._error = InstanceGoneError(self.instance_id, "no responder on its subject")
@@ -380,31 +429,41 @@ class ResponseStream(Generic[T]):
             return bool(self._items)
         if kind is wire.FrameKind.END:
             self._done = True
+            self._ended_remotely = True
             self._release()
             return False
         error_type, message = wire.decode_error(body)
-        if error_type == wire.SHUTDOWN_ERROR_TYPE:
-            self._error = InstanceGoneError(self.instance_id, message)
-        else:
-            self._error = RemoteError(message, error_type)
+        self._error = error_from_frame(self.instance_id, error_type, message)
         self._done = True
+        self._ended_remotely = True
         return False
 
     async def _wait(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._waiter = loop.create_future()
+        """Wait for the next frame (or `fail`), at most the deadline that applies now."""
+        limit = self._item_timeout if self._received_item else self._first_item_timeout
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        # A timer handle, not `asyncio.wait_for`: this runs once per token of every stream.
+        timer = None if limit is None else waiter.get_loop().call_later(limit, self._expire, limit)
         try:
-            if self._timeout is None:
-                await self._waiter
-            else:
-                await asyncio.wait_for(self._waiter, self._timeout)
-        except TimeoutError:
-            self._error = StreamTimeoutError(
-                f"no response from instance {self.instance_id:016x} within {self._timeout}s"
-            )
-            await self._cancel_remote()
+            await waiter
         finally:
+            if timer is not None:
+                timer.cancel()
             self._waiter = None
+        if isinstance(self._error, StreamTimeoutError):
+            await self._cancel_remote()  # it may still be working on the request
+
+    def _expire(self, limit: float) -> None:
+        """The deadline passed with no frame (any frame would have resolved the waiter)."""
+        waiter = self._waiter
+        if waiter is None or waiter.done() or self._error is not None:
+            return
+        what = "next output" if self._received_item else "first output"
+        self._error = StreamTimeoutError(
+            f"instance {self.instance_id:016x} sent no {what} within {limit:g}s",
+            self.instance_id,
+        )
+        waiter.set_result(None)
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -421,8 +480,9 @@ class ResponseStream(Generic[T]):
         self._wake()
 
     async def _cancel_remote(self) -> None:
-        if self._reply is None:
+        if self._reply is None or self._cancel_sent:
             return
+        self._cancel_sent = True
         data = wire.encode_control(self._reply, wire.ControlAction.STOP)
         try:
             await self._client.runtime.nc.publish(naming.control_subject(self.instance_id), data)

@@ -5,7 +5,10 @@ One runtime per process. It owns the NATS connection (reconnecting forever), the
 instance id, the lease heartbeat, the `Inbox` through which every response stream of this
 process arrives, and the control subscription through which clients cancel requests
 served here (applied to the `InflightRegistry` its endpoints share). Everything is restored after a broker restart: subscriptions by
-nats-py itself, leased keys by `LeaseKeeper.restore`, watches by `BucketWatcher.restart`.
+nats-py itself, leased keys by `LeaseKeeper.restore`, watches by `BucketWatcher.restart`,
+and whatever else lived on the broker (tokenizer files, event streams, consumers) by the
+reconnect listeners of their owners. A restarted broker may have lost everything (the
+launch scripts give it a temporary store), so the restore assumes nothing survived.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import nats
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -35,8 +37,16 @@ from dynamo.runtime.errors import RuntimeClosedError
 from dynamo.runtime.inbox import Inbox
 from dynamo.runtime.kv import ensure_registry
 from dynamo.runtime.leases import LeaseKeeper
+from dynamo.runtime.nats_connect import open_nats_connection
+from dynamo.runtime.nats_options import NatsConnectOptions, redact_url
 from dynamo.runtime.nats_server import is_reachable, nats_url_from_env
-from dynamo.runtime.server import EndpointServer, Handler, InflightRegistry
+from dynamo.runtime.server import (
+    PUBLISH_FLUSH_TIMEOUT_S,
+    EndpointServer,
+    Handler,
+    InflightRegistry,
+)
+from dynamo.runtime.tasks import cancel_and_wait
 from dynamo.runtime.watch import BucketWatcher
 
 log = logging.getLogger(__name__)
@@ -67,6 +77,8 @@ class DistributedRuntime:
         self._served: list[ServedEndpoint] = []
         self._watchers: set[BucketWatcher] = set()
         self._reconnect_listeners: list[ReconnectListener] = []
+        self._restore_task: asyncio.Task[None] | None = None
+        self.reconnects = 0  # completed reconnects (logs, debug views, tests)
         self._leases = LeaseKeeper(nc, self.js, lease_ttl)
         self._closed = False
         self._kv_cache: dict[str, KeyValue] = {}
@@ -82,14 +94,20 @@ class DistributedRuntime:
         name: str = "dynamo",
         connect_timeout: float = 5.0,
         wait_for_server: float = 0.0,
+        options: NatsConnectOptions | None = None,
     ) -> DistributedRuntime:
-        """Connect to NATS at `url` (default `$NATS_SERVER` or nats://127.0.0.1:4222).
+        """Connect to NATS at `url` (default `$NATS_SERVER` or nats://127.0.0.1:4222)
+        with `options`' credentials and TLS (default: the `NATS_*` variables).
 
         Waits up to `wait_for_server` seconds for the server to come up (useful when
-        processes start together), then raises ConnectionError naming the URL. Once
+        processes start together), then raises ConnectionError naming the URL (redacted);
+        a server that refuses the credentials or the TLS settings raises
+        `NatsRefusedError` at once; contradictory settings raise ConfigError. Once
         connected, reconnects are retried forever.
         """
         server = url or nats_url_from_env()
+        nats_options = NatsConnectOptions.from_env() if options is None else options
+        nats_options.check_url(server)
         await _wait_reachable(server, max(wait_for_server, connect_timeout))
         holder: dict[str, DistributedRuntime] = {}
 
@@ -104,8 +122,10 @@ class DistributedRuntime:
         async def on_error(exc: Exception) -> None:
             log.debug("NATS error: %s", exc)
 
-        nc = await nats.connect(
-            servers=[server],
+        nc = await open_nats_connection(
+            server,
+            nats_options,
+            timeout=max(wait_for_server, 2 * connect_timeout),
             name=f"{name}-{os.getpid()}",
             connect_timeout=connect_timeout,
             max_reconnect_attempts=-1,
@@ -114,6 +134,7 @@ class DistributedRuntime:
             reconnected_cb=on_reconnected,
             disconnected_cb=on_disconnected,
             error_cb=on_error,
+            flush_timeout=PUBLISH_FLUSH_TIMEOUT_S,
         )
         runtime = cls(nc, lease_ttl=lease_ttl or default_lease_ttl(), name=name)
         holder["rt"] = runtime
@@ -127,7 +148,7 @@ class DistributedRuntime:
         log.info(
             "runtime %s connected to %s as instance %s (lease %.1fs)",
             self.name,
-            self.nc.connected_url.netloc if self.nc.connected_url else "?",
+            redact_url(self.nc.connected_url.netloc) if self.nc.connected_url else "?",
             naming.instance_hex(self.instance_id),
             self.lease_ttl,
         )
@@ -148,6 +169,7 @@ class DistributedRuntime:
             await served.mark_draining()
         for served in list(self._served):
             await served.stop(drain_timeout)
+        await cancel_and_wait(self._restore_task)
         await self._leases.close(delete=True)
         for watcher in list(self._watchers):
             await watcher.close()
@@ -158,22 +180,46 @@ class DistributedRuntime:
         log.info("runtime %s shut down", self.name)
 
     def add_reconnect_listener(self, listener: ReconnectListener) -> None:
-        """Run `listener()` after every reconnect (after leases and watches are restored)."""
+        """Run `listener()` after every reconnect (after leases and watches are restored).
+
+        Listeners of one reconnect run concurrently, so one that retries for a while
+        (re-uploading files the broker lost) does not hold up the others. A listener
+        still running when the connection drops again is cancelled."""
         self._reconnect_listeners.append(listener)
 
+    def remove_reconnect_listener(self, listener: ReconnectListener) -> None:
+        """Stop calling `listener` (its owner closed). Unknown listeners are ignored."""
+        with contextlib.suppress(ValueError):
+            self._reconnect_listeners.remove(listener)
+
     async def _on_reconnected(self) -> None:
-        log.info("reconnected to NATS; restoring leases and watches")
+        """nats-py's reconnect callback. It runs inside nats-py's reconnect loop, so the
+        restore is only started here: a slow restore must not stall that loop, and a
+        restore cut short by another disconnect is replaced by the next one."""
+        if self._closed:
+            return
+        self.reconnects += 1
+        previous, self._restore_task = self._restore_task, None
+        if previous is not None and not previous.done():
+            previous.cancel()
+        self._restore_task = asyncio.create_task(self._restore(), name="dynamo-restore")
+
+    async def _restore(self) -> None:
+        log.info("reconnected to NATS; restoring leases, watches and listeners")
         self._kv_cache.clear()
-        await self._leases.restore()
+        try:
+            await self._leases.restore()
+        except Exception:  # the heartbeat puts them again on its next beat
+            log.exception("restoring leases after a reconnect failed")
         for watcher in list(self._watchers):
             watcher.restart()
-        for listener in list(self._reconnect_listeners):
-            try:
-                result = listener()
-                if asyncio.iscoroutine(result):
-                    await result
-            except Exception:
-                log.exception("reconnect listener failed")
+        listeners = list(self._reconnect_listeners)
+        results = await asyncio.gather(
+            *(_call_listener(listener) for listener in listeners), return_exceptions=True
+        )
+        for listener, result in zip(listeners, results, strict=True):
+            if isinstance(result, Exception):
+                log.error("reconnect listener %r failed: %s", listener, result, exc_info=result)
 
     # ------------------------------------------------------------------ handles
 
@@ -206,8 +252,17 @@ class DistributedRuntime:
         on_put: Callable[[str, bytes], None] | None = None,
         on_delete: Callable[[str], None] | None = None,
     ) -> BucketWatcher:
-        """A watcher restarted on reconnect; call `await watcher.start()`."""
-        watcher = BucketWatcher(self.js, bucket, key_filter, on_put=on_put, on_delete=on_delete)
+        """A watcher restarted on reconnect; call `await watcher.start()`. A key missing
+        after a reconnect is given one lease TTL to be put again before it counts as
+        deleted (its owner restores it when it reconnects too)."""
+        watcher = BucketWatcher(
+            self.js,
+            bucket,
+            key_filter,
+            on_put=on_put,
+            on_delete=on_delete,
+            missing_grace_s=self.lease_ttl,
+        )
         self._watchers.add(watcher)
         return watcher
 
@@ -252,19 +307,26 @@ class DistributedRuntime:
             self._served.remove(served)
 
 
+async def _call_listener(listener: ReconnectListener) -> None:
+    result = listener()
+    if result is not None:
+        await result
+
+
 async def _wait_reachable(url: str, timeout: float) -> None:
     """Poll the server's TCP port: nats-py itself would retry an absent server forever."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     logged = False
+    shown = redact_url(url)
     while not await asyncio.to_thread(is_reachable, url, 0.5):
         if loop.time() >= deadline:
             raise ConnectionError(
-                f"no NATS server at {url} (start one with `python -m dynamo.runtime.nats_server` "
+                f"no NATS server at {shown} (start one with `python -m dynamo.runtime.nats_server` "
                 f"or set $NATS_SERVER)"
             )
         if not logged:
-            log.info("waiting for NATS at %s", url)
+            log.info("waiting for NATS at %s", shown)
             logged = True
         await asyncio.sleep(0.25)
 
@@ -311,9 +373,12 @@ class Endpoint:
         *,
         request_type: type | None = None,
         metadata: dict[str, Any] | None = None,
+        max_inflight: int | None = None,
     ) -> ServedEndpoint:
-        """Serve `handler` on this endpoint and register the instance (leased)."""
-        served = ServedEndpoint(self, handler, request_type, metadata or {})
+        """Serve `handler` on this endpoint and register the instance (leased). With
+        `max_inflight`, requests beyond that many in flight are refused at once
+        (`InstanceOverloadedError` at the caller)."""
+        served = ServedEndpoint(self, handler, request_type, metadata or {}, max_inflight)
         await served.start()
         return served
 
@@ -333,6 +398,7 @@ class ServedEndpoint:
     handler: Handler
     request_type: type | None
     metadata: dict[str, Any]
+    max_inflight: int | None = None
     server: EndpointServer | None = field(default=None, init=False)
     _stopped: bool = field(default=False, init=False)
 
@@ -369,6 +435,7 @@ class ServedEndpoint:
             self.handler,
             self.request_type,
             runtime.inflight,
+            max_inflight=self.max_inflight,
         )
         await self.server.start()
         await runtime.put_leased(naming.INSTANCES_BUCKET, self.key, wire.encode_instance(info))

@@ -7,4 +7,7 @@ and nothing under `lib/runtime`, `lib/llm` or `components/` imports it.
 
 `frontends` runs the real frontend as a task of a test's own event loop, for integration
 tests that serve their scripted workers from the same loop.
+
+`sse` reads a streaming completion the way fault tests need it: chunk times, the in-band
+error event, `[DONE]`, usage.
 """

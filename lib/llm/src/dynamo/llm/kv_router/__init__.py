@@ -15,6 +15,7 @@ from dynamo.llm.kv_router.active_sequences import (
     WorkerLoad,
     speculative_depth,
 )
+from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.hashing import compute_block_hashes, hash_block
 from dynamo.llm.kv_router.indexer import KvIndexer, OverlapScores
 from dynamo.llm.kv_router.nats_feed import KvRouterFeed, create_kv_router
@@ -32,6 +33,7 @@ from dynamo.llm.kv_router.vllm_events import KvEventConverter, decode_event_batc
 
 __all__ = [
     "ActiveSequences",
+    "BusyThresholds",
     "KvEventConverter",
     "KvEventPublisher",
     "KvIndexer",

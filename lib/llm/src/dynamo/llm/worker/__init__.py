@@ -16,6 +16,7 @@ stop. The rest is written once here:
 from dynamo.llm.worker.backend import (
     CLEAR_KV_BLOCKS_ENDPOINT,
     DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_MIGRATION_LIMIT,
     EngineBackend,
     EngineDescription,
     Stoppable,
@@ -27,6 +28,7 @@ from dynamo.llm.worker.served import ServedWorker
 __all__ = [
     "CLEAR_KV_BLOCKS_ENDPOINT",
     "DEFAULT_DRAIN_TIMEOUT_S",
+    "DEFAULT_MIGRATION_LIMIT",
     "EngineBackend",
     "EngineDescription",
     "ServedWorker",

@@ -17,9 +17,15 @@ from dynamo.llm.protocols import (
     WorkerType,
 )
 from dynamo.runtime import Context
+from dynamo.runtime.nats_options import NatsConnectOptions
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 """How long requests in flight may finish after a worker is asked to stop (`--drain-timeout`)."""
+
+DEFAULT_MIGRATION_LIMIT = 3
+"""How often, by default, a frontend may move a request off an aggregated or decode worker
+that dies mid-stream (a prefill worker's default is 0: its single output is never
+migrated, a lost prefill leg falls back to local prefill instead)."""
 
 CLEAR_KV_BLOCKS_ENDPOINT = "clear_kv_blocks"
 """Endpoint every worker serves next to `generate`: drop the cached prefix blocks."""
@@ -50,10 +56,14 @@ class WorkerRegistration:
     endpoint: str = "generate"
     worker_type: WorkerType = WorkerType.AGGREGATED
     nats_server: str | None = None  # None: $NATS_SERVER or nats://127.0.0.1:4222
+    nats_options: NatsConnectOptions | None = None  # None: the NATS_* variables
     lease_ttl: float | None = None  # None: $DYN_LEASE_TTL or the runtime default
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     migration_limit: int = 0
     publish_kv_events: bool = True
+    max_inflight_requests: int | None = None
+    """Bound on requests accepted at once (0: none; None: from the engine, see
+    `dynamo.llm.worker.inflight`)."""
 
 
 class Stoppable(Protocol):

@@ -6,6 +6,11 @@ live), starts its KV-event and load publishers, and publishes its model card las
 now is it healthy). `stop` runs the other way round: publishers, model card, then the
 runtime's graceful shutdown (instances marked draining at once, requests in flight given
 the drain timeout to finish), and the engine last.
+
+After every reconnect to NATS the worker uploads its tokenizer files again (those the
+broker lacks, retried with backoff): a broker restarted without its store has lost them,
+while the runtime itself re-puts the instance and card keys, and the KV-event publisher
+re-announces the cache (`KvEventPublisher.resync`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,11 @@ from collections.abc import AsyncIterator
 from typing import Generic, TypeVar
 
 from dynamo.llm.kv_router.publisher import KvEventPublisher, LoadPublisher
-from dynamo.llm.model_card import publish_model_card, remove_model_card
+from dynamo.llm.model_card import (
+    publish_model_card,
+    remove_model_card,
+    upload_tokenizer_files,
+)
 from dynamo.llm.protocols import ClearKvBlocksResult, ModelCard, PreprocessedRequest
 from dynamo.llm.worker.backend import (
     CLEAR_KV_BLOCKS_ENDPOINT,
@@ -26,7 +35,9 @@ from dynamo.llm.worker.backend import (
     Stoppable,
     WorkerRegistration,
 )
+from dynamo.llm.worker.inflight import inflight_bound
 from dynamo.runtime import Context, DistributedRuntime
+from dynamo.runtime.backoff import retry_until_done
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +62,7 @@ class ServedWorker(Generic[B]):
         self.card: ModelCard | None = None
         self.system_port: int | None = None  # advertised on the card (set before start)
         self._publishers: list[Stoppable] = []
+        self._kv_events: KvEventPublisher | None = None
         self._stopping = False
 
     @property
@@ -89,16 +101,20 @@ class ServedWorker(Generic[B]):
             lease_ttl=reg.lease_ttl,
             name=self.name,
             wait_for_server=wait_for_server,
+            options=reg.nats_options,
         )
         component = self.runtime.namespace(reg.namespace).component(reg.component)
         worker_id = self.runtime.instance_id
         await component.endpoint(reg.endpoint).serve(
-            self.backend.generate, request_type=PreprocessedRequest
+            self.backend.generate,
+            request_type=PreprocessedRequest,
+            max_inflight=inflight_bound(reg.max_inflight_requests, description.max_num_seqs),
         )
         await component.endpoint(CLEAR_KV_BLOCKS_ENDPOINT).serve(self._clear_kv_blocks)
         if reg.publish_kv_events:
             publisher = KvEventPublisher(self.runtime, reg.namespace, reg.component, worker_id)
-            events = await self.backend.start_kv_events(await publisher.start())
+            self._kv_events = await publisher.start()
+            events = await self.backend.start_kv_events(publisher)
             if events is not None:
                 self._publishers.append(events)
         else:
@@ -114,6 +130,7 @@ class ServedWorker(Generic[B]):
         card = self._model_card(description)
         await publish_model_card(self.runtime, card, reg.model_path)
         self.card = card
+        self.runtime.add_reconnect_listener(self._restore_tokenizer_files)
         log.info(
             "%s: serving %s as %s worker %x on %s/%s/%s",
             self.name,
@@ -132,7 +149,11 @@ class ServedWorker(Generic[B]):
         if self._stopping:
             return
         self._stopping = True
+        if self.runtime is not None:
+            self.runtime.remove_reconnect_listener(self._restore_tokenizer_files)
         drain = self.registration.drain_timeout_s if drain_timeout is None else drain_timeout
+        if self._kv_events is not None:
+            self._kv_events.close()  # no re-announcing the cache of a worker that leaves
         for publisher in reversed(self._publishers):
             await _stop_within(publisher, PUBLISHER_STOP_S)
         self._publishers.clear()
@@ -156,6 +177,23 @@ class ServedWorker(Generic[B]):
             await asyncio.wait_for(runtime.shutdown(drain_timeout=0), DISCONNECTED_STOP_S)
 
     # ------------------------------------------------------------------ internals
+
+    async def _restore_tokenizer_files(self) -> None:
+        """Reconnect listener: upload the tokenizer files the broker may have lost, until
+        it works. Only the files: the card key is re-put by the runtime's lease keeper,
+        and putting it here could race with `stop` removing it."""
+        runtime = self.runtime
+        if runtime is None:
+            return
+        model_path = self.registration.model_path
+
+        async def upload() -> None:
+            if not self._stopping:  # a worker that is leaving needs no files
+                await upload_tokenizer_files(runtime, model_path)
+
+        await retry_until_done(
+            upload, what=f"{self.name}: re-uploading the tokenizer files of {model_path}"
+        )
 
     async def _clear_kv_blocks(
         self, request: object, context: Context
