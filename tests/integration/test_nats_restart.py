@@ -33,6 +33,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -277,17 +278,30 @@ async def replayed_cache(runtime: DistributedRuntime, subject: str) -> set[int] 
     return cached
 
 
+@asynccontextmanager
+async def publisher_caching(
+    runtime: DistributedRuntime, blocks: list[int]
+) -> AsyncIterator[KvEventPublisher]:
+    """The KV event publisher of `runtime`'s worker, having announced that the worker
+    caches `blocks` (a clear, then one store), as a worker does before the broker dies;
+    closed on exit."""
+    worker = runtime.instance_id
+    publisher = await KvEventPublisher(runtime, "restart", "backend", worker).start()
+    try:
+        await publisher.publish(RouterEvent(worker, 0, KvAllCleared()))
+        await publisher.publish(stored(worker, 1, blocks))
+        yield publisher
+    finally:
+        publisher.close()
+
+
 async def test_a_kv_event_publisher_recreates_the_stream_and_re_announces_its_cache(
     broker: Broker, runtimes: list[DistributedRuntime]
 ) -> None:
     runtime = runtimes[0]
     worker = runtime.instance_id
     subject = kv_events_subject("restart", "backend", worker)
-    publisher = await KvEventPublisher(runtime, "restart", "backend", worker).start()
-    try:
-        await publisher.publish(RouterEvent(worker, 0, KvAllCleared()))
-        await publisher.publish(stored(worker, 1, [11, 12]))
-
+    async with publisher_caching(runtime, [11, 12]) as publisher:
         broker.crash_and_restart_empty()
         await reconnected(runtime)
         await publisher.publish(stored(worker, 2, [21]))  # raised before: no stream
@@ -302,21 +316,14 @@ async def test_a_kv_event_publisher_recreates_the_stream_and_re_announces_its_ca
         )
         assert publisher.stats.streams_recreated == 1
         assert publisher.stats.failures == 0
-    finally:
-        publisher.close()
 
 
 async def test_an_idle_worker_re_announces_its_cache_to_the_new_broker(
     broker: Broker, runtimes: list[DistributedRuntime]
 ) -> None:
     runtime = runtimes[0]
-    worker = runtime.instance_id
-    subject = kv_events_subject("restart", "backend", worker)
-    publisher = await KvEventPublisher(runtime, "restart", "backend", worker).start()
-    try:
-        await publisher.publish(RouterEvent(worker, 0, KvAllCleared()))
-        await publisher.publish(stored(worker, 1, [31, 32, 33]))
-
+    subject = kv_events_subject("restart", "backend", runtime.instance_id)
+    async with publisher_caching(runtime, [31, 32, 33]):
         broker.crash_and_restart_empty()  # and the worker publishes nothing after it
         await reconnected(runtime)
 
@@ -329,8 +336,6 @@ async def test_an_idle_worker_re_announces_its_cache_to_the_new_broker(
         await wait_until_async(
             replays_whole_cache, timeout=RECOVERY_S, what="the idle worker's cache re-announced"
         )
-    finally:
-        publisher.close()
 
 
 async def _idle(request: object, ctx: object) -> AsyncIterator[dict[str, bool]]:

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,6 +40,7 @@ from schemathesis import checks as st_checks
 
 from dynamo.testing.http import http_get, http_post_json, metric_total
 from dynamo.testing.processes import FrontendProcess, ManagedProcess, running, wait_while_alive
+from dynamo.testing.raw_http import connect, trickle
 from dynamo.testing.waiting import wait_until, wait_until_async
 
 MODEL = "fuzz-model"
@@ -219,24 +218,11 @@ def test_huge_integers_are_400s_and_book_nothing(
 # --------------------------------------------------------------------------- slow clients
 
 
-async def trickle(port: int, head: bytes, interval: float, give_up_after: float) -> float:
-    """Send `head` a byte every `interval` seconds; seconds until the server closed the
-    connection (fails after `give_up_after`)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    eof = asyncio.ensure_future(reader.read())
-    began = time.monotonic()
+async def slowloris(port: int, head: bytes, interval: float, give_up_after: float) -> float:
+    """A client of its own trickling `head`; seconds until the server closed it."""
+    reader, writer = await connect(port)
     try:
-        for byte in head:
-            if eof.done() or time.monotonic() - began > give_up_after:
-                break
-            try:
-                writer.write(bytes([byte]))
-                await writer.drain()
-            except ConnectionError:
-                break
-            await asyncio.sleep(interval)
-        assert await asyncio.wait_for(eof, give_up_after) == b""
-        return time.monotonic() - began
+        return await trickle(reader, writer, head, interval, give_up_after=give_up_after)
     finally:
         writer.close()
 
@@ -244,7 +230,7 @@ async def trickle(port: int, head: bytes, interval: float, give_up_after: float)
 async def test_slowloris_clients_are_cut_at_the_header_timeout(stack: Stack) -> None:
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"s" * 400 + b"\r\n"
     clients = [
-        asyncio.ensure_future(trickle(stack.frontend.port, head, 0.05, 10.0)) for _ in range(50)
+        asyncio.ensure_future(slowloris(stack.frontend.port, head, 0.05, 10.0)) for _ in range(50)
     ]
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
     async with aiohttp.ClientSession() as session:
@@ -271,11 +257,7 @@ async def test_a_client_that_stops_reading_is_cut_and_memory_stays_bounded(
         "top_logprobs": 20,  # ~1 KB of JSON per token: the buffers fill in seconds
     }
     payload = json.dumps(body).encode()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", stack.frontend.port))
-    reader, writer = await asyncio.open_connection(sock=sock)
+    reader, writer = await connect(stack.frontend.port, receive_buffer=4096)
     disconnects = stack.frontend.metric("dynamo_frontend_client_disconnects_total")
     try:
         writer.write(

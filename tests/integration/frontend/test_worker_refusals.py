@@ -93,15 +93,8 @@ async def cluster(
         )
         for i in range(2)
     ]
-    frontend = InLoopFrontend(
-        FrontendConfig(
-            http_host="127.0.0.1",
-            http_port=free_port(),
-            namespace=namespace,
-            nats_server=nats_url,
-            router_mode=RouterMode.ROUND_ROBIN,
-            tokenizer_cache=tmp_path_factory.mktemp("tok"),
-        )
+    frontend = InLoopFrontend.start(
+        nats_url, namespace, tmp_path_factory.mktemp("tok"), router_mode=RouterMode.ROUND_ROBIN
     )
     try:
         await asyncio.gather(*(w.start() for w in workers))
@@ -129,6 +122,18 @@ async def long_stream(
         assert resp.status == 200
         await resp.content.readline()  # the first event: it runs on a worker
         yield
+
+
+async def refused_as_overloaded(
+    session: aiohttp.ClientSession, base: str, content: str
+) -> dict[str, Any]:
+    """Send a short chat that no worker can take: it must be refused at once with 503 and
+    a `Retry-After`. Returns the OpenAI error."""
+    body = chat(content, max_tokens=2)
+    async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 503, await resp.text()
+        assert int(resp.headers["Retry-After"]) >= 1
+        return (await resp.json())["error"]
 
 
 async def settled(cluster: Cluster) -> None:
@@ -175,12 +180,7 @@ async def test_when_every_worker_is_full_the_client_gets_503_with_retry_after(
     ):
         assert cluster.running() == [1, 1]
         before = cluster.engine_requests()
-        async with session.post(
-            f"{cluster.base}/v1/chat/completions", json=chat("One more?", max_tokens=2)
-        ) as resp:
-            assert resp.status == 503, await resp.text()
-            assert int(resp.headers["Retry-After"]) >= 1
-            error = (await resp.json())["error"]
+        error = await refused_as_overloaded(session, cluster.base, "One more?")
         assert error["type"] == "service_unavailable"
         assert cluster.engine_requests() == before
 
@@ -244,11 +244,7 @@ async def test_a_kv_router_refuses_when_every_worker_is_busy(cluster: Cluster) -
         ):
             assert cluster.running() == [1, 1]
             before = cluster.engine_requests()
-            async with session.post(
-                f"{kv.base_url}/v1/chat/completions", json=chat("Short?", max_tokens=2)
-            ) as resp:
-                assert resp.status == 503, await resp.text()
-                assert int(resp.headers["Retry-After"]) >= 1
+            await refused_as_overloaded(session, kv.base_url, "Short?")
             assert cluster.engine_requests() == before  # no worker was even asked
             view = await router_view()
             assert view["busy_refusals"] == 1

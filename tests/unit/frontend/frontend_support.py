@@ -1,17 +1,23 @@
 """Test doubles for the frontend: a scripted in-process engine producing real token ids
-from the tiny test tokenizer (`dynamo.testing.tokenizers`), and helpers to run a frontend
-on an ephemeral port."""
+from the tiny test tokenizer (`dynamo.testing.tokenizers`), a scripted stand-in for
+`dynamo.runtime.Client`, request builders, and helpers to run a frontend on an ephemeral
+port."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+import pytest
+
+from dynamo.frontend.errors import OpenAIError
 from dynamo.frontend.http_server import HttpService
 from dynamo.frontend.metrics import FrontendMetrics
 from dynamo.frontend.model_registry import ModelManager
+from dynamo.frontend.openai_types import ChatCompletionRequest, CompletionRequest
 from dynamo.frontend.preprocessor import Preprocessor
 from dynamo.llm.protocols import (
     CompletionUsage,
@@ -43,6 +49,117 @@ def make_card(instance_id: int = 1, **overrides: Any) -> ModelCard:
     }
     fields.update(overrides)
     return ModelCard(**fields)
+
+
+def chat_request(**fields: Any) -> ChatCompletionRequest:
+    """A decoded chat request as the HTTP layer hands it to the preprocessor: one user
+    message to `MODEL` unless `fields` say otherwise."""
+    fields.setdefault("model", MODEL)
+    fields.setdefault("messages", [{"role": "user", "content": "Hi"}])
+    return msgspec.convert(fields, ChatCompletionRequest)
+
+
+def completion_request(**fields: Any) -> CompletionRequest:
+    """A decoded completion request with a short text prompt unless `fields` say otherwise."""
+    fields.setdefault("model", MODEL)
+    fields.setdefault("prompt", "Once upon a time")
+    return msgspec.convert(fields, CompletionRequest)
+
+
+def openai_error_of(call: Callable[[], object]) -> OpenAIError:
+    """The `OpenAIError` that `call` raises (the test fails if it raises none), so a test
+    can assert on its status, param and code."""
+    with pytest.raises(OpenAIError) as info:
+        call()
+    return info.value
+
+
+class FakeStream:
+    """A response stream from one instance, scripted as a list of outputs and exceptions
+    (an exception is raised when the stream reaches it)."""
+
+    def __init__(self, instance_id: int, items: list[Any]) -> None:
+        self.instance_id = instance_id
+        self._items: Iterator[Any] = iter(items)
+        self.closed = False
+
+    def __aiter__(self) -> FakeStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        item = next(self._items, StopAsyncIteration())
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class FakeClient:
+    """Stands in for `dynamo.runtime.Client` under `RuntimeEngineClient`, recording what
+    was sent where.
+
+    Scripted two ways: `FakeClient(scripts, ids)` answers the n-th `direct` call with the
+    n-th script whatever instance it goes to (the routable instances are `ids`);
+    `FakeClient.per_instance({id: script})` answers each instance with its own script, for
+    tests where which instance is picked decides the outcome."""
+
+    def __init__(
+        self,
+        scripts: list[list[Any]],
+        ids: list[int] | None = None,
+        open_error: Exception | None = None,
+    ) -> None:
+        self._in_order = iter(scripts)
+        self._by_instance: Mapping[int, list[Any]] | None = None
+        self.ids = [1, 2] if ids is None else ids
+        self.open_error = open_error  # raised by `direct` (e.g. a request that cannot be encoded)
+        self.sent: list[tuple[str, int]] = []  # (request id, instance id) per `direct`
+        self.requests: list[PreprocessedRequest] = []
+        self.streams: list[FakeStream] = []
+        self.options: list[dict[str, Any]] = []
+        self.listeners: list[Callable[[list[int]], None]] = []
+        self.closed = False
+
+    @classmethod
+    def per_instance(cls, scripts: Mapping[int, list[Any]]) -> FakeClient:
+        client = cls([], ids=sorted(scripts))
+        client._by_instance = scripts
+        return client
+
+    @property
+    def sent_to(self) -> list[int]:
+        """The instance each `direct` call went to, in order."""
+        return [instance_id for _, instance_id in self.sent]
+
+    def instance_ids(self) -> list[int]:
+        return list(self.ids)
+
+    def routable_ids(self) -> list[int]:
+        return list(self.ids)
+
+    def add_listener(self, listener: Callable[[list[int]], None]) -> None:
+        self.listeners.append(listener)
+
+    def direct(self, request: Any, instance_id: int, **kwargs: Any) -> FakeStream:
+        assert instance_id in self.ids, "the router picks among the routable instances"
+        assert kwargs["response_type"] is LLMEngineOutput
+        if self.open_error is not None:
+            raise self.open_error
+        self.options.append(kwargs)
+        self.requests.append(request)
+        self.sent.append((kwargs["request_id"], instance_id))
+        if self._by_instance is not None:
+            script = list(self._by_instance[instance_id])
+        else:
+            script = next(self._in_order)
+        stream = FakeStream(instance_id, script)
+        self.streams.append(stream)
+        return stream
+
+    async def close(self) -> None:
+        self.closed = True
 
 
 @dataclass

@@ -6,58 +6,26 @@ templating or tokenizing."""
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from typing import Any
 
-import aiohttp
-import msgspec
 import pytest
-from frontend_support import MODEL, Frontend, make_card
+from frontend_support import (
+    Frontend,
+    chat_request,
+    completion_request,
+    make_card,
+    openai_error_of,
+)
+from http_support import assert_openai_error, chat, send
 
 from dynamo.frontend import limits
-from dynamo.frontend.errors import OpenAIError
-from dynamo.frontend.openai_types import ChatCompletionRequest, CompletionRequest
 from dynamo.frontend.preprocessor import Preprocessor
 from dynamo.frontend.template_kwargs import template_variables
 from dynamo.testing.tokenizers import CHAT_TEMPLATE
 from dynamo.testing.waiting import wait_until_async
 
 GATE_TIMEOUT_S = 3.0  # how long the blocked render waits for the test to release it
-
-
-def chat(**fields: Any) -> ChatCompletionRequest:
-    fields.setdefault("model", MODEL)
-    fields.setdefault("messages", [{"role": "user", "content": "Hi"}])
-    return msgspec.convert(fields, ChatCompletionRequest)
-
-
-def completion(**fields: Any) -> CompletionRequest:
-    fields.setdefault("model", MODEL)
-    fields.setdefault("prompt", "Once upon a time")
-    return msgspec.convert(fields, CompletionRequest)
-
-
-def error_of(call: Any) -> OpenAIError:
-    with pytest.raises(OpenAIError) as info:
-        call()
-    return info.value
-
-
-async def post(
-    session: aiohttp.ClientSession, frontend: Frontend, path: str, body: dict[str, Any]
-) -> tuple[int, Any]:
-    async with session.post(frontend.url + path, data=json.dumps(body).encode()) as resp:
-        return resp.status, json.loads(await resp.read())
-
-
-async def post_once(frontend: Frontend, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as session:
-        return await post(session, frontend, path, body)
-
-
-def chat_body(**fields: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **fields}
 
 
 class NoEncoding:
@@ -88,13 +56,10 @@ class NoEncoding:
 async def test_chat_template_kwargs_outside_the_template_are_400(
     frontend: Frontend, kwargs: dict[str, Any]
 ) -> None:
-    status, body = await post_once(
-        frontend, "/v1/chat/completions", chat_body(chat_template_kwargs=kwargs)
-    )
+    reply = await send(frontend.url, "/v1/chat/completions", chat(chat_template_kwargs=kwargs))
     (key,) = kwargs
-    assert status == 400, body
-    assert body["error"]["param"] == f"chat_template_kwargs.{key}"
-    assert body["error"]["type"] == "invalid_request_error"
+    error = assert_openai_error(reply, 400, param=f"chat_template_kwargs.{key}")
+    assert error["type"] == "invalid_request_error"
     assert frontend.client.requests == [], "no worker saw the request"
 
 
@@ -105,9 +70,13 @@ def test_template_variables_and_common_switches_are_accepted(
     monkeypatch.setattr(tokenizer, "chat_template", template)
     pre = Preprocessor(make_card(), tokenizer)
     assert "greeting" in pre.template_kwargs.accepted
-    text = pre.render_chat(chat(chat_template_kwargs={"greeting": "hi", "enable_thinking": False}))
+    text = pre.render_chat(
+        chat_request(chat_template_kwargs={"greeting": "hi", "enable_thinking": False})
+    )
     assert text.endswith("GREETING:hi")
-    err = error_of(lambda: pre.render_chat(chat(chat_template_kwargs={"farewell": "bye"})))
+    err = openai_error_of(
+        lambda: pre.render_chat(chat_request(chat_template_kwargs={"farewell": "bye"}))
+    )
     assert (err.status, err.param) == (400, "chat_template_kwargs.farewell")
     assert "greeting" in err.message, "the error lists the accepted keys"
 
@@ -122,15 +91,17 @@ def test_template_variables_are_read_from_the_template_source() -> None:
 
 
 def test_call_flags_may_come_through_template_kwargs(preprocessor: Preprocessor) -> None:
-    text = preprocessor.render_chat(chat(chat_template_kwargs={"add_generation_prompt": False}))
+    text = preprocessor.render_chat(
+        chat_request(chat_template_kwargs={"add_generation_prompt": False})
+    )
     assert not text.endswith("<|im_start|>assistant\n")
-    top_level_wins = chat(
+    top_level_wins = chat_request(
         add_generation_prompt=True, chat_template_kwargs={"add_generation_prompt": False}
     )
     assert preprocessor.render_chat(top_level_wins).endswith("<|im_start|>assistant\n")
-    err = error_of(
+    err = openai_error_of(
         lambda: preprocessor.render_chat(
-            chat(chat_template_kwargs={"add_generation_prompt": "yes"})
+            chat_request(chat_template_kwargs={"add_generation_prompt": "yes"})
         )
     )
     assert err.param == "chat_template_kwargs.add_generation_prompt"
@@ -151,18 +122,15 @@ async def test_chat_templates_render_off_the_event_loop(
 
     monkeypatch.setattr(tokenizer, "apply_chat_template", blocking_render)
     try:
-        async with aiohttp.ClientSession() as session:
-            request = asyncio.create_task(
-                post(session, frontend, "/v1/chat/completions", chat_body())
-            )
-            await wait_until_async(started.is_set, timeout=10, what="the chat template render")
-            async with session.get(frontend.url + "/live") as live:
-                assert live.status == 200, "the event loop serves while the template renders"
-            gate.set()
-            status, body = await request
+        request = asyncio.create_task(send(frontend.url, "/v1/chat/completions", chat()))
+        await wait_until_async(started.is_set, timeout=10, what="the chat template render")
+        live = await send(frontend.url, "/live", method="GET")
+        assert live.status == 200, "the event loop serves while the template renders"
+        gate.set()
+        reply = await request
     finally:
         gate.set()
-    assert status == 200, body
+    assert reply.status == 200, reply.raw
     assert released == [True], "the render was released by the test, so it ran off-loop"
 
 
@@ -171,24 +139,26 @@ async def test_chat_templates_render_off_the_event_loop(
 
 async def test_too_many_stop_strings_are_400(frontend: Frontend) -> None:
     stops = [f"STOP{i}" for i in range(limits.MAX_STOP_STRINGS + 1)]
-    status, body = await post_once(frontend, "/v1/chat/completions", chat_body(stop=stops))
-    assert status == 400 and body["error"]["param"] == "stop"
-    assert str(limits.MAX_STOP_STRINGS) in body["error"]["message"]
-    status, _ = await post_once(frontend, "/v1/chat/completions", chat_body(stop=stops[:-1]))
-    assert status == 200
+    reply = await send(frontend.url, "/v1/chat/completions", chat(stop=stops))
+    error = assert_openai_error(reply, 400, param="stop")
+    assert str(limits.MAX_STOP_STRINGS) in error["message"]
+    reply = await send(frontend.url, "/v1/chat/completions", chat(stop=stops[:-1]))
+    assert reply.status == 200, reply.raw
 
 
 @pytest.mark.parametrize("as_list", [False, True], ids=["string", "list"])
 def test_an_overlong_stop_string_is_400(preprocessor: Preprocessor, as_list: bool) -> None:
     long = "x" * (limits.MAX_STOP_CHARS + 1)
-    err = error_of(
+    err = openai_error_of(
         lambda: preprocessor.prepare_completion_sync(
-            completion(stop=[long] if as_list else long), "r"
+            completion_request(stop=[long] if as_list else long), "r"
         )
     )
     assert (err.status, err.param) == (400, "stop")
     ok = "x" * limits.MAX_STOP_CHARS
-    assert preprocessor.prepare_completion_sync(completion(stop=ok), "r").plan.stop_strings == (ok,)
+    assert preprocessor.prepare_completion_sync(
+        completion_request(stop=ok), "r"
+    ).plan.stop_strings == (ok,)
 
 
 def test_too_many_messages_are_400_before_rendering(
@@ -202,11 +172,13 @@ def test_too_many_messages_are_400_before_rendering(
 
     monkeypatch.setattr(preprocessor.tokenizer, "apply_chat_template", counting_render)
     messages = [{"role": "user", "content": "hi"}] * (limits.MAX_MESSAGES + 1)
-    err = error_of(lambda: preprocessor.prepare_chat_sync(chat(messages=messages), "r"))
+    err = openai_error_of(
+        lambda: preprocessor.prepare_chat_sync(chat_request(messages=messages), "r")
+    )
     assert (err.status, err.param) == (400, "messages")
     assert str(limits.MAX_MESSAGES) in err.message
     assert renders == [], "refused before the template ran"
-    preprocessor.prepare_chat_sync(chat(messages=messages[1:]), "r")
+    preprocessor.prepare_chat_sync(chat_request(messages=messages[1:]), "r")
     assert renders == [limits.MAX_MESSAGES]
 
 
@@ -218,11 +190,13 @@ def test_a_text_prompt_that_cannot_fit_is_400_before_tokenizing(
     assert limit is not None and limit >= 64 * 2, "at least two characters per token"
     encoder = NoEncoding()
     monkeypatch.setattr(pre, "_encode", encoder)
-    err = error_of(lambda: pre.prepare_completion_sync(completion(prompt="a" * (limit + 1)), "r"))
+    err = openai_error_of(
+        lambda: pre.prepare_completion_sync(completion_request(prompt="a" * (limit + 1)), "r")
+    )
     assert (err.status, err.param, err.code) == (400, "prompt", "context_length_exceeded")
     assert encoder.calls == 0
     messages = [{"role": "user", "content": "a" * (limit + 1)}]
-    err = error_of(lambda: pre.prepare_chat_sync(chat(messages=messages), "r"))
+    err = openai_error_of(lambda: pre.prepare_chat_sync(chat_request(messages=messages), "r"))
     assert (err.status, err.param, err.code) == (400, "messages", "context_length_exceeded")
     assert encoder.calls == 0
 
@@ -230,7 +204,9 @@ def test_a_text_prompt_that_cannot_fit_is_400_before_tokenizing(
 def test_a_text_prompt_under_the_bound_is_still_tokenized_and_checked(tokenizer: Any) -> None:
     """The character bound never refuses what might fit: the token count decides."""
     pre = Preprocessor(make_card(context_length=64), tokenizer)
-    err = error_of(lambda: pre.prepare_completion_sync(completion(prompt="word " * 60), "r"))
+    err = openai_error_of(
+        lambda: pre.prepare_completion_sync(completion_request(prompt="word " * 60), "r")
+    )
     assert (err.param, err.code) == ("prompt", "context_length_exceeded")
     assert "tokens" in err.message and "characters" not in err.message
 
@@ -238,6 +214,6 @@ def test_a_text_prompt_under_the_bound_is_still_tokenized_and_checked(tokenizer:
 def test_a_token_prompt_longer_than_the_context_is_refused_first(tokenizer: Any) -> None:
     pre = Preprocessor(make_card(context_length=64), tokenizer)
     ids = [1] * 63 + [10**6]  # too long, and the last id is outside the vocabulary
-    err = error_of(lambda: pre.prepare_completion_sync(completion(prompt=ids), "r"))
+    err = openai_error_of(lambda: pre.prepare_completion_sync(completion_request(prompt=ids), "r"))
     assert (err.status, err.param, err.code) == (400, "prompt", "context_length_exceeded")
-    assert pre.prepare_completion_sync(completion(prompt=[1] * 63), "r").request.token_ids
+    assert pre.prepare_completion_sync(completion_request(prompt=[1] * 63), "r").request.token_ids

@@ -4,32 +4,20 @@ driven by a clock the test moves."""
 
 from __future__ import annotations
 
+from frontend_support import make_card
+
 from dynamo.frontend.card_retry import CardRetries
 from dynamo.llm.protocols import ModelCard
 from dynamo.runtime.backoff import Backoff
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from dynamo.testing.clocks import FakeClock
 
 
 def card(instance_id: int = 1, digest: str = "a" * 32) -> ModelCard:
-    return ModelCard(
-        name="m",
-        namespace="ns",
-        component="backend",
-        endpoint="generate",
-        instance_id=instance_id,
-        tokenizer_digest=digest,
-    )
+    return make_card(instance_id, tokenizer_digest=digest)
 
 
-def retries() -> tuple[CardRetries, Clock]:
-    clock = Clock()
+def retries() -> tuple[CardRetries, FakeClock]:
+    clock = FakeClock()
     return CardRetries(Backoff(initial_s=0.5, maximum_s=2.0), clock=clock), clock
 
 

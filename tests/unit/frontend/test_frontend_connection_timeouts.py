@@ -17,40 +17,13 @@ from frontend_support import MODEL, Frontend, Script
 from http_support import chat, metric_value, running_frontend, send
 
 from dynamo.frontend.http_listener import ConnectionTimeouts
+from dynamo.testing.raw_http import closed_within, connect, read_response, trickle
 from dynamo.testing.waiting import wait_until_async
 
 HEAD = (
     b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
     b"X-Padding: " + b"p" * 200 + b"\r\n"
 )
-
-
-async def connect(frontend: Frontend, **sockopts: int) -> tuple[asyncio.StreamReader, Any]:
-    """A raw connection; `sockopts` are SOL_SOCKET options set before connecting."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    for name, value in sockopts.items():
-        sock.setsockopt(socket.SOL_SOCKET, getattr(socket, name), value)
-    sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", frontend.service.port))
-    return await asyncio.open_connection(sock=sock)
-
-
-async def read_response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
-    """(head, body) of one response with a Content-Length."""
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = next(
-        int(line.split(b":", 1)[1])
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"content-length:")
-    )
-    return head, await reader.readexactly(length)
-
-
-async def closed_within(reader: asyncio.StreamReader, seconds: float) -> float:
-    """Seconds until the server closes the connection (EOF); fails after `seconds`."""
-    began = time.monotonic()
-    assert await asyncio.wait_for(reader.read(), seconds) == b""
-    return time.monotonic() - began
 
 
 @pytest.fixture
@@ -61,7 +34,7 @@ async def short(tokenizer: Any) -> AsyncIterator[Frontend]:
 
 
 async def test_an_idle_keep_alive_connection_is_closed(short: Frontend) -> None:
-    reader, writer = await connect(short)
+    reader, writer = await connect(short.service.port)
     writer.write(b"GET /live HTTP/1.1\r\nHost: test\r\n\r\n")
     head, body = await read_response(reader)
     assert head.startswith(b"HTTP/1.1 200") and body == b'{"status":"live"}'
@@ -71,23 +44,16 @@ async def test_an_idle_keep_alive_connection_is_closed(short: Frontend) -> None:
 
 
 async def test_a_trickled_request_head_is_cut_while_others_are_served(short: Frontend) -> None:
-    reader, writer = await connect(short)
-    eof = asyncio.ensure_future(reader.read())
-    began = time.monotonic()
+    reader, writer = await connect(short.service.port)
     served = []
-    for i, byte in enumerate(HEAD):  # one byte every 20 ms: 4 s for the head, if allowed
-        if eof.done():
-            break
-        try:
-            writer.write(bytes([byte]))
-            await writer.drain()
-        except ConnectionError:
-            break
+
+    async def serve_another(i: int) -> None:
         if i % 10 == 0:
             served.append((await send(short.url, "/v1/chat/completions", chat())).status)
-        await asyncio.sleep(0.02)
-    assert await asyncio.wait_for(eof, 5.0) == b"", "the server closed the connection"
-    assert time.monotonic() - began < 1.0, "cut at the header timeout (0.3 s), not later"
+
+    # One byte every 20 ms: 4 s for the head, if allowed.
+    held = await trickle(reader, writer, HEAD, 0.02, give_up_after=5.0, between=serve_another)
+    assert held < 1.0, "cut at the header timeout (0.3 s), not later"
     assert served and set(served) == {200}, "other clients were served meanwhile"
     writer.close()
 
@@ -102,7 +68,7 @@ async def test_deadlines_do_not_cut_requests_being_handled(short: Frontend) -> N
     # A body trickled over longer than the header timeout (its own deadline is 30 s).
     short.engine.script = Script()
     body = b'{"model": "%s", "messages": [{"role": "user", "content": "Hi"}]}' % MODEL.encode()
-    reader, writer = await connect(short)
+    reader, writer = await connect(short.service.port)
     writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n")
     writer.write(b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
     for i in range(0, len(body), 16):
@@ -130,7 +96,7 @@ async def test_a_stream_whose_client_stops_reading_is_cut_and_cancelled(
     body = b'{"model": "%s", "stream": true, "messages": [{"role": "user", "content": "Hi"}]}' % (
         MODEL.encode()
     )
-    reader, writer = await connect(short, SO_RCVBUF=4096)
+    reader, writer = await connect(short.service.port, receive_buffer=4096)
     writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n")
     writer.write(b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
     writer.write(body)

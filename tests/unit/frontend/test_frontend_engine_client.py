@@ -8,10 +8,10 @@ finish. (The real `Client` is tested against a real nats-server in tests/integra
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from frontend_support import FakeClient
 
 from dynamo.frontend.__main__ import build_parser, config_from_args
 from dynamo.frontend.engine_client import (
@@ -44,67 +44,6 @@ from dynamo.runtime import (
     StreamTimeoutError,
 )
 from dynamo.testing.waiting import wait_until_async
-
-
-class FakeStream:
-    """A response stream to one instance, scripted as a list of outputs and exceptions."""
-
-    def __init__(self, instance_id: int, items: list[Any]) -> None:
-        self.instance_id = instance_id
-        self._items: Iterator[Any] = iter(items)
-        self.closed = False
-
-    def __aiter__(self) -> FakeStream:
-        return self
-
-    async def __anext__(self) -> Any:
-        item = next(self._items, StopAsyncIteration())
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    async def aclose(self) -> None:
-        self.closed = True
-
-
-class FakeClient:
-    """Answers `direct` with the next scripted stream; `routable_ids` is `ids`."""
-
-    def __init__(
-        self,
-        scripts: list[list[Any]],
-        ids: list[int] | None = None,
-        open_error: Exception | None = None,
-    ) -> None:
-        self._scripts = iter(scripts)
-        self.ids = [1, 2] if ids is None else ids
-        self.open_error = open_error  # raised by `direct` (e.g. a request that cannot be encoded)
-        self.sent: list[tuple[str, int]] = []
-        self.requests: list[PreprocessedRequest] = []
-        self.streams: list[FakeStream] = []
-        self.options: list[dict[str, Any]] = []
-        self.closed = False
-
-    def instance_ids(self) -> list[int]:
-        return list(self.ids)
-
-    def routable_ids(self) -> list[int]:
-        return list(self.ids)
-
-    def direct(self, request: Any, instance_id: int, **kwargs: Any) -> FakeStream:
-        assert instance_id in self.ids, "the router picks among the routable instances"
-        assert kwargs["response_type"] is LLMEngineOutput
-        if self.open_error is not None:
-            raise self.open_error
-        self.options.append(kwargs)
-        self.requests.append(request)
-        self.sent.append((kwargs["request_id"], instance_id))
-        stream = FakeStream(instance_id, next(self._scripts))
-        self.streams.append(stream)
-        return stream
-
-    async def close(self) -> None:
-        self.closed = True
 
 
 class BookkeepingRouter(RandomRouter):
@@ -281,7 +220,7 @@ async def test_re_placement_never_offers_the_instance_it_was_lost_on(refusal: Ex
     outputs = await _collect(RuntimeEngineClient(fake, router))
     assert outputs == [DONE]
     assert router.candidates == [[1, 2], [1]]
-    assert [instance for _, instance in fake.sent] == [2, 1]
+    assert fake.sent_to == [2, 1]
     assert router.finished == ["req", "req"]
 
 
@@ -310,7 +249,7 @@ async def test_kv_router_retry_goes_to_another_worker_not_the_cached_dead_one() 
     request = PreprocessedRequest(request_id="req", model="m", token_ids=prompt)
     outputs = [out async for out in RuntimeEngineClient(fake, router).generate(request)]
     assert outputs == [DONE]
-    assert [instance for _, instance in fake.sent] == [2, 1]
+    assert fake.sent_to == [2, 1]
     assert router.scheduler.sequences.worker_of("req") is None, "every booking released"
 
 
@@ -322,7 +261,7 @@ async def test_kv_migration_goes_to_another_worker() -> None:
     client = RuntimeEngineClient(fake, router, migration_limit=3)
     outputs = [out async for out in client.generate(request)]
     assert [t for o in outputs for t in o.token_ids] == [5, 7]
-    assert [instance for _, instance in fake.sent] == [2, 1]
+    assert fake.sent_to == [2, 1]
     assert router.scheduler.sequences.worker_of("req") is None
 
 
@@ -411,7 +350,7 @@ async def test_no_instance_answering_in_time_is_a_failure_not_a_503() -> None:
     fake = FakeClient([[StreamTimeoutError("t1", 1)], [StreamTimeoutError("t2", 2)]])
     with pytest.raises(EngineFailedError, match="stopped responding: t2"):
         await _collect(_client(fake))
-    assert [instance for _, instance in fake.sent] in ([1, 2], [2, 1])
+    assert fake.sent_to in ([1, 2], [2, 1])
 
 
 # --------------------------------------------------------------------------- closing

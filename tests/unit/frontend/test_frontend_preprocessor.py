@@ -5,36 +5,23 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import msgspec
 import pytest
-from frontend_support import EOS, MODEL, make_card
+from frontend_support import (
+    EOS,
+    MODEL,
+    chat_request,
+    completion_request,
+    make_card,
+    openai_error_of,
+)
 
 from dynamo.frontend import preprocessor as preprocessor_module
-from dynamo.frontend.errors import OpenAIError
-from dynamo.frontend.openai_types import ChatCompletionRequest, CompletionRequest
+from dynamo.frontend.openai_types import CompletionRequest
 from dynamo.frontend.preprocessor import Preprocessor
 
 
-def chat(**fields: Any) -> ChatCompletionRequest:
-    fields.setdefault("model", MODEL)
-    fields.setdefault("messages", [{"role": "user", "content": "Hi"}])
-    return msgspec.convert(fields, ChatCompletionRequest)
-
-
-def completion(**fields: Any) -> CompletionRequest:
-    fields.setdefault("model", MODEL)
-    fields.setdefault("prompt", "Once upon a time")
-    return msgspec.convert(fields, CompletionRequest)
-
-
-def _error(call: Any) -> OpenAIError:
-    with pytest.raises(OpenAIError) as info:
-        call()
-    return info.value
-
-
 def test_chat_uses_the_models_own_template(preprocessor: Preprocessor, tokenizer: Any) -> None:
-    prepared = preprocessor.prepare_chat_sync(chat(), "req-1")
+    prepared = preprocessor.prepare_chat_sync(chat_request(), "req-1")
     rendered = tokenizer.decode(prepared.request.token_ids)
     assert rendered.startswith("<|im_start|>system\n")
     assert "<|im_start|>user\nHi<|im_end|>\n" in rendered
@@ -49,11 +36,13 @@ def test_chat_uses_the_models_own_template(preprocessor: Preprocessor, tokenizer
 
 def test_chat_text_parts_are_joined_and_other_parts_rejected(preprocessor: Preprocessor) -> None:
     parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
-    text = preprocessor.render_chat(chat(messages=[{"role": "user", "content": parts}]))
+    text = preprocessor.render_chat(chat_request(messages=[{"role": "user", "content": parts}]))
     assert "first\nsecond" in text
     image = [{"type": "image_url", "image_url": {"url": "data:"}}]
-    err = _error(
-        lambda: preprocessor.render_chat(chat(messages=[{"role": "user", "content": image}]))
+    err = openai_error_of(
+        lambda: preprocessor.render_chat(
+            chat_request(messages=[{"role": "user", "content": image}])
+        )
     )
     assert (err.status, err.param) == (400, "messages")
     assert "image_url" in err.message
@@ -61,11 +50,14 @@ def test_chat_text_parts_are_joined_and_other_parts_rejected(preprocessor: Prepr
 
 def test_empty_messages_and_template_conflicts_are_400(preprocessor: Preprocessor) -> None:
     assert (
-        _error(lambda: preprocessor.prepare_chat_sync(chat(messages=[]), "r")).param == "messages"
+        openai_error_of(
+            lambda: preprocessor.prepare_chat_sync(chat_request(messages=[]), "r")
+        ).param
+        == "messages"
     )
-    err = _error(
+    err = openai_error_of(
         lambda: preprocessor.prepare_chat_sync(
-            chat(continue_final_message=True, add_generation_prompt=True), "r"
+            chat_request(continue_final_message=True, add_generation_prompt=True), "r"
         )
     )
     assert err.param == "continue_final_message"
@@ -73,20 +65,24 @@ def test_empty_messages_and_template_conflicts_are_400(preprocessor: Preprocesso
 
 def test_continue_final_message_leaves_the_assistant_turn_open(preprocessor: Preprocessor) -> None:
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
-    text = preprocessor.render_chat(chat(messages=messages, continue_final_message=True))
+    text = preprocessor.render_chat(chat_request(messages=messages, continue_final_message=True))
     assert text.endswith("Hello, I am")
 
 
 def test_completion_prompt_forms(preprocessor: Preprocessor, tokenizer: Any) -> None:
     ids = tokenizer.backend_tokenizer.encode("Once upon a time", add_special_tokens=False).ids
-    assert preprocessor.prepare_completion_sync(completion(), "r").request.token_ids == ids
+    assert preprocessor.prepare_completion_sync(completion_request(), "r").request.token_ids == ids
     assert (
-        preprocessor.prepare_completion_sync(completion(prompt=ids), "r").request.token_ids == ids
+        preprocessor.prepare_completion_sync(completion_request(prompt=ids), "r").request.token_ids
+        == ids
     )
     assert (
-        preprocessor.prepare_completion_sync(completion(prompt=[ids]), "r").request.token_ids == ids
+        preprocessor.prepare_completion_sync(
+            completion_request(prompt=[ids]), "r"
+        ).request.token_ids
+        == ids
     )
-    one = preprocessor.prepare_completion_sync(completion(prompt=["Once upon a time"]), "r")
+    one = preprocessor.prepare_completion_sync(completion_request(prompt=["Once upon a time"]), "r")
     assert one.request.token_ids == ids
 
 
@@ -96,37 +92,48 @@ def test_completion_prompt_forms(preprocessor: Preprocessor, tokenizer: Any) -> 
     ids=["empty-list", "empty-string", "two-prompts", "two-id-lists", "out-of-vocab"],
 )
 def test_bad_prompts_are_400_naming_prompt(preprocessor: Preprocessor, prompt: Any) -> None:
-    err = _error(lambda: preprocessor.prepare_completion_sync(completion(prompt=prompt), "r"))
+    err = openai_error_of(
+        lambda: preprocessor.prepare_completion_sync(completion_request(prompt=prompt), "r")
+    )
     assert (err.status, err.param) == (400, "prompt")
 
 
 def test_context_length_default_and_limits(tokenizer: Any) -> None:
     pre = Preprocessor(make_card(context_length=64), tokenizer)
-    prepared = pre.prepare_completion_sync(completion(), "r")
+    prepared = pre.prepare_completion_sync(completion_request(), "r")
     prompt_len = len(prepared.request.token_ids)
     assert prepared.request.stop_conditions.max_tokens == 64 - prompt_len
 
-    exact = pre.prepare_completion_sync(completion(max_tokens=64 - prompt_len), "r")
+    exact = pre.prepare_completion_sync(completion_request(max_tokens=64 - prompt_len), "r")
     assert exact.request.stop_conditions.max_tokens == 64 - prompt_len
 
-    err = _error(lambda: pre.prepare_completion_sync(completion(max_tokens=65 - prompt_len), "r"))
+    err = openai_error_of(
+        lambda: pre.prepare_completion_sync(completion_request(max_tokens=65 - prompt_len), "r")
+    )
     assert (err.status, err.param, err.code) == (400, "max_tokens", "context_length_exceeded")
     assert "64" in err.message
 
-    err = _error(lambda: pre.prepare_completion_sync(completion(prompt="word " * 100), "r"))
+    err = openai_error_of(
+        lambda: pre.prepare_completion_sync(completion_request(prompt="word " * 100), "r")
+    )
     assert (err.status, err.param) == (400, "prompt")
 
-    err = _error(lambda: pre.prepare_chat_sync(chat(max_completion_tokens=1000), "r"))
+    err = openai_error_of(
+        lambda: pre.prepare_chat_sync(chat_request(max_completion_tokens=1000), "r")
+    )
     assert err.param == "max_completion_tokens"
 
 
 def test_unknown_context_length_leaves_max_tokens_to_the_worker(tokenizer: Any) -> None:
     pre = Preprocessor(make_card(context_length=0), tokenizer)
-    assert pre.prepare_completion_sync(completion(), "r").request.stop_conditions.max_tokens is None
+    assert (
+        pre.prepare_completion_sync(completion_request(), "r").request.stop_conditions.max_tokens
+        is None
+    )
 
 
 def test_sampling_stop_and_output_options_are_mapped(preprocessor: Preprocessor) -> None:
-    req = chat(
+    req = chat_request(
         max_tokens=10,
         max_completion_tokens=20,
         temperature=0.5,
@@ -166,16 +173,16 @@ def test_sampling_stop_and_output_options_are_mapped(preprocessor: Preprocessor)
 
 
 def test_ignore_eos_keeps_eos_text_visible(preprocessor: Preprocessor) -> None:
-    prepared = preprocessor.prepare_completion_sync(completion(ignore_eos=True), "r")
+    prepared = preprocessor.prepare_completion_sync(completion_request(ignore_eos=True), "r")
     assert prepared.request.stop_conditions.ignore_eos is True
     assert EOS not in prepared.plan.hidden_stop_ids
 
 
 def test_completion_logprobs_and_echo(preprocessor: Preprocessor) -> None:
-    prepared = preprocessor.prepare_completion_sync(completion(logprobs=2, echo=True), "r")
+    prepared = preprocessor.prepare_completion_sync(completion_request(logprobs=2, echo=True), "r")
     assert prepared.request.output_options.logprobs == 2
     assert prepared.plan.echo_text == "Once upon a time"
-    plain = preprocessor.prepare_completion_sync(completion(), "r")
+    plain = preprocessor.prepare_completion_sync(completion_request(), "r")
     assert plain.request.output_options.logprobs is None
     assert plain.plan.echo_text is None
 
@@ -193,7 +200,7 @@ def test_completion_logprobs_and_echo(preprocessor: Preprocessor) -> None:
 def test_invalid_options_are_400_naming_the_field(
     preprocessor: Preprocessor, fields: dict[str, Any], param: str
 ) -> None:
-    err = _error(lambda: preprocessor.prepare_chat_sync(chat(**fields), "r"))
+    err = openai_error_of(lambda: preprocessor.prepare_chat_sync(chat_request(**fields), "r"))
     assert (err.status, err.param) == (400, param)
 
 
@@ -215,8 +222,8 @@ async def test_large_prompts_are_tokenized_off_the_event_loop(
 
     monkeypatch.setattr(preprocessor_module, "LARGE_INPUT_CHARS", 100)
     monkeypatch.setattr(pre, "prepare_completion_sync", recording)
-    await pre.prepare_completion(completion(prompt="short"), "a")
-    await pre.prepare_completion(completion(prompt="long text " * 50), "b")
+    await pre.prepare_completion(completion_request(prompt="short"), "a")
+    await pre.prepare_completion(completion_request(prompt="long text " * 50), "b")
     main = threading.main_thread().name
     assert threads[0] == main
     assert threads[1] != main

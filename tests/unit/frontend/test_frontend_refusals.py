@@ -12,10 +12,10 @@ router sends nothing and is `EngineOverloadedError`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import pytest
+from frontend_support import FakeClient
 
 from dynamo.frontend.__main__ import build_parser, config_from_args
 from dynamo.frontend.engine_client import (
@@ -29,50 +29,6 @@ from dynamo.llm.router import AllWorkersBusyError, RoundRobinRouter
 from dynamo.runtime import ErrorKind, InstanceOverloadedError, RemoteError
 
 DONE = LLMEngineOutput(token_ids=[7], finish_reason=FinishReason.LENGTH)
-
-
-class ScriptedStream:
-    """One instance's answer: outputs, or an exception raised before any."""
-
-    def __init__(self, instance_id: int, items: list[Any]) -> None:
-        self.instance_id = instance_id
-        self._items: Iterator[Any] = iter(items)
-
-    def __aiter__(self) -> ScriptedStream:
-        return self
-
-    async def __anext__(self) -> Any:
-        item = next(self._items, StopAsyncIteration())
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    async def aclose(self) -> None:
-        return None
-
-
-class ScriptedClient:
-    """Stands in for `dynamo.runtime.Client`: each instance answers with its script."""
-
-    def __init__(self, scripts: dict[int, list[Any]]) -> None:
-        self.scripts = scripts
-        self.sent: list[int] = []
-
-    def instance_ids(self) -> list[int]:
-        return sorted(self.scripts)
-
-    def routable_ids(self) -> list[int]:
-        return sorted(self.scripts)
-
-    def add_listener(self, listener: Any) -> None:
-        return None
-
-    def direct(self, request: Any, instance_id: int, **kwargs: Any) -> ScriptedStream:
-        self.sent.append(instance_id)
-        return ScriptedStream(instance_id, list(self.scripts[instance_id]))
-
-    async def close(self) -> None:
-        return None
 
 
 class RecordingRouter(RoundRobinRouter):
@@ -101,54 +57,54 @@ def overloaded(instance_id: int) -> InstanceOverloadedError:
     return InstanceOverloadedError(instance_id, "the worker is serving its limit of 1 requests")
 
 
-async def run(client: ScriptedClient, router: RecordingRouter) -> list[LLMEngineOutput]:
+async def run(client: FakeClient, router: RecordingRouter) -> list[LLMEngineOutput]:
     engine = RuntimeEngineClient(client, router)  # type: ignore[arg-type]
     request = PreprocessedRequest(request_id="r", model="m", token_ids=[1, 2, 3])
     return [out async for out in engine.generate(request)]
 
 
 async def test_an_overloaded_worker_is_skipped_and_the_request_runs_elsewhere() -> None:
-    client = ScriptedClient({1: [overloaded(1)], 2: [DONE]})
+    client = FakeClient.per_instance({1: [overloaded(1)], 2: [DONE]})
     router = RecordingRouter()
     assert await run(client, router) == [DONE]
-    assert client.sent == [1, 2]
+    assert client.sent_to == [1, 2]
     assert router.offered == [[1, 2], [2]]  # the refusing worker is not offered again
     assert router.finished == 2  # each placement's booking released
 
 
 @pytest.mark.parametrize("instances", [1, 2, 3])
 async def test_when_every_worker_refuses_the_request_is_overloaded(instances: int) -> None:
-    client = ScriptedClient({i: [overloaded(i)] for i in range(1, instances + 1)})
+    client = FakeClient.per_instance({i: [overloaded(i)] for i in range(1, instances + 1)})
     router = RecordingRouter()
     with pytest.raises(EngineOverloadedError):
         await run(client, router)
-    assert sorted(client.sent) == list(range(1, instances + 1))  # each tried once
+    assert sorted(client.sent_to) == list(range(1, instances + 1))  # each tried once
     assert router.finished == instances
 
 
 async def test_a_parameter_refusal_is_the_clients_error_and_not_retried() -> None:
     refusal = RemoteError("top_p must be in (0, 1], got 0.0.", ErrorKind.INVALID_REQUEST.value)
-    client = ScriptedClient({1: [refusal], 2: [DONE]})
+    client = FakeClient.per_instance({1: [refusal], 2: [DONE]})
     router = RecordingRouter()
     with pytest.raises(EngineRejectedError) as info:
         await run(client, router)
     assert str(info.value) == "top_p must be in (0, 1], got 0.0."
-    assert len(client.sent) == 1
+    assert len(client.sent_to) == 1
     assert router.finished == 1
 
 
 async def test_an_engine_failure_is_not_a_parameter_refusal() -> None:
-    client = ScriptedClient({1: [RemoteError("CUDA OOM", "RuntimeError")]})
+    client = FakeClient.per_instance({1: [RemoteError("CUDA OOM", "RuntimeError")]})
     with pytest.raises(EngineFailedError, match="CUDA OOM"):
         await run(client, RecordingRouter())
 
 
 async def test_a_router_finding_every_worker_busy_sends_nothing() -> None:
-    client = ScriptedClient({1: [DONE], 2: [DONE]})
+    client = FakeClient.per_instance({1: [DONE], 2: [DONE]})
     router = BusyRouter()
     with pytest.raises(EngineOverloadedError, match="over their thresholds"):
         await run(client, router)
-    assert client.sent == []
+    assert client.sent_to == []
     assert router.offered == [[1, 2]]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from kv_cards import BLOCK_SIZE, worker_card
 
 from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.hashing import compute_block_hashes
@@ -21,26 +22,18 @@ from dynamo.llm.kv_router.scheduler import KvScheduler, build_kv_router
 from dynamo.llm.protocols import (
     KvBlockStored,
     LoadMetrics,
-    ModelCard,
     PreprocessedRequest,
     RouterEvent,
 )
 from dynamo.llm.router import AllWorkersBusyError
+from dynamo.testing.clocks import FakeClock
 
-B = 16
+B = BLOCK_SIZE
 PROMPT = list(range(1000, 1064))  # 4 blocks
 TTL_S = 5.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def scheduler(clock: Clock, **busy: float | int | None) -> KvScheduler:
+def scheduler(clock: FakeClock, **busy: float | int | None) -> KvScheduler:
     return KvScheduler(
         B,
         rng=random.Random(0),
@@ -79,7 +72,7 @@ def test_thresholds_are_checked(kwargs: dict[str, float], message: str) -> None:
 
 
 def test_a_worker_over_the_kv_threshold_is_skipped_despite_its_cache() -> None:
-    clock = Clock()
+    clock = FakeClock()
     sched = scheduler(clock, kv_usage=0.9)
     cache_on(sched, 1, PROMPT)  # worker 1 would win on overlap and on active blocks:
     sched.update_load(load(1, usage=0.95, total=10))  # 9 blocks, but nearly full
@@ -90,7 +83,7 @@ def test_a_worker_over_the_kv_threshold_is_skipped_despite_its_cache() -> None:
 
 
 def test_a_worker_with_a_deep_queue_is_skipped() -> None:
-    clock = Clock()
+    clock = FakeClock()
     sched = scheduler(clock, waiting_requests=8)
     cache_on(sched, 1, PROMPT)
     sched.update_load(load(1, waiting=8))
@@ -100,7 +93,7 @@ def test_a_worker_with_a_deep_queue_is_skipped() -> None:
 
 
 def test_when_every_worker_is_busy_nothing_is_booked() -> None:
-    clock = Clock()
+    clock = FakeClock()
     sched = scheduler(clock, kv_usage=0.9, waiting_requests=4)
     sched.update_load(load(1, usage=0.9))
     sched.update_load(load(2, waiting=5))
@@ -115,7 +108,7 @@ def test_when_every_worker_is_busy_nothing_is_booked() -> None:
 def test_the_routers_own_bookings_count_towards_the_usage() -> None:
     """A burst placed between two reports: the report still says 10 %, but the blocks
     booked since fill the worker past the threshold."""
-    clock = Clock()
+    clock = FakeClock()
     sched = scheduler(clock, kv_usage=0.5)
     sched.update_load(load(1, usage=0.1, total=20))
     sched.update_load(load(2, usage=0.1, total=20))
@@ -133,7 +126,7 @@ def test_the_routers_own_bookings_count_towards_the_usage() -> None:
 
 
 def test_an_old_report_or_none_never_makes_a_worker_busy() -> None:
-    clock = Clock()
+    clock = FakeClock()
     sched = scheduler(clock, kv_usage=0.5)
     sched.update_load(load(1, usage=1.0))
     clock.now += TTL_S + 0.1
@@ -149,20 +142,9 @@ def test_thresholds_are_off_by_default() -> None:
     assert sched.debug_state()["workers"][f"{1:016x}"]["busy"] is None
 
 
-def card(instance_id: int) -> ModelCard:
-    return ModelCard(
-        name="m",
-        namespace="ns",
-        component="backend",
-        endpoint="generate",
-        instance_id=instance_id,
-        kv_block_size=B,
-    )
-
-
 @pytest.mark.parametrize("tokens", [PROMPT, []])
 async def test_the_router_refuses_when_every_worker_is_busy(tokens: list[int]) -> None:
-    router = build_kv_router(card(1), busy=BusyThresholds(kv_usage=0.8))
+    router = build_kv_router(worker_card(1), busy=BusyThresholds(kv_usage=0.8))
     router.update_load(load(1, usage=0.85))
     request = PreprocessedRequest(request_id="r", model="m", token_ids=tokens)
     with pytest.raises(AllWorkersBusyError):

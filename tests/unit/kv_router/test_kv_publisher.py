@@ -21,6 +21,7 @@ from dynamo.llm.protocols import (
     RouterEvent,
     decode,
 )
+from dynamo.testing.clocks import FakeClock
 
 WORKER = 9
 
@@ -183,16 +184,6 @@ class RecordingCore:
         return [m.active_blocks for _, m in self.sent]
 
 
-class FakeClock:
-    """A clock that only moves when the test moves it."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class LoadHarness:
     """A `LoadPublisher` on a recording core, a settable load and a fake clock."""
 
@@ -200,7 +191,7 @@ class LoadHarness:
 
     def __init__(self, *, poll_s: float = 0.02) -> None:
         self.core = RecordingCore()
-        self.clock = FakeClock()
+        self.clock = FakeClock(now=1000.0)
         self.load = LoadMetrics(worker_id=WORKER, active_blocks=1)
         self.publisher = LoadPublisher(
             self.core,

@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 import pytest
+from kv_cards import BLOCK_SIZE, worker_card
 
 from dynamo.llm.kv_router.hashing import compute_block_hashes
 from dynamo.llm.kv_router.scheduler import (
@@ -23,29 +24,16 @@ from dynamo.llm.protocols import (
     KvBlockStored,
     LLMEngineOutput,
     LoadMetrics,
-    ModelCard,
     PreprocessedRequest,
     RouterEvent,
     RoutingHints,
     SpeculativeInfo,
 )
 from dynamo.llm.router import Router
+from dynamo.testing.clocks import FakeClock
 
-B = 16
+B = BLOCK_SIZE
 PROMPT = list(range(1000, 1064))  # exactly 4 blocks
-
-
-def card(instance_id: int, k: int | None = None) -> ModelCard:
-    spec = SpeculativeInfo(method="ngram", num_speculative_tokens=k) if k is not None else None
-    return ModelCard(
-        name="m",
-        namespace="ns",
-        component="backend",
-        endpoint="generate",
-        instance_id=instance_id,
-        kv_block_size=B,
-        speculative=spec,
-    )
 
 
 def cache_on(scheduler: KvScheduler, worker: int, tokens: list[int], event_id: int = 0) -> None:
@@ -58,8 +46,8 @@ def request(rid: str, tokens: list[int]) -> PreprocessedRequest:
 
 
 async def test_picks_the_worker_with_the_cached_prefix() -> None:
-    router = build_kv_router(card(1), rng=random.Random(0))
-    router.update_card(card(2))
+    router = build_kv_router(worker_card(1), rng=random.Random(0))
+    router.update_card(worker_card(2))
     cache_on(router.scheduler, 2, PROMPT)
     req = request("r1", [*PROMPT, 7, 8, 9])
     assert await router.select(req, [1, 2]) == 2
@@ -70,7 +58,7 @@ async def test_picks_the_worker_with_the_cached_prefix() -> None:
 
 
 async def test_select_keeps_existing_routing_hints() -> None:
-    router = build_kv_router(card(1))
+    router = build_kv_router(worker_card(1))
     req = request("r1", PROMPT)
     req.routing = RoutingHints(prefill_instance_id=9)
     await router.select(req, [1])
@@ -170,12 +158,12 @@ def test_temperature_sampling_matches_the_distribution() -> None:
 
 
 def test_recent_load_metrics_add_unbooked_load() -> None:
-    now = [0.0]
-    scheduler = KvScheduler(B, rng=random.Random(5), clock=lambda: now[0], load_metrics_ttl_s=5)
+    clock = FakeClock(now=0.0)
+    scheduler = KvScheduler(B, rng=random.Random(5), clock=clock, load_metrics_ttl_s=5)
     scheduler.update_load(LoadMetrics(worker_id=1, active_blocks=50))
     assert scheduler.schedule("a", PROMPT, [1, 2]).worker_id == 2
     scheduler.free("a")
-    now[0] = 10.0  # the report is stale now: back to a tie
+    clock.now = 10.0  # the report is stale now: back to a tie
     scores = scheduler.score(PROMPT, [1, 2])
     assert scores[0].cost == scores[1].cost
 
@@ -183,22 +171,22 @@ def test_recent_load_metrics_add_unbooked_load() -> None:
 def test_a_report_older_than_a_release_is_not_charged() -> None:
     """A worker's report taken while our request still ran must not count that request's
     blocks once we released it (they would look like another frontend's load)."""
-    now = [0.0]
-    scheduler = KvScheduler(B, rng=random.Random(6), clock=lambda: now[0])
+    clock = FakeClock(now=0.0)
+    scheduler = KvScheduler(B, rng=random.Random(6), clock=clock)
     scheduler.schedule("a", PROMPT, [1])
     scheduler.update_load(LoadMetrics(worker_id=1, active_blocks=4))  # counts "a"
-    now[0] = 0.1
+    clock.now = 0.1
     scheduler.free("a")
     scores = scheduler.score(PROMPT, [1, 2])
     assert scores[0].cost == scores[1].cost, "the report predates the release"
-    now[0] = 0.7
+    clock.now = 0.7
     scheduler.update_load(LoadMetrics(worker_id=1, active_blocks=30))  # fresh: other load
     scores = scheduler.score(PROMPT, [1, 2])
     assert scores[0].active_blocks == scores[1].active_blocks + 30
 
 
 async def test_router_lifecycle_releases_books() -> None:
-    router = build_kv_router(card(1, k=2))
+    router = build_kv_router(worker_card(1, k=2))
     assert isinstance(router, Router)
     req = request("r", PROMPT)
     await router.select(req, [1])
@@ -214,7 +202,7 @@ async def test_router_lifecycle_releases_books() -> None:
 
 
 async def test_retried_request_is_rebooked_not_leaked() -> None:
-    router = build_kv_router(card(1))
+    router = build_kv_router(worker_card(1))
     await router.select(request("r", PROMPT), [1])
     await router.select(request("r", PROMPT), [1])
     seqs = router.scheduler.sequences.get(1)
@@ -225,12 +213,12 @@ async def test_retried_request_is_rebooked_not_leaked() -> None:
 
 async def test_feeds_apply_events_cards_and_metrics() -> None:
     async def source() -> AsyncIterator[object]:
-        yield card(2, k=3)
+        yield worker_card(2, k=3)
         yield RouterEvent(2, 0, KvBlockStored(block_hashes=compute_block_hashes(PROMPT, B)))
         yield "garbage"  # logged and skipped, the feed keeps going
         yield LoadMetrics(worker_id=1, active_blocks=1)
 
-    router = build_kv_router(card(1))
+    router = build_kv_router(worker_card(1))
     await asyncio.wait_for(router.feed(source()), 1.0)  # type: ignore[arg-type]
     assert router.scheduler.indexer.find_matches_for_tokens(PROMPT).scores == {2: 4}
     assert router.scheduler.worker_spec(2).num_speculative_tokens(1) == 3
@@ -246,7 +234,7 @@ async def test_close_cancels_endless_feeds() -> None:
         await never.wait()
         yield RouterEvent(1, 0, KvBlockStored(block_hashes=[]))
 
-    router = build_kv_router(card(1))
+    router = build_kv_router(worker_card(1))
     task = router.feed(endless())
     await router.close()
     assert task.cancelled()
@@ -276,8 +264,8 @@ class Attachment:
 
 
 async def test_debug_state_reports_cache_load_and_predicted_hits() -> None:
-    router = build_kv_router(card(1), rng=random.Random(0))
-    router.update_card(card(2))
+    router = build_kv_router(worker_card(1), rng=random.Random(0))
+    router.update_card(worker_card(2))
     cache_on(router.scheduler, 1, PROMPT)
     router.update_load(LoadMetrics(worker_id=2, active_blocks=7, total_blocks=100))
     attachment = Attachment()

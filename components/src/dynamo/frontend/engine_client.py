@@ -188,79 +188,33 @@ class RuntimeEngineClient:
             raise EngineUnavailableError(f"the workers of {request.model} are gone")
         self._active += 1
         try:
-            generated: list[int] = []  # tokens streamed to the caller so far, over all legs
-            failed: set[int] = set()  # instances this request was lost on
-            leg = request
-            placements = migrations = 0
-            lost: DynamoRuntimeError | None = None  # why the last placement was lost
+            legs = RequestLegs(request, self.migration_limit)
             while True:
-                target = await self._choose(leg, failed, resuming=bool(generated), lost=lost)
+                target = await self._choose(
+                    legs.leg, legs.failed, resuming=legs.resuming, lost=legs.lost
+                )
                 # The router may have booked the request on `target`: from here on, every
                 # way out (including encoding the request) ends in `on_finished`.
                 stream: ResponseStream[LLMEngineOutput] | None = None
-                produced_here = False
-                already = len(generated)
                 try:
-                    stream = self._open(leg, target)
+                    stream = self._open(legs.leg, target)
+                    already = len(legs.generated)
                     async for output in stream:
-                        if not produced_here:
-                            produced_here = True
-                            self._router.on_first_output(leg.request_id, output)
-                        generated.extend(output.token_ids)
-                        if already:
-                            _account_for_migration(output, len(request.token_ids), already)
+                        if legs.record(output, already):
+                            self._router.on_first_output(legs.leg.request_id, output)
                         yield output
                     return
                 except (InstanceGoneError, StreamTimeoutError) as exc:
-                    failed.add(target)
-                    lost = exc
-                    if not generated and placements + 1 < MAX_PLACEMENT_ATTEMPTS:
-                        placements += 1
-                        log.warning(
-                            "request %s: worker lost before first output (%s), placing it again",
-                            request.request_id, exc,
-                        )  # fmt: skip
-                    elif generated and migrations < self.migration_limit:
-                        migrations += 1
+                    if legs.lost_on(target, exc):
                         self._migrated(request.model)
-                        leg = continuation(request, generated)
-                        log.warning(
-                            "request %s: worker lost after %d tokens (%s); migrating (%d of %d)",
-                            request.request_id, len(generated), exc, migrations,
-                            self.migration_limit,
-                        )  # fmt: skip
-                    else:
-                        raise EngineFailedError(_lost_message(exc)) from exc
                 except InstanceOverloadedError as exc:
-                    # Refused before it ran anything: safe to send elsewhere.
-                    failed.add(target)
-                    lost = exc
-                    if placements + 1 >= MAX_PLACEMENT_ATTEMPTS:
-                        if generated:
-                            raise EngineFailedError(_lost_message(exc)) from exc
-                        raise EngineOverloadedError(str(exc)) from exc
-                    placements += 1
-                    log.debug("request %s: %s; placing it again", request.request_id, exc)
-                except ClientClosedError as exc:
-                    if generated:
-                        raise EngineFailedError(f"worker lost: {exc}") from exc
-                    raise EngineUnavailableError(str(exc)) from exc
-                except NoInstancesError as exc:
-                    if generated:
-                        raise EngineFailedError(
-                            f"worker lost and no instance to continue on: {exc}"
-                        ) from exc
-                    raise EngineUnavailableError(str(exc)) from exc
-                except RemoteError as exc:
-                    if exc.kind is ErrorKind.INVALID_REQUEST:
-                        raise EngineRejectedError(exc.message) from exc
-                    raise EngineFailedError(exc.message) from exc
-                except DynamoRuntimeError as exc:  # protocol errors, shutdown
-                    raise EngineFailedError(f"{type(exc).__name__}: {exc}") from exc
+                    legs.refused_by(target, exc)
+                except DynamoRuntimeError as exc:
+                    raise engine_error(exc, resuming=legs.resuming) from exc
                 finally:
                     if stream is not None:
                         await stream.aclose()
-                    self._router.on_finished(leg.request_id)
+                    self._router.on_finished(legs.leg.request_id)
         finally:
             self._active -= 1
             if self._closing and not self._active:
@@ -338,6 +292,95 @@ class RuntimeEngineClient:
             await self._router.close()
         finally:
             await self._client.close()
+
+
+class RequestLegs:
+    """Where one request stands across its legs: the tokens streamed so far, the instances
+    it was lost on, and the placements and migrations used. It decides what a lost or
+    refusing worker means: place the request again (nothing streamed yet), migrate it
+    (tokens streamed, migrations left), or fail it."""
+
+    def __init__(self, request: PreprocessedRequest, migration_limit: int) -> None:
+        self.request = request
+        self.leg = request  # what the next placement sends
+        self.migration_limit = migration_limit
+        self.generated: list[int] = []  # streamed to the caller, over all legs
+        self.failed: set[int] = set()  # instances this request was lost on or refused by
+        self.placements = 0
+        self.migrations = 0
+        self.lost: DynamoRuntimeError | None = None  # why the last placement failed
+        self._first_of_leg = True
+
+    @property
+    def resuming(self) -> bool:
+        return bool(self.generated)
+
+    def record(self, output: LLMEngineOutput, already: int) -> bool:
+        """Note `output` of the current leg (restating a continuation's usage); True for
+        the leg's first output."""
+        first, self._first_of_leg = self._first_of_leg, False
+        self.generated.extend(output.token_ids)
+        if already:
+            _account_for_migration(output, len(self.request.token_ids), already)
+        return first
+
+    def lost_on(self, target: int, exc: InstanceGoneError | StreamTimeoutError) -> bool:
+        """The worker `target` was lost (or went silent): prepare the next leg, or raise.
+        True when the next leg is a migration."""
+        self._exclude(target, exc)
+        request_id = self.request.request_id
+        if not self.generated and self.placements + 1 < MAX_PLACEMENT_ATTEMPTS:
+            self.placements += 1
+            log.warning(
+                "request %s: worker lost before first output (%s), placing it again",
+                request_id, exc,
+            )  # fmt: skip
+            return False
+        if self.generated and self.migrations < self.migration_limit:
+            self.migrations += 1
+            self.leg = continuation(self.request, self.generated)
+            log.warning(
+                "request %s: worker lost after %d tokens (%s); migrating (%d of %d)",
+                request_id, len(self.generated), exc, self.migrations, self.migration_limit,
+            )  # fmt: skip
+            return True
+        raise EngineFailedError(_lost_message(exc)) from exc
+
+    def refused_by(self, target: int, exc: InstanceOverloadedError) -> None:
+        """`target` refused before running anything (full): safe to send elsewhere, up to
+        the placement limit."""
+        self._exclude(target, exc)
+        if self.placements + 1 >= MAX_PLACEMENT_ATTEMPTS:
+            if self.generated:
+                raise EngineFailedError(_lost_message(exc)) from exc
+            raise EngineOverloadedError(str(exc)) from exc
+        self.placements += 1
+        log.debug("request %s: %s; placing it again", self.request.request_id, exc)
+
+    def _exclude(self, target: int, exc: DynamoRuntimeError) -> None:
+        self.failed.add(target)
+        self.lost = exc
+        self._first_of_leg = True
+
+
+def engine_error(exc: DynamoRuntimeError, *, resuming: bool) -> Exception:
+    """The engine-client error a stream failure that cannot be retried becomes (its HTTP
+    status follows from the type)."""
+    if isinstance(exc, ClientClosedError):
+        return (
+            EngineFailedError(f"worker lost: {exc}")
+            if resuming
+            else EngineUnavailableError(str(exc))
+        )
+    if isinstance(exc, NoInstancesError):
+        if resuming:
+            return EngineFailedError(f"worker lost and no instance to continue on: {exc}")
+        return EngineUnavailableError(str(exc))
+    if isinstance(exc, RemoteError):
+        if exc.kind is ErrorKind.INVALID_REQUEST:
+            return EngineRejectedError(exc.message)
+        return EngineFailedError(exc.message)
+    return EngineFailedError(f"{type(exc).__name__}: {exc}")  # protocol errors, shutdown
 
 
 def _lost_message(exc: DynamoRuntimeError) -> str:

@@ -10,4 +10,10 @@ tests that serve their scripted workers from the same loop.
 
 `sse` reads a streaming completion the way fault tests need it: chunk times, the in-band
 error event, `[DONE]`, usage.
+
+`clocks` has a `FakeClock` that only moves when the test moves it, for the time-based
+bookkeeping that takes its clock as a callable.
+
+`raw_http` speaks HTTP/1.1 over a plain socket, for tests of what a server does to a
+connection (slowloris heads, clients that stop reading).
 """
