@@ -89,6 +89,8 @@ run disagg '^disaggregated vs aggregated' \
 # The same with the prefill and decode engines on separate halves of the cores.
 run disagg_split '^disaggregated vs aggregated' \
   "$PY" benchmarks/disagg_bench.py "${SERVING_ARGS[@]}" --split-cores --json "$OUT/disagg_split.json"
+run structured_output '^structured output vs' \
+  "$PY" benchmarks/structured_output_bench.py "${SERVING_ARGS[@]}" --json "$OUT/structured_output.json"
 
 printf '\n=================== summaries (%s runs, %s cores, load average %s)\n' \
   "$MODE" "$(nproc)" "$(cut -d' ' -f1-3 /proc/loadavg)"

@@ -156,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_http_hardening_arguments(parser)
     parser.add_argument(
+        "--return-spec-stats",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get("DYN_RETURN_SPEC_STATS", "").lower() in ("1", "true", "yes"),
+        help="Add each request's speculative decoding statistics (`metrics.speculative_"
+        "decoding`, beside usage) to every response, as a request's own "
+        '`"return_spec_stats": true` does. $DYN_RETURN_SPEC_STATS=1 turns it on.',
+    )
+    parser.add_argument(
         "--log-level",
         default=os.environ.get("DYN_LOG", "INFO").upper(),
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -242,6 +250,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         keep_alive_timeout_s=args.keep_alive_timeout,
         header_timeout_s=args.header_timeout,
         write_timeout_s=args.write_timeout,
+        return_spec_stats=args.return_spec_stats,
     )
 
 

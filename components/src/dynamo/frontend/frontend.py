@@ -91,6 +91,7 @@ class FrontendConfig:
     keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S  # 0: a stream waits for its client
+    return_spec_stats: bool = False  # speculation statistics in every response
 
     @property
     def stream_deadlines(self) -> StreamDeadlines:
@@ -226,6 +227,7 @@ async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None
         admission=AdmissionLimits(config.max_inflight_requests, config.max_waiting_requests),
         timeouts=ConnectionTimeouts(config.keep_alive_timeout_s, config.header_timeout_s),
         write_timeout_s=config.write_timeout_s or None,
+        return_spec_stats=config.return_spec_stats,
     )
     watcher: asyncio.Task[None] | None = None
     try:

@@ -144,7 +144,7 @@ async def _unary(
         if gen.postprocessor.finished:
             break
         batch = await _next_batch(stream, gen.model)
-    body = gen.formatter.body(gen.postprocessor.usage())
+    body = gen.formatter.body(gen.postprocessor.usage(), gen.postprocessor.metrics())
     return web.Response(
         body=body,
         content_type="application/json",
@@ -246,5 +246,6 @@ async def _write_events(
 def _trailer(gen: Generation, delta: TextDelta) -> bytes:
     """Usage chunk (when asked for and the response did not fail) and `[DONE]`."""
     if delta.error is None and gen.prepared.plan.include_usage:
-        return gen.formatter.usage_event(gen.postprocessor.usage()) + SSE_DONE
+        usage, metrics = gen.postprocessor.usage(), gen.postprocessor.metrics()
+        return gen.formatter.usage_event(usage, metrics) + SSE_DONE
     return SSE_DONE

@@ -73,6 +73,7 @@ from dynamo.frontend.responses import (
     ResponseFormatter,
     encode_json,
 )
+from dynamo.frontend.unsupported_fields import check_request
 
 log = logging.getLogger(__name__)
 
@@ -170,9 +171,11 @@ class HttpService:
         admission: AdmissionLimits | None = None,
         timeouts: ConnectionTimeouts | None = None,
         write_timeout_s: float | None = DEFAULT_WRITE_TIMEOUT_S,
+        return_spec_stats: bool = False,
     ) -> None:
         """`api_key`: None or empty serves without authentication; `write_timeout_s`
-        None lets a stream wait for its client for ever."""
+        None lets a stream wait for its client for ever; `return_spec_stats` adds the
+        speculation statistics to every response, as `return_spec_stats: true` does."""
         self.manager = manager
         self.metrics = metrics or FrontendMetrics()
         self.host = host
@@ -182,6 +185,7 @@ class HttpService:
         self.admission = AdmissionControl(admission)
         self.timeouts = timeouts or ConnectionTimeouts()
         self.write_timeout_s = write_timeout_s
+        self.return_spec_stats = return_spec_stats
         self._api_key = api_key or None
         self._openapi = msgspec.json.encode(openapi_document(api_key_required=bool(api_key)))
         self._runner: web.AppRunner | None = None
@@ -354,6 +358,7 @@ class HttpService:
         """Preprocess and serve a request holding one of its model's in-flight places."""
         request_id = f"{kind.id_prefix}-{uuid.uuid4().hex}"
         try:
+            check_request(req)  # a field set to a value we do not serve: 400 naming it
             prepared = await kind.prepare(model.preprocessor, req, request_id)
             model = await self._with_workers(model)
         except OpenAIError as exc:
@@ -362,7 +367,15 @@ class HttpService:
         assert model.engine is not None
         formatter = kind.formatter(request_id, model.name, prepared.plan)
         return await serve(
-            request, self._generation(model, model.engine, kind, prepared, formatter)
+            request,
+            self._generation(
+                model,
+                model.engine,
+                kind,
+                prepared,
+                formatter,
+                report_spec_stats=self.return_spec_stats or bool(req.return_spec_stats),
+            ),
         )
 
     def _count_unauthorized(self) -> None:
@@ -394,6 +407,7 @@ class HttpService:
         kind: OpenAIEndpoint,
         prepared: Prepared,
         formatter: ResponseFormatter,
+        report_spec_stats: bool = False,
     ) -> Generation:
         pre = model.preprocessor
         plan = prepared.plan
@@ -404,6 +418,7 @@ class HttpService:
             prepared.request.token_ids,
             pre.decode_fn(plan.skip_special_tokens),
             pre.token_texts,
+            report_spec_stats=report_spec_stats,
         )
         return Generation(
             model.name,

@@ -43,6 +43,38 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool | None = None
 
 
+class JsonSchemaSpec(msgspec.Struct, kw_only=True):
+    """`response_format.json_schema`: OpenAI's named schema (`schema` is a Python name)."""
+
+    name: str
+    description: str | None = None
+    schema_: Any = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """`response_format`: `text`, `json_object` or `json_schema` (checked by
+    `structured_output`, which names the unsupported types)."""
+
+    type: str
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputsField(msgspec.Struct, kw_only=True):
+    """vLLM's `structured_outputs` extension (sent through the OpenAI client's
+    `extra_body`): one constraint plus its whitespace options."""
+
+    json: Any = None  # a schema object or its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+
+
 class SamplingFields(msgspec.Struct, kw_only=True):
     """Fields shared by /v1/completions and /v1/chat/completions.
 
@@ -69,6 +101,36 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     repetition_penalty: RepetitionPenalty | None = None
     skip_special_tokens: bool | None = None  # vLLM extension; default True
     user: str | None = None
+    # Dynamo's extension: per-request speculative decoding statistics in the response.
+    return_spec_stats: bool | None = None
+    # Fields declared only so that a value we do not serve is refused with a 400 naming
+    # it instead of being ignored (`unsupported_fields.SUPPORT` says which values).
+    logit_bias: dict[str, float] | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    include_stop_str_in_output: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
+    prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    add_special_tokens: bool | None = None
+    logits_processors: list[Any] | None = None
+    thinking_token_budget: int | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    # Structured output (see `structured_output`): OpenAI's field, vLLM's extension, and
+    # the older `guided_*` extensions vLLM 0.32 dropped but clients still send.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -78,6 +140,10 @@ class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[str | TokenId | list[TokenId]]
     logprobs: TopLogprobs | None = None
     echo: bool | None = None
+    # Declared to be refused (see `unsupported_fields`).
+    best_of: PositiveInt | None = None
+    suffix: str | None = None
+    prompt_embeds: str | list[str] | None = None
 
 
 class ContentPart(msgspec.Struct):
@@ -103,6 +169,31 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     add_generation_prompt: bool | None = None  # default True
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Accepted, no effect on the output (see `unsupported_fields`).
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # Declared to be refused unless neutral (see `unsupported_fields`).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    moderation: dict[str, Any] | None = None
+    echo: bool | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    include_reasoning: bool | None = None
 
 
 # --------------------------------------------------------------------------- responses
@@ -117,6 +208,30 @@ class Usage(msgspec.Struct, omit_defaults=True):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class SpeculativeDecodingMetrics(msgspec.Struct, omit_defaults=True):
+    """One request's speculative decoding statistics, from the engine's own counters.
+
+    vLLM's per-request shape (`metrics.speculative_decoding` of its responses), so tools
+    written for it read ours; `acceptance_per_position` is Dynamo's addition: draft
+    tokens accepted at each draft position, what vLLM's
+    `vllm:spec_decode_num_accepted_tokens_per_pos` counter counts over all requests."""
+
+    mean_acceptance_length: float  # tokens per verification step, bonus token included
+    draft_acceptance_rate: float  # accepted / drafted
+    acceptance_histogram: list[int]  # [j]: steps that accepted exactly j draft tokens
+    num_spec_steps: int  # verification steps that carried drafts (`num_drafts`)
+    num_accepted_draft_tokens: int
+    num_draft_tokens: int
+    num_spec_tokens: int  # K, the most draft tokens per step
+    acceptance_per_position: list[int]
+
+
+class PerRequestMetrics(msgspec.Struct, omit_defaults=True):
+    """vLLM's `metrics` response field; only `speculative_decoding` is filled here."""
+
+    speculative_decoding: SpeculativeDecodingMetrics | None = None
 
 
 class CompletionLogprobs(msgspec.Struct):
@@ -140,6 +255,7 @@ class Completion(msgspec.Struct, omit_defaults=True, tag_field="object", tag="te
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    metrics: PerRequestMetrics | None = None  # `return_spec_stats`; beside usage
 
 
 class ChatTopLogprob(msgspec.Struct):
@@ -177,6 +293,7 @@ class ChatCompletion(msgspec.Struct, omit_defaults=True, tag_field="object", tag
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    metrics: PerRequestMetrics | None = None  # `return_spec_stats`; beside usage
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
@@ -199,6 +316,7 @@ class ChatCompletionChunk(
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    metrics: PerRequestMetrics | None = None  # `return_spec_stats`; beside usage
 
 
 class ModelInfo(msgspec.Struct):

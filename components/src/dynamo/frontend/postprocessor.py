@@ -13,7 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dynamo.frontend.detokenizer import DecodeFn, IncrementalDetokenizer, TokenTexts
-from dynamo.frontend.openai_types import PromptTokensDetails, Usage
+from dynamo.frontend.openai_types import (
+    PerRequestMetrics,
+    PromptTokensDetails,
+    SpeculativeDecodingMetrics,
+    Usage,
+)
 from dynamo.frontend.preprocessor import OutputPlan
 from dynamo.frontend.stop_strings import StopStringMatcher
 from dynamo.llm.protocols import FinishReason, LLMEngineOutput, SpecDecodeStats, TokenLogprob
@@ -25,6 +30,27 @@ _OPENAI_FINISH = {
     FinishReason.LENGTH: "length",
     FinishReason.CANCELLED: "abort",  # aborted by the engine (vLLM's name for it)
 }
+
+
+def speculative_decoding_metrics(stats: SpecDecodeStats) -> SpeculativeDecodingMetrics:
+    """The response shape of one request's speculation statistics (vLLM's, see
+    `SpeculativeDecodingMetrics`). Position i's acceptance counts the steps that accepted
+    more than i drafts: acceptance stops at the first rejected draft, so a step that
+    accepted j drafts accepted positions 0..j-1, as vLLM's per-position counter counts."""
+    histogram = list(stats.acceptance_histogram or [])
+    spec_tokens = max(len(histogram) - 1, 0)
+    per_position = [sum(histogram[i + 1 :]) for i in range(spec_tokens)]
+    drafted = stats.num_draft_tokens
+    return SpeculativeDecodingMetrics(
+        mean_acceptance_length=stats.mean_acceptance_length,
+        draft_acceptance_rate=stats.num_accepted_tokens / drafted if drafted else 0.0,
+        acceptance_histogram=histogram,
+        num_spec_steps=stats.num_drafts,
+        num_accepted_draft_tokens=stats.num_accepted_tokens,
+        num_draft_tokens=drafted,
+        num_spec_tokens=spec_tokens,
+        acceptance_per_position=per_position,
+    )
 
 
 def openai_finish_reason(reason: FinishReason) -> str | None:
@@ -81,8 +107,12 @@ class Postprocessor:
         prompt_ids: Sequence[int],
         decode: DecodeFn,
         token_texts: TokenTexts | None = None,
+        report_spec_stats: bool = False,
     ) -> None:
+        """`report_spec_stats`: the response carries the engine's speculation statistics
+        (`metrics()`), asked for by the request or for all requests by the frontend."""
         self._plan = plan
+        self._report_spec_stats = report_spec_stats
         self._prompt_tokens = len(prompt_ids)
         self._detok = IncrementalDetokenizer(decode, prompt_ids)
         self._stops = StopStringMatcher(plan.stop_strings)
@@ -93,6 +123,15 @@ class Postprocessor:
     @property
     def spec_stats(self) -> SpecDecodeStats | None:
         return self._counts.spec_stats
+
+    def metrics(self) -> PerRequestMetrics | None:
+        """The response's `metrics` field: the request's speculation statistics when they
+        were asked for and the engine sent them (a worker that does not speculate sends
+        none), else None (the field is left out)."""
+        stats = self._counts.spec_stats
+        if not self._report_spec_stats or stats is None:
+            return None
+        return PerRequestMetrics(speculative_decoding=speculative_decoding_metrics(stats))
 
     @property
     def stop_reason(self) -> str | int | None:

@@ -35,11 +35,13 @@ from dynamo.frontend.openai_types import (
     CompletionRequest,
     SamplingFields,
 )
+from dynamo.frontend.structured_output import structured_output_of
 from dynamo.frontend.template_kwargs import TemplateKwargsPolicy
 from dynamo.llm.protocols import (
     ModelCard,
     OutputOptions,
     PreprocessedRequest,
+    SamplingDefaults,
     SamplingOptions,
     StopConditions,
 )
@@ -273,7 +275,7 @@ class Preprocessor:
             request_id=request_id,
             model=self.card.name,
             token_ids=token_ids,
-            sampling_options=_sampling_options(req),
+            sampling_options=_sampling_options(req, self.card.sampling_defaults),
             stop_conditions=StopConditions(
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
@@ -283,6 +285,7 @@ class Preprocessor:
             ),
             output_options=OutputOptions(logprobs=logprobs),
             eos_token_ids=list(self.eos_token_ids),
+            structured_output=structured_output_of(req),
         )
         hidden = set(stop_token_ids)
         if not req.ignore_eos:
@@ -301,14 +304,18 @@ class Preprocessor:
     def _checked_max_tokens(
         self, prompt_len: int, max_tokens: int | None, param: str, prompt_param: str
     ) -> int | None:
-        """Enforce prompt + max_tokens <= context length; default to the rest of it."""
+        """Enforce prompt + max_tokens <= context length; default to the model's default
+        (generation_config's `max_new_tokens`) capped by the rest of the context, as
+        `vllm serve` does."""
         ctx = self.context_length
+        defaults = self.card.sampling_defaults
+        default = defaults.max_tokens if defaults is not None else None
         if ctx <= 0:  # the worker did not advertise one: let it decide
-            return max_tokens
+            return max_tokens if max_tokens is not None else default
         if prompt_len >= ctx:
             raise context_exceeded(ctx, prompt_len, prompt_param)
         if max_tokens is None:
-            return ctx - prompt_len
+            return ctx - prompt_len if default is None else min(default, ctx - prompt_len)
         if prompt_len + max_tokens > ctx:
             raise bad_request(
                 f"This model's maximum context length is {ctx} tokens, but {prompt_len + max_tokens} "
@@ -331,8 +338,15 @@ def _check_common(req: SamplingFields) -> None:
         raise bad_request("`top_k` must be -1 (disabled), 0 (disabled) or positive", "top_k")
 
 
-def _sampling_options(req: SamplingFields) -> SamplingOptions:
+def _sampling_options(req: SamplingFields, defaults: SamplingDefaults | None) -> SamplingOptions:
+    """The request's sampling fields; one it leaves unset (None) takes the model's default
+    from the card (its generation_config.json), as `vllm serve` does. An explicit value,
+    0 included, always wins."""
     values = {name: getattr(req, name) for name in SamplingOptions.__struct_fields__}
+    if defaults is not None:
+        for name, value in values.items():
+            if value is None and name in SamplingDefaults.__struct_fields__:
+                values[name] = getattr(defaults, name)
     return SamplingOptions(**{k: v for k, v in values.items() if v is not None})
 
 

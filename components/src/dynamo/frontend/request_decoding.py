@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from dynamo.frontend.errors import OpenAIError, bad_request, from_validation_error
+from dynamo.frontend.unsupported_fields import log_unknown_fields
 
 # What `surrogateescape` turns an undecodable byte 0x80..0xFF into.
 _ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
@@ -32,7 +33,17 @@ LOCATE_MAX_BYTES = 1 << 20
 
 
 def decode_request(decoder: msgspec.json.Decoder, body: bytes) -> Any:
-    """`decoder.decode(body)`; `OpenAIError` (400) for any body it cannot decode."""
+    """`decoder.decode(body)`; `OpenAIError` (400) for any body it cannot decode. Fields
+    outside the schema are ignored and, at debug level, logged (`unsupported_fields`;
+    fields in the schema set to a value we do not serve are refused there, once the
+    request's model is known, so that the refusal is counted for the model)."""
+    request = _decode(decoder, body)
+    if isinstance(decoder.type, type) and issubclass(decoder.type, msgspec.Struct):
+        log_unknown_fields(body, decoder.type)
+    return request
+
+
+def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
     try:
         return decoder.decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:

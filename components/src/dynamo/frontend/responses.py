@@ -27,6 +27,7 @@ from dynamo.frontend.openai_types import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    PerRequestMetrics,
     Usage,
 )
 from dynamo.frontend.postprocessor import TextDelta, TokenLogprobs
@@ -53,16 +54,17 @@ class ResponseFormatter(Protocol):
         """SSE bytes for `delta` (b"" when it adds nothing visible)."""
         ...
 
-    def usage_event(self, usage: Usage) -> bytes:
-        """The final `choices: []` chunk carrying usage (stream_options.include_usage)."""
+    def usage_event(self, usage: Usage, metrics: PerRequestMetrics | None = None) -> bytes:
+        """The final `choices: []` chunk carrying usage (stream_options.include_usage) and,
+        beside it, the per-request `metrics` when there are any (as vLLM sends them)."""
         ...
 
     def add(self, delta: TextDelta) -> None:
         """Accumulate a delta for the non-streaming body."""
         ...
 
-    def body(self, usage: Usage) -> bytes:
-        """The complete non-streaming response as JSON bytes."""
+    def body(self, usage: Usage, metrics: PerRequestMetrics | None = None) -> bytes:
+        """The complete non-streaming response as JSON bytes (`metrics` beside usage)."""
         ...
 
 
@@ -112,24 +114,34 @@ class CompletionFormatter:
         )
         return sse_event(self._wrap([choice]))
 
-    def usage_event(self, usage: Usage) -> bytes:
-        return sse_event(self._wrap([], usage))
+    def usage_event(self, usage: Usage, metrics: PerRequestMetrics | None = None) -> bytes:
+        return sse_event(self._wrap([], usage, metrics))
 
     def add(self, delta: TextDelta) -> None:
         self._acc.add(delta)
 
-    def body(self, usage: Usage) -> bytes:
+    def body(self, usage: Usage, metrics: PerRequestMetrics | None = None) -> bytes:
         acc = self._acc
         text = self._take_echo() + acc.text
         logprobs = self._logprobs(acc.logprobs) if self._plan.logprobs is not None else None
         choice = CompletionChoice(
             index=0, text=text, logprobs=logprobs, finish_reason=acc.finish_reason
         )
-        return encode_json(self._wrap([choice], usage))
+        return encode_json(self._wrap([choice], usage, metrics))
 
-    def _wrap(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
+    def _wrap(
+        self,
+        choices: list[CompletionChoice],
+        usage: Usage | None = None,
+        metrics: PerRequestMetrics | None = None,
+    ) -> Completion:
         return Completion(
-            id=self._id, created=self._created, model=self._model, choices=choices, usage=usage
+            id=self._id,
+            created=self._created,
+            model=self._model,
+            choices=choices,
+            usage=usage,
+            metrics=metrics,
         )
 
     def _take_echo(self) -> str:
@@ -185,13 +197,13 @@ class ChatFormatter:
         )
         return sse_event(self._chunk([choice]))
 
-    def usage_event(self, usage: Usage) -> bytes:
-        return sse_event(self._chunk([], usage))
+    def usage_event(self, usage: Usage, metrics: PerRequestMetrics | None = None) -> bytes:
+        return sse_event(self._chunk([], usage, metrics))
 
     def add(self, delta: TextDelta) -> None:
         self._acc.add(delta)
 
-    def body(self, usage: Usage) -> bytes:
+    def body(self, usage: Usage, metrics: PerRequestMetrics | None = None) -> bytes:
         acc = self._acc
         logprobs = self._logprobs(acc.logprobs) if self._plan.logprobs is not None else None
         choice = ChatChoice(
@@ -202,15 +214,28 @@ class ChatFormatter:
         )
         return encode_json(
             ChatCompletion(
-                id=self._id, created=self._created, model=self._model, choices=[choice], usage=usage
+                id=self._id,
+                created=self._created,
+                model=self._model,
+                choices=[choice],
+                usage=usage,
+                metrics=metrics,
             )
         )
 
     def _chunk(
-        self, choices: list[ChatChunkChoice], usage: Usage | None = None
+        self,
+        choices: list[ChatChunkChoice],
+        usage: Usage | None = None,
+        metrics: PerRequestMetrics | None = None,
     ) -> ChatCompletionChunk:
         return ChatCompletionChunk(
-            id=self._id, created=self._created, model=self._model, choices=choices, usage=usage
+            id=self._id,
+            created=self._created,
+            model=self._model,
+            choices=choices,
+            usage=usage,
+            metrics=metrics,
         )
 
     def _logprobs(self, items: list[TokenLogprobs] | None) -> ChatLogprobs | None:

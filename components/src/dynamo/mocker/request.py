@@ -184,6 +184,16 @@ def _check_sampling(request: PreprocessedRequest, config: MockEngineConfig) -> N
         )
 
 
+def _check_supported(request: PreprocessedRequest) -> None:
+    """Features the simulation cannot honour are refused, never ignored: random tokens
+    that claim to follow a JSON schema would pass a 200 that breaks the client's parser."""
+    if request.structured_output is not None:
+        raise InvalidRequest(
+            "structured output (`response_format`, `structured_outputs`, `guided_*`) "
+            "is not supported by the mocker; use a vLLM worker"
+        )
+
+
 def admit_request(
     request: PreprocessedRequest, request_id: str, config: MockEngineConfig
 ) -> MockRequest:
@@ -202,6 +212,7 @@ def admit_request(
     if stop.max_tokens is not None and stop.max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be at least 1, got {stop.max_tokens}")
     _check_sampling(request, config)
+    _check_supported(request)
     room = config.max_model_len - len(prompt)
     max_tokens = room if stop.max_tokens is None else min(stop.max_tokens, room)
     eos = () if stop.ignore_eos else (request.eos_token_ids or config.eos_token_ids)

@@ -36,6 +36,7 @@ from dynamo.vllm.config_layers import collect_layers, merge_engine_values
 from dynamo.vllm.config_report import resolved_config_lines, resolved_config_yaml
 from dynamo.vllm.kv_defaults import check_block_size, configure_kv_events, configure_kv_transfer
 from dynamo.vllm.model_resolution import resolve_target, served_name
+from dynamo.vllm.sampling_defaults import check_generation_config
 from dynamo.vllm.speculative_resolution import resolve_speculative
 from dynamo.vllm.worker_parser import (
     DEFAULT_COMPONENT,
@@ -138,6 +139,7 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> VllmWorkerConfig:
     values, sources = merge_engine_values(layers)
     target_dir, checkpoint = resolve_target(values, sources, dry_run=dry_run)
     served = served_name(values, sources)
+    check_generation_config(values.get("generation_config"))
     resolve_speculative(values, sources, layers, checkpoint, dry_run=dry_run)
     check_block_size(values, sources)
     kv_events_port = configure_kv_events(values, sources, full["kv_events_port"])

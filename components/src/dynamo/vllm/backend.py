@@ -25,6 +25,7 @@ from dynamo.vllm.engine import EngineFacts, VllmEngine
 from dynamo.vllm.handlers import GenerateHandler, RequestCounters
 from dynamo.vllm.kv_transfer import KvTransferJanitor, default_ttl, example_connector_storage
 from dynamo.vllm.publishers import engine_load, relay_kv_events
+from dynamo.vllm.sampling_defaults import sampling_defaults_from
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class VllmBackend:
             max_num_seqs=facts.max_num_seqs,
             eos_token_ids=self._eos_token_ids(),
             speculative=facts.speculative,
+            sampling_defaults=sampling_defaults_from(facts.sampling_defaults),
         )
 
     def is_ready(self) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.outputs import CompletionOutput, RequestOutput
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 from dynamo.llm.protocols import (
     CompletionUsage,
@@ -22,6 +22,7 @@ from dynamo.llm.protocols import (
     PromptTokensDetails,
     SamplingOptions,
     SpecDecodeStats,
+    StructuredOutput,
     TokenLogprob,
     TopLogprob,
 )
@@ -73,6 +74,8 @@ def to_sampling_params(
     kwargs["ignore_eos"] = bool(stop.ignore_eos)
     if request.output_options.logprobs is not None:
         kwargs["logprobs"] = request.output_options.logprobs
+    if request.structured_output is not None:
+        kwargs["structured_outputs"] = to_structured_outputs(request.structured_output)
 
     extra: dict[str, Any] = {}
     if kv_transfer_params:
@@ -83,6 +86,24 @@ def to_sampling_params(
         skip_special_tokens=False,
         extra_args=extra or None,
         **kwargs,
+    )
+
+
+def to_structured_outputs(constraint: StructuredOutput) -> StructuredOutputsParams:
+    """The wire constraint as vLLM's `StructuredOutputsParams`. vLLM checks that exactly
+    one constraint is set (`VLLMValidationError`, a client error) and compiles it with the
+    engine's structured-outputs backend (xgrammar by default, on CPU) when the request is
+    added, refusing what the compiler cannot take the same way."""
+    return StructuredOutputsParams(
+        json=constraint.json_schema,
+        json_object=constraint.json_object,
+        regex=constraint.regex,
+        choice=list(constraint.choice) if constraint.choice is not None else None,
+        grammar=constraint.grammar,
+        structural_tag=constraint.structural_tag,
+        disable_any_whitespace=constraint.disable_any_whitespace,
+        disable_additional_properties=constraint.disable_additional_properties,
+        whitespace_pattern=constraint.whitespace_pattern,
     )
 
 

@@ -83,6 +83,27 @@ class PrefillResult(msgspec.Struct, omit_defaults=True):
     prompt_tokens_details: dict[str, Any] | None = None
 
 
+class StructuredOutput(msgspec.Struct, omit_defaults=True):
+    """A constraint on the shape of the output, enforced by the engine while it samples
+    (vLLM's structured outputs: a grammar masks the logits of every step).
+
+    Exactly one of `json_schema`, `json_object`, `regex`, `choice`, `grammar`,
+    `structural_tag` is set; the frontend checks that and the schema's own validity, the
+    worker's grammar compiler has the last word (a refusal there is the client's error).
+    The schema travels as JSON text so it reaches the engine byte for byte as sent.
+    """
+
+    json_schema: str | None = None  # a JSON schema, as JSON text
+    json_object: bool | None = None  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF / Lark grammar, as vLLM accepts it
+    structural_tag: str | None = None  # vLLM's structural tag, as JSON text
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
 class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     """A tokenized, validated request ready for a worker's `generate` endpoint."""
 
@@ -97,6 +118,8 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     prefill_result: PrefillResult | None = None
     # Extra engine parameters for special legs, e.g. {"do_remote_decode": True} on a prefill.
     kv_transfer_params: dict[str, Any] | None = None
+    # Constrained decoding (response_format / structured_outputs); None: unconstrained.
+    structured_output: StructuredOutput | None = None
 
 
 # --------------------------------------------------------------------------- responses
@@ -169,6 +192,22 @@ class SpeculativeInfo(msgspec.Struct, omit_defaults=True):
     schedule: list[list[int]] | None = None
 
 
+class SamplingDefaults(msgspec.Struct, omit_defaults=True):
+    """The model's own sampling defaults (its `generation_config.json`, as vLLM reads it with
+    `--generation-config`), advertised on the card. The frontend gives them to every field a
+    request leaves unset, as `vllm serve` does; an explicit value (even 0) always wins.
+    `None` means "no default: the engine's own"."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None  # generation_config's `max_new_tokens`
+
+
 class ModelCard(msgspec.Struct, omit_defaults=True):
     """Everything a frontend needs to serve a model a worker registered."""
 
@@ -192,6 +231,8 @@ class ModelCard(msgspec.Struct, omit_defaults=True):
     system_port: int | None = None
     # How often a request may move to another worker when its worker dies mid-stream.
     migration_limit: int = 0
+    # Defaults for sampling fields a request leaves unset (None: the engine's own).
+    sampling_defaults: SamplingDefaults | None = None
 
 
 # --------------------------------------------------------------------------- KV events

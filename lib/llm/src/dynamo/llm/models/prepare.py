@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dynamo.llm.models import cache
+from dynamo.llm.models.generation_defaults import stale_defaults, upgrade_in_place, write_defaults
 from dynamo.llm.models.manifest import (
     SourceInfo,
     build_manifest,
@@ -63,13 +64,16 @@ def prepare_model(name: str, *, force: bool = False, log: Log = _quiet) -> Path:
     target = cache.model_dir(recipe.name)
     if not force:
         problems = check_model_dir(target, recipe, full=False)
-        if not problems:
+        if not problems and not stale_defaults(target, recipe):
             log(f"{recipe.name} is prepared at {target}")
             return target
     with cache.build_lock(recipe.name):
         # Another process may have finished the build while we waited for the lock.
         problems = check_model_dir(target, recipe, full=False)
         if not problems and not force:
+            changed = upgrade_in_place(target, recipe)
+            if changed:
+                log(f"updated the sampling defaults in {target}/generation_config.json: {changed}")
             log(f"{recipe.name} is prepared at {target}")
             return target
         if target.exists() and problems:
@@ -108,6 +112,11 @@ def _build(recipe: ModelRecipe, target: Path, log: Log) -> None:
             convert_gguf(recipe, gguf, staging, log=step)
         except ConversionError as exc:
             raise PrepareError(f"conversion failed: {exc}") from exc
+        if recipe.generation_defaults:
+            step(
+                f"sampling defaults into generation_config.json: {dict(recipe.generation_defaults)}"
+            )
+            write_defaults(staging, recipe.generation_defaults)
         step("checking the converted directory (config, tokenizer round-trip, chat template)")
         problems = check_converted(staging, recipe)
         if problems:

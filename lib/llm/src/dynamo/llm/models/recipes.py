@@ -7,7 +7,10 @@ by an older recipe are detected (the manifest records the version) and rebuilt.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -45,6 +48,10 @@ class ModelRecipe:
     smoke_prompt: str = "What is the capital of France?"
     smoke_expect: str = "Paris"
     """A greedy answer to `smoke_prompt` (through the chat template) must contain this."""
+    generation_defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """Sampling defaults the model's authors recommend, merged into generation_config.json
+    (vLLM applies them to requests that leave the fields unset). A change here does not
+    need a `version` bump: prepared caches are patched in place (`generation_defaults.py`)."""
 
 
 KNOWN_MODELS: dict[str, ModelRecipe] = {
@@ -60,6 +67,11 @@ KNOWN_MODELS: dict[str, ModelRecipe] = {
             gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             model_max_length=8192,
+            # The model card's recommendation (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct):
+            # generate(..., temperature=0.2, top_p=0.9, do_sample=True).
+            generation_defaults=MappingProxyType(
+                {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+            ),
         ),
     )
 }

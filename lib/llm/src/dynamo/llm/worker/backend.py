@@ -13,6 +13,7 @@ from dynamo.llm.protocols import (
     LLMEngineOutput,
     LoadMetrics,
     PreprocessedRequest,
+    SamplingDefaults,
     SpeculativeInfo,
     WorkerType,
 )
@@ -42,6 +43,8 @@ class EngineDescription:
     max_num_seqs: int
     eos_token_ids: list[int] = field(default_factory=list)
     speculative: SpeculativeInfo | None = None
+    sampling_defaults: SamplingDefaults | None = None
+    """The model's defaults for sampling fields a request leaves unset (see the card)."""
 
 
 @dataclass(frozen=True)

@@ -221,6 +221,7 @@ class ServedWorker(Generic[B]):
             max_num_seqs=engine.max_num_seqs,
             eos_token_ids=list(engine.eos_token_ids),
             speculative=engine.speculative,
+            sampling_defaults=engine.sampling_defaults,
             system_port=self.system_port,
             migration_limit=reg.migration_limit,
         )

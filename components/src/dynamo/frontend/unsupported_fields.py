@@ -1,0 +1,275 @@
+"""Which OpenAI (and vLLM-extension) request fields the frontend serves, and the 400 for
+those it does not.
+
+Before this module, a request with `tools`, `logit_bias` or `suffix` got a 200 with text
+that ignored them: msgspec drops fields a struct does not declare. A client (an agent
+framework, an extraction job) then failed far from the cause. Now every field of OpenAI's
+`chat.completions.create` / `completions.create` and the vLLM extensions clients pass
+through `extra_body` is declared on the request structs (`openai_types.py`), and
+`SUPPORT` below says, per field, whether it is
+
+* `honoured`: served (the preprocessor or the worker acts on it);
+* `accepted`: taken and ignored because it cannot change the output here (`user`,
+  `metadata`, `store`, `service_tier`, ...);
+* `refused`: a value other than the neutral one (`null`, `false`, empty, `n` = 1, ...)
+  is a 400 whose `param` names the field.
+
+Fields outside this table are not OpenAI's nor a known vLLM extension: they stay ignored,
+as `vllm serve` ignores them, and one debug log line lists them (`log_unknown_fields`).
+
+`SUPPORT` is the single source of truth: the refusal check reads it, the support table in
+docs/frontend.md is checked against it by a unit test, and the same test sends every field.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import msgspec
+
+from dynamo.frontend.errors import bad_request
+from dynamo.frontend.openai_types import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+
+class Support(StrEnum):
+    HONOURED = "honoured"
+    ACCEPTED = "accepted"  # taken, no effect on the output
+    REFUSED = "refused"  # 400 unless the value is neutral
+
+
+class Endpoint(StrEnum):
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+
+
+BOTH = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
+CHAT = frozenset({Endpoint.CHAT})
+COMPLETIONS = frozenset({Endpoint.COMPLETIONS})
+
+
+def _unset(value: Any) -> bool:
+    """Neutral: absent, null, false or empty (what a client sends for "not used")."""
+    return value is None or value is False or value == "" or value == [] or value == {}
+
+
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+def _at_most_one(value: Any) -> bool:
+    return value is None or value == 1
+
+
+def _tool_choice_none(value: Any) -> bool:
+    return _unset(value) or value == "none"
+
+
+def _text_only(value: Any) -> bool:
+    return _unset(value) or value == ["text"]
+
+
+def _true_or_unset(value: Any) -> bool:
+    return value is None or value is True
+
+
+def _one_or_unset(value: Any) -> bool:
+    return value is None or value == 1.0
+
+
+@dataclass(frozen=True)
+class FieldSupport:
+    """How one request field is served. `neutral(value)` is True for the values a refused
+    field may still carry (they change nothing)."""
+
+    name: str
+    endpoints: frozenset[Endpoint]
+    support: Support
+    note: str
+    neutral: Callable[[Any], bool] = _unset
+    vllm_extension: bool = False
+
+    @property
+    def endpoint_label(self) -> str:
+        return "both" if self.endpoints == BOTH else next(iter(self.endpoints)).value
+
+
+H, A, R = Support.HONOURED, Support.ACCEPTED, Support.REFUSED
+
+
+def _openai(
+    name: str,
+    support: Support,
+    note: str,
+    endpoints: frozenset[Endpoint] = BOTH,
+    neutral: Callable[[Any], bool] = _unset,
+) -> FieldSupport:
+    return FieldSupport(name, endpoints, support, note, neutral)
+
+
+def _vllm(
+    name: str,
+    support: Support,
+    note: str,
+    endpoints: frozenset[Endpoint] = BOTH,
+    neutral: Callable[[Any], bool] = _unset,
+) -> FieldSupport:
+    return FieldSupport(name, endpoints, support, note, neutral, vllm_extension=True)
+
+
+SUPPORT: tuple[FieldSupport, ...] = (
+    # ------------------------------------------------------------------ OpenAI fields
+    _openai("model", H, "the served model name"),
+    _openai("messages", H, "text content; the model's chat template", CHAT),
+    _openai("prompt", H, "a string, token ids, or a one-item list of either", COMPLETIONS),
+    _openai("stream", H, "Server-Sent Events"),
+    _openai("stream_options", H, "`include_usage`"),
+    _openai("max_tokens", H, "bounded by the context length"),
+    _openai("max_completion_tokens", H, "wins over `max_tokens`", CHAT),
+    _openai("temperature", H, "0..2"),
+    _openai("top_p", H, "0..1"),
+    _openai("seed", H, "a 64-bit integer"),
+    _openai("stop", H, "up to 4 strings; never part of the text"),
+    _openai("presence_penalty", H, "-2..2"),
+    _openai("frequency_penalty", H, "-2..2"),
+    _openai("logprobs", H, "chat: boolean; completions: 0..20 alternatives"),
+    _openai("top_logprobs", H, "0..20; needs `logprobs`", CHAT),
+    _openai("echo", H, "the prompt before the completion", COMPLETIONS),
+    _openai("response_format", H, "see Structured output"),
+    _openai("user", A, "no effect on the output"),
+    _openai("metadata", A, "nothing is stored", CHAT),
+    _openai("store", A, "nothing is stored; `store: true` is accepted and not kept", CHAT),
+    _openai("service_tier", A, "one tier here", CHAT),
+    _openai("safety_identifier", A, "no effect on the output", CHAT),
+    _openai("prompt_cache_key", A, "prefix caching is automatic (KV router)", CHAT),
+    _openai("prompt_cache_retention", A, "prefix caching is automatic", CHAT),
+    _openai("prompt_cache_options", A, "prefix caching is automatic", CHAT),
+    _openai("parallel_tool_calls", A, "no effect without `tools` (refused)", CHAT),
+    _openai("n", R, "only 1", neutral=_at_most_one),
+    _openai("best_of", R, "only 1", COMPLETIONS, neutral=_at_most_one),
+    _openai("suffix", R, "no insertion mode", COMPLETIONS),
+    _openai("logit_bias", R, "not implemented"),
+    _openai("tools", R, "tool calling is not implemented yet", CHAT),
+    _openai("tool_choice", R, "`none` is accepted", CHAT, neutral=_tool_choice_none),
+    _openai("functions", R, "deprecated tools; not implemented", CHAT),
+    _openai("function_call", R, "`none` is accepted", CHAT, neutral=_tool_choice_none),
+    _openai("audio", R, "text models only", CHAT, neutral=_is_none),
+    _openai("modalities", R, '`["text"]` is accepted', CHAT, neutral=_text_only),
+    _openai("prediction", R, "predicted outputs are not implemented", CHAT, neutral=_is_none),
+    _openai("web_search_options", R, "no web search", CHAT, neutral=_is_none),
+    _openai("reasoning_effort", R, "no reasoning controls", CHAT),
+    _openai("verbosity", R, "no verbosity control", CHAT),
+    _openai("moderation", R, "no moderation", CHAT, neutral=_is_none),
+    # ------------------------------------------------------------------ vLLM extensions
+    _vllm("top_k", H, "-1 or 0 disable it"),
+    _vllm("min_p", H, "0..1"),
+    _vllm("repetition_penalty", H, "(0, 2]"),
+    _vllm("stop_token_ids", H, "hidden from the text"),
+    _vllm("ignore_eos", H, "keeps going past EOS"),
+    _vllm("min_tokens", H, "EOS and stops suppressed before"),
+    _vllm("skip_special_tokens", H, "default true"),
+    _vllm("add_generation_prompt", H, "default true", CHAT),
+    _vllm("continue_final_message", H, "continues the last assistant message", CHAT),
+    _vllm("chat_template_kwargs", H, "only the template's own variables", CHAT),
+    _vllm("structured_outputs", H, "see Structured output"),
+    _vllm("guided_json", H, "older name; see Structured output"),
+    _vllm("guided_regex", H, "older name; see Structured output"),
+    _vllm("guided_choice", H, "older name; see Structured output"),
+    _vllm("guided_grammar", H, "older name; see Structured output"),
+    _vllm("guided_whitespace_pattern", H, "older name; see Structured output"),
+    _vllm("return_spec_stats", H, "per-request speculation statistics (Dynamo)"),
+    _vllm("use_beam_search", R, "no beam search"),
+    _vllm("length_penalty", R, "beam search only; 1 is accepted", neutral=_one_or_unset),
+    _vllm("include_stop_str_in_output", R, "stop strings never reach the text"),
+    _vllm("spaces_between_special_tokens", R, "`true` is accepted", neutral=_true_or_unset),
+    _vllm("truncate_prompt_tokens", R, "prompts are never truncated"),
+    _vllm("truncation_side", R, "prompts are never truncated"),
+    _vllm("prompt_logprobs", R, "not implemented"),
+    _vllm("logprob_token_ids", R, "not implemented"),
+    _vllm("allowed_token_ids", R, "not implemented"),
+    _vllm("bad_words", R, "not implemented"),
+    _vllm("add_special_tokens", R, "the endpoint's own default only", neutral=_is_none),
+    _vllm("echo", R, "the prompt is not echoed in chat", CHAT),
+    _vllm("documents", R, "no RAG templates", CHAT),
+    _vllm("chat_template", R, "the model's template only", CHAT),
+    _vllm("logits_processors", R, "not implemented"),
+    _vllm("thinking_token_budget", R, "no reasoning controls"),
+    _vllm("include_reasoning", R, "no reasoning parser", CHAT, neutral=_true_or_unset),
+    _vllm("return_tokens_as_token_ids", R, "text tokens only"),
+    _vllm("return_token_ids", R, "not implemented"),
+    _vllm("prompt_embeds", R, "text prompts only", COMPLETIONS),
+    _vllm("vllm_xargs", R, "no custom sampling extensions"),
+)
+
+
+def fields_for(endpoint: Endpoint, support: Support | None = None) -> list[FieldSupport]:
+    """The table's entries for `endpoint` (optionally only those of one `support`)."""
+    return [
+        entry
+        for entry in SUPPORT
+        if endpoint in entry.endpoints and (support is None or entry.support is support)
+    ]
+
+
+def _refusable_names(endpoint: Endpoint) -> tuple[FieldSupport, ...]:
+    return tuple(fields_for(endpoint, Support.REFUSED))
+
+
+_REFUSED = {endpoint: _refusable_names(endpoint) for endpoint in Endpoint}
+
+
+def refuse_unserved(request: msgspec.Struct, endpoint: Endpoint) -> None:
+    """400 naming the first field `request` sets to a value we do not serve.
+
+    Reads the decoded struct once as a mapping (`asdict` is shallow: a few microseconds),
+    so no field is read by name through attribute tricks."""
+    values = msgspec.structs.asdict(request)
+    for entry in _REFUSED[endpoint]:
+        if not entry.neutral(values.get(entry.name)):
+            raise bad_request(
+                f"`{entry.name}` is not supported by this server ({entry.note}).",
+                param=entry.name,
+                code="unsupported_parameter",
+            )
+
+
+def check_request(request: object) -> None:
+    """`refuse_unserved` for a decoded chat or completion request; other types pass."""
+    if isinstance(request, ChatCompletionRequest):
+        refuse_unserved(request, Endpoint.CHAT)
+    elif isinstance(request, CompletionRequest):
+        refuse_unserved(request, Endpoint.COMPLETIONS)
+
+
+_MAX_NAMES_LOGGED = 20
+_MAX_NAME_CHARS = 64
+_KEYS_DECODER = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def unknown_fields(body: bytes, known: Iterable[str]) -> list[str]:
+    """Top-level keys of `body` that are not in `known` (values are not decoded)."""
+    try:
+        keys = _KEYS_DECODER.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
+        return []
+    known_set = set(known)
+    return sorted(key for key in keys if key not in known_set)
+
+
+def log_unknown_fields(body: bytes, request_type: type[msgspec.Struct]) -> None:
+    """One debug line listing the fields of `body` that `request_type` ignores. The body is
+    scanned a second time, so only when debug logging is on."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return
+    names = unknown_fields(body, request_type.__struct_fields__)
+    if names:
+        # Names only (never values, which may hold secrets), bounded: a client picks them.
+        shown = [name[:_MAX_NAME_CHARS] for name in names[:_MAX_NAMES_LOGGED]]
+        more = len(names) - len(shown)
+        suffix = f" (and {more} more)" if more else ""
+        log.debug("ignored unknown request fields: %s%s", ", ".join(shown), suffix)

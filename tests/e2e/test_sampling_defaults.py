@@ -1,0 +1,93 @@
+"""The request `make run` prints, with no sampling fields, gets a sensible answer.
+
+Claims (issue 18): the embedded model's generation_config.json carries its authors'
+sampling defaults (temperature 0.2, top_p 0.9), the worker advertises them and requests
+that leave the fields unset are sampled with them, so the exact request `make run` prints
+(read from launch/common.sh, so the two cannot drift) mentions Paris at least four times
+in five. A request's explicit `temperature` still wins, shown with a fixed seed (vLLM's
+per-request generator makes seeded sampling repeatable): leaving the fields out gives
+exactly what an explicit temperature 0.2 / top_p 0.9 gives, while an explicit temperature
+1.5 with the same seed gives another text, and the same text again when repeated.
+
+One worker with n-gram speculation (as `make run` starts it) behind one frontend, in this
+module's own namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dynamo.llm.models import DEFAULT_MODEL
+from dynamo.testing.http import http_post_json
+from dynamo.testing.processes import FrontendProcess, WorkerProcess, cpu_engine_flags
+
+NAMESPACE = "e2e-sampling"
+REPO = Path(__file__).resolve().parents[2]
+SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "n"}
+# The speculative config `make run` uses (launch/agg_spec_decoding.sh).
+MAKE_RUN_SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
+
+
+def make_run_request(model: str) -> dict[str, Any]:
+    """The JSON body of the curl line `make run` prints (`print_usage_hint` in
+    launch/common.sh), with its `$model` filled in."""
+    script = (REPO / "launch" / "common.sh").read_text()
+    hint = script[script.index("print_usage_hint()") :]
+    body = re.search(r"/v1/chat/completions .*?-d '(\{.*\})'", hint)
+    assert body is not None, "no curl line in print_usage_hint"
+    return json.loads(body.group(1).replace("$model", model))
+
+
+@pytest.fixture(scope="module")
+def served(embedded_model: Path, nats_url: str, tmp_path_factory) -> Iterator[FrontendProcess]:
+    logs = tmp_path_factory.mktemp("sampling-logs")
+    worker = WorkerProcess(
+        "worker-sampling",
+        embedded_model,
+        nats_url,
+        logs,
+        namespace=NAMESPACE,
+        engine_flags=cpu_engine_flags(4096),
+        extra=["--speculative-config", json.dumps(MAKE_RUN_SPEC)],
+    )
+    frontend = FrontendProcess("frontend-sampling", nats_url, logs, namespace=NAMESPACE)
+    try:
+        worker.wait_ready()
+        frontend.wait_for_model(DEFAULT_MODEL)
+        yield frontend
+    finally:
+        frontend.stop()
+        worker.stop()
+
+
+def answer(frontend: FrontendProcess, body: dict[str, Any]) -> str:
+    status, text = http_post_json(f"{frontend.base_url}/v1/chat/completions", body, timeout=120)
+    assert status == 200, text
+    return json.loads(text)["choices"][0]["message"]["content"]
+
+
+def test_make_run_request_mentions_paris(served: FrontendProcess) -> None:
+    body = make_run_request(DEFAULT_MODEL)
+    assert not SAMPLING_FIELDS & body.keys(), body  # the request a newcomer sends
+    answers = [answer(served, body) for _ in range(5)]
+    assert sum("Paris" in a for a in answers) >= 4, answers
+
+
+def test_explicit_temperature_wins(served: FrontendProcess) -> None:
+    base = {**make_run_request(DEFAULT_MODEL), "seed": 1234}
+    silent = answer(served, base)
+    assert answer(served, {**base, "temperature": 0.2, "top_p": 0.9}) == silent
+    hot = answer(served, {**base, "temperature": 1.5})
+    assert hot != silent, "an explicit temperature 1.5 sampled like the default 0.2"
+    assert answer(served, {**base, "temperature": 1.5}) == hot

@@ -1,0 +1,242 @@
+"""Structured output at the frontend (`dynamo.frontend.structured_output`).
+
+Claims:
+* `response_format` (`json_object`, `json_schema` with `strict`), vLLM's
+  `structured_outputs` and the older `guided_*` fields each become one `StructuredOutput`
+  on the request the worker receives; `text` and no field at all leave it unconstrained;
+* whitespace options of `structured_outputs` (or `guided_whitespace_pattern`) ride along,
+  also next to a `response_format`;
+* a broken schema, a malformed constraint, two constraints at once, or an unsupported
+  `response_format.type` are a 400 naming the field, decided before any worker is
+  touched (the scripted engine sees no request);
+* through the official `openai` client, `response_format` and `extra_body` reach the
+  worker as sent.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import openai
+import pytest
+from frontend_support import MODEL, Frontend, chat_request, completion_request, openai_error_of
+
+from dynamo.frontend.errors import from_validation_error
+from dynamo.frontend.openai_types import ChatCompletionRequest
+from dynamo.frontend.preprocessor import Preprocessor
+from dynamo.frontend.structured_output import structured_output_of
+from dynamo.llm.protocols import StructuredOutput
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def json_schema_format(schema: Any, **extra: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, **extra}}
+
+
+def constraint_of(**fields: Any) -> StructuredOutput | None:
+    return structured_output_of(chat_request(**fields))
+
+
+# ---------------------------------------------------------------------- accepted spellings
+
+
+def test_no_field_and_text_format_are_unconstrained() -> None:
+    assert constraint_of() is None
+    assert constraint_of(response_format={"type": "text"}) is None
+
+
+def test_json_object_and_json_schema_with_strict() -> None:
+    assert constraint_of(response_format={"type": "json_object"}) == StructuredOutput(
+        json_object=True
+    )
+    for strict in (True, False, None):
+        got = constraint_of(response_format=json_schema_format(PERSON, strict=strict))
+        assert got is not None and json.loads(got.json_schema or "") == PERSON
+
+
+@pytest.mark.parametrize(
+    ("so", "expected"),
+    [
+        ({"json": PERSON}, StructuredOutput(json_schema=json.dumps(PERSON, separators=(",", ":")))),
+        (
+            {"json": json.dumps(PERSON)},
+            StructuredOutput(json_schema=json.dumps(PERSON, separators=(",", ":"))),
+        ),
+        ({"regex": r"\d{3}"}, StructuredOutput(regex=r"\d{3}")),
+        ({"choice": ["yes", "no"]}, StructuredOutput(choice=["yes", "no"])),
+        ({"grammar": 'root ::= "a"'}, StructuredOutput(grammar='root ::= "a"')),
+        ({"json_object": True}, StructuredOutput(json_object=True)),
+        ({"structural_tag": '{"type": "x"}'}, StructuredOutput(structural_tag='{"type": "x"}')),
+    ],
+)
+def test_structured_outputs_extension(so: dict[str, Any], expected: StructuredOutput) -> None:
+    assert constraint_of(structured_outputs=so) == expected
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        (
+            "guided_json",
+            PERSON,
+            StructuredOutput(json_schema=json.dumps(PERSON, separators=(",", ":"))),
+        ),
+        ("guided_regex", "[ab]+", StructuredOutput(regex="[ab]+")),
+        ("guided_choice", ["red", "blue"], StructuredOutput(choice=["red", "blue"])),
+        ("guided_grammar", 'root ::= "x"', StructuredOutput(grammar='root ::= "x"')),
+    ],
+)
+def test_older_guided_fields_are_honoured(
+    field: str, value: Any, expected: StructuredOutput
+) -> None:
+    assert constraint_of(**{field: value}) == expected
+
+
+def test_whitespace_options_ride_along() -> None:
+    got = constraint_of(
+        response_format=json_schema_format(PERSON),
+        structured_outputs={"disable_any_whitespace": True, "whitespace_pattern": " ?"},
+    )
+    assert got is not None and got.json_schema is not None
+    assert got.disable_any_whitespace and got.whitespace_pattern == " ?"
+    got = constraint_of(guided_json=PERSON, guided_whitespace_pattern="[ ]")
+    assert got is not None and got.whitespace_pattern == "[ ]"
+
+
+def test_completions_carry_it_too(preprocessor: Preprocessor) -> None:
+    req = completion_request(response_format={"type": "json_object"})
+    prepared = preprocessor.prepare_completion_sync(req, "r")
+    assert prepared.request.structured_output == StructuredOutput(json_object=True)
+    chat = preprocessor.prepare_chat_sync(chat_request(guided_choice=["a", "b"]), "r")
+    assert chat.request.structured_output == StructuredOutput(choice=["a", "b"])
+    assert preprocessor.prepare_chat_sync(chat_request(), "r").request.structured_output is None
+
+
+# ---------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        (
+            {"response_format": json_schema_format({"type": "objekt"})},
+            "response_format",
+            "not a valid JSON schema",
+        ),
+        (
+            {"response_format": json_schema_format({"properties": {"a": {"minLength": -1}}})},
+            "response_format",
+            "properties/a/minLength",
+        ),
+        ({"response_format": json_schema_format(None)}, "response_format", "schema` is required"),
+        ({"response_format": json_schema_format([1, 2])}, "response_format", "JSON schema object"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "is required"),
+        ({"response_format": {"type": "yaml"}}, "response_format", "`yaml` is not supported"),
+        ({"structured_outputs": {"json": "{not json"}}, "structured_outputs", "not valid JSON"),
+        ({"structured_outputs": {"json": "  "}}, "structured_outputs", "must not be empty"),
+        (
+            {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+            "structured_outputs",
+            "only one constraint",
+        ),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs", "at least one choice"),
+        ({"structured_outputs": {"grammar": " "}}, "structured_outputs", "must not be empty"),
+        ({"structured_outputs": {"json_object": False}}, "structured_outputs", "must be true"),
+        ({"structured_outputs": {"regex": "a\x00"}}, "structured_outputs", "NUL"),
+        (
+            {"structured_outputs": {"disable_any_whitespace": True}},
+            "structured_outputs",
+            "must set one of",
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            "structured_outputs",
+            "send only one",
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "guided_regex": "a"},
+            "guided_regex",
+            "send only one",
+        ),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "Only one of"),
+        ({"guided_json": {"type": 5}}, "guided_json", "not a valid JSON schema"),
+    ],
+)
+def test_bad_constraints_are_400_naming_the_field(
+    fields: dict[str, Any], param: str, words: str
+) -> None:
+    err = openai_error_of(lambda: constraint_of(**fields))
+    assert (err.status, err.param) == (400, param)
+    assert words in err.message
+
+
+def test_wrongly_typed_fields_are_400_at_decoding() -> None:
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [],
+            "response_format": {"type": "json_schema", "json_schema": {}},
+        }
+    )
+    with pytest.raises(msgspec.ValidationError) as info:
+        msgspec.json.decode(body, type=ChatCompletionRequest)
+    err = from_validation_error(info.value)
+    assert err.status == 400 and "response_format" in (err.param or err.message)
+
+
+# ---------------------------------------------------------------------- through HTTP
+
+
+@pytest.fixture
+async def client(frontend: Frontend) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(
+        base_url=frontend.url + "/v1", api_key="unused", max_retries=0
+    ) as c:
+        yield c
+
+
+async def test_openai_client_fields_reach_the_worker(
+    client: openai.AsyncOpenAI, frontend: Frontend
+) -> None:
+    await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Who?"}],
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+        },
+    )
+    sent = frontend.client.requests[-1].structured_output
+    assert sent is not None and json.loads(sent.json_schema or "") == PERSON
+    await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Yes or no?"}],
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
+    assert frontend.client.requests[-1].structured_output == StructuredOutput(choice=["yes", "no"])
+
+
+async def test_invalid_schema_is_400_before_any_worker(
+    client: openai.AsyncOpenAI, frontend: Frontend
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Who?"}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": {"type": "objekt"}},
+            },
+        )
+    assert "not a valid JSON schema" in str(info.value)
+    assert "objekt" in str(info.value)
+    assert frontend.client.requests == []
