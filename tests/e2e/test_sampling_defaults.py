@@ -1,12 +1,14 @@
 """The request `make run` prints, with no sampling fields, gets a sensible answer.
 
 Claims (issue 18): the embedded model's generation_config.json carries its authors'
-sampling defaults (temperature 0.2, top_p 0.9), the worker advertises them and requests
+sampling defaults (temperature 0.2 and a top_p of 0.5, narrower than the authors' 0.9
+because the embedded Q4_1 weights are less certain; benchmarks/sampling_defaults_bench.py
+measures why), the worker advertises them and requests
 that leave the fields unset are sampled with them, so the exact request `make run` prints
 (read from launch/common.sh, so the two cannot drift) mentions Paris at least four times
 in five. A request's explicit `temperature` still wins, shown with a fixed seed (vLLM's
 per-request generator makes seeded sampling repeatable): leaving the fields out gives
-exactly what an explicit temperature 0.2 / top_p 0.9 gives, while an explicit temperature
+exactly what an explicit temperature 0.2 / top_p 0.5 gives, while an explicit temperature
 1.5 with the same seed gives another text, and the same text again when repeated.
 
 One worker with n-gram speculation (as `make run` starts it) behind one frontend, in this
@@ -21,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from dynamo.llm.models import DEFAULT_MODEL
@@ -87,7 +90,44 @@ def test_make_run_request_mentions_paris(served: FrontendProcess) -> None:
 def test_explicit_temperature_wins(served: FrontendProcess) -> None:
     base = {**make_run_request(DEFAULT_MODEL), "seed": 1234}
     silent = answer(served, base)
-    assert answer(served, {**base, "temperature": 0.2, "top_p": 0.9}) == silent
+    assert answer(served, {**base, "temperature": 0.2, "top_p": 0.5}) == silent
     hot = answer(served, {**base, "temperature": 1.5})
     assert hot != silent, "an explicit temperature 1.5 sampled like the default 0.2"
     assert answer(served, {**base, "temperature": 1.5}) == hot
+
+
+def test_n3_returns_three_choices_streaming_and_not(served: FrontendProcess) -> None:
+    """`n=3` through the official `openai` client, on this n-gram speculating worker: three
+    choices (vLLM's parallel sampling: one request, three sequences), each with its own
+    index and finish reason, usage summed; streamed, the same seed gives the same three
+    texts, each choice ending with its own finish-reason chunk."""
+    client = openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", max_retries=0)
+    fields: dict[str, Any] = {
+        "model": DEFAULT_MODEL,
+        "messages": [{"role": "user", "content": "Write a short line about the sea."}],
+        "n": 3,
+        "temperature": 0.9,
+        "seed": 42,
+        "max_tokens": 12,
+    }
+    unary = client.chat.completions.create(**fields)
+    assert [c.index for c in unary.choices] == [0, 1, 2]
+    assert all(c.finish_reason in ("stop", "length") for c in unary.choices)
+    texts = [c.message.content or "" for c in unary.choices]
+    assert len(set(texts)) > 1, texts  # three sequences, not one sent three times
+    assert unary.usage is not None and 3 <= unary.usage.completion_tokens <= 36
+
+    streamed: dict[int, str] = {}
+    finishes: dict[int, list[str]] = {}
+    usage = None
+    for chunk in client.chat.completions.create(
+        **fields, stream=True, stream_options={"include_usage": True}
+    ):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason is not None:
+                finishes.setdefault(choice.index, []).append(choice.finish_reason)
+    assert sorted(finishes) == [0, 1, 2] and all(len(f) == 1 for f in finishes.values())
+    assert [streamed[i] for i in range(3)] == texts, "seeded: the same three texts"
+    assert usage is not None and usage.completion_tokens == unary.usage.completion_tokens

@@ -128,7 +128,7 @@ def fuzz_schema(base: str) -> Any:
     assert status == 200
     document = json.loads(text)
     schemas = document["components"]["schemas"]
-    for request in ("CompletionRequest", "ChatCompletionRequest"):
+    for request in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
         schemas[request]["properties"]["model"] = {"enum": [MODEL]}
     return schemathesis.openapi.from_dict(document)
 
@@ -171,6 +171,7 @@ def test_fuzzing_the_openapi_document_finds_no_server_error(stack: Stack) -> Non
         for path, method, examples in [
             ("/v1/completions", "POST", FUZZ_EXAMPLES),
             ("/v1/chat/completions", "POST", FUZZ_EXAMPLES),
+            ("/v1/responses", "POST", FUZZ_EXAMPLES // 2),  # a thin layer over chat
             ("/v1/models/{model}", "GET", 5),
             ("/v1/models", "GET", 1),
             ("/health", "GET", 1),

@@ -345,7 +345,7 @@ async def test_client_sockets_have_tcp_nodelay(frontend: Frontend) -> None:
         ("/v1/completions", completion_body(max_tokens=-1), 400, "max_tokens", None),
         ("/v1/completions", completion_body(max_tokens="ten"), 400, "max_tokens", None),
         ("/v1/completions", completion_body(temperature=9.0), 400, "temperature", None),
-        ("/v1/completions", completion_body(n=3), 400, "n", None),
+        ("/v1/completions", completion_body(n=17), 400, "n", None),
         (
             "/v1/completions",
             completion_body(prompt="word " * 400),
@@ -500,7 +500,7 @@ async def test_metrics_count_requests_tokens_and_latency(frontend: Frontend) -> 
     frontend.engine.script = Script(reply=REPLY, steps=(1,), delay=0.002)
     assert (await post(frontend, "/v1/completions", completion_body()))[0] == 200
     assert (await post(frontend, "/v1/chat/completions", chat_body(stream=True)))[0] == 200
-    assert (await post(frontend, "/v1/completions", completion_body(n=2)))[0] == 400
+    assert (await post(frontend, "/v1/completions", completion_body(n=17)))[0] == 400
     assert (await post(frontend, "/v1/completions", {"model": "x", "prompt": "y"}))[0] == 404
     status, raw, ctype = await get(frontend, "/metrics")
     assert status == 200 and ctype == "text/plain"

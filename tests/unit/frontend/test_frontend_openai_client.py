@@ -95,7 +95,7 @@ async def test_errors_raise_the_typed_exceptions(
     assert bad.value.param == "max_tokens"
     with pytest.raises(openai.BadRequestError) as bad_n:
         await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}], n=2
+            model=MODEL, messages=[{"role": "user", "content": "x"}], n=17
         )
     assert bad_n.value.param == "n"
     await frontend.client.close()

@@ -17,6 +17,7 @@ from dynamo.frontend.openapi import openapi_document
 OPERATIONS = {
     ("/v1/completions", "post"),
     ("/v1/chat/completions", "post"),
+    ("/v1/responses", "post"),
     ("/v1/models", "get"),
     ("/v1/models/{model}", "get"),
     ("/health", "get"),

@@ -190,7 +190,7 @@ def test_completion_logprobs_and_echo(preprocessor: Preprocessor) -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"top_k": -5}, "top_k"),
         ({"min_tokens": 50, "max_tokens": 10}, "min_tokens"),
         ({"top_logprobs": 2}, "top_logprobs"),

@@ -14,6 +14,7 @@ Claims:
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -32,6 +33,11 @@ BASE: dict[Endpoint, dict[str, Any]] = {
     Endpoint.CHAT: {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
     Endpoint.COMPLETIONS: {"model": MODEL, "prompt": "Hi"},
 }
+# A short template that reads `tools` (the tiny model's has none; its context is short).
+TOOLS_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if tools %}{{ tools | length }} tools\n{% endif %}assistant:"
+)
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 # Fields (added to BASE) that exercise each entry: a non-neutral value, with any companion
@@ -97,9 +103,16 @@ CHAT_ONLY: dict[str, dict[str, Any]] = {
     "prompt_cache_key": {"prompt_cache_key": "k"},
     "prompt_cache_retention": {"prompt_cache_retention": "24h"},
     "prompt_cache_options": {"prompt_cache_options": {"mode": "implicit"}},
-    "parallel_tool_calls": {"parallel_tool_calls": False},
-    "tools": {"tools": [TOOL]},
-    "tool_choice": {"tool_choice": "auto"},
+    "parallel_tool_calls": {
+        "tools": [TOOL],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+    },
+    "tools": {"tools": [TOOL], "tool_choice": "required"},
+    "tool_choice": {
+        "tools": [TOOL],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+    },
     "functions": {"functions": [{"name": "f", "parameters": {}}]},
     "function_call": {"function_call": "auto"},
     "audio": {"audio": {"voice": "alloy", "format": "wav"}},
@@ -153,7 +166,9 @@ NEUTRAL = [
 @pytest.fixture(scope="module")
 async def frontend(tokenizer: Any) -> AsyncIterator[Frontend]:
     """One frontend for the module (a hundred-odd requests, none changes its state)."""
-    running = await start_frontend(tokenizer)
+    tools_tokenizer = copy.copy(tokenizer)
+    tools_tokenizer.chat_template = TOOLS_TEMPLATE
+    running = await start_frontend(tools_tokenizer)
     try:
         yield running
     finally:

@@ -55,6 +55,7 @@ SAMPLING_VALUES: dict[str, Any] = {
     "presence_penalty": 0.5,
     "frequency_penalty": -0.5,
     "repetition_penalty": 1.2,
+    "n": 2,
 }
 
 

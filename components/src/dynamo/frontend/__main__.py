@@ -19,6 +19,8 @@ import prometheus_client
 import uvloop
 
 from dynamo.frontend.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_WAITING
+from dynamo.frontend.chat_parsers import ChatParsingOptions
+from dynamo.frontend.chat_template_file import ChatTemplateError, load_chat_template
 from dynamo.frontend.disagg import DEFAULT_PREFILL_TIMEOUT_S
 from dynamo.frontend.engine_client import (
     DEFAULT_FIRST_TOKEN_TIMEOUT_S,
@@ -31,7 +33,9 @@ from dynamo.frontend.http_server import (
     DEFAULT_WORKER_WAIT_S,
     DEFAULT_WRITE_TIMEOUT_S,
 )
+from dynamo.frontend.reasoning import UnknownReasoningParser, check_reasoning_parser_name
 from dynamo.frontend.routing import RouterMode
+from dynamo.frontend.tool_calls import tool_parser_class
 from dynamo.runtime.cli import (
     ConfigError,
     fraction,
@@ -164,6 +168,30 @@ def build_parser() -> argparse.ArgumentParser:
         '`"return_spec_stats": true` does. $DYN_RETURN_SPEC_STATS=1 turns it on.',
     )
     parser.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        default=os.environ.get("DYN_CHAT_TEMPLATE") or None,
+        help="Jinja chat template used instead of the model's own, e.g. one with a tools "
+        "section (examples/chat_templates/smollm2_tools.jinja); checked at start-up. "
+        "$DYN_CHAT_TEMPLATE sets the default.",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        default=os.environ.get("DYN_TOOL_CALL_PARSER") or None,
+        help="vLLM tool parser (e.g. `hermes`) that reads tool calls from the model's text "
+        "when `tool_choice` is `auto` (the default with `tools`); without it such requests "
+        "are refused. $DYN_TOOL_CALL_PARSER sets the default.",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        metavar="NAME",
+        default=os.environ.get("DYN_REASONING_PARSER") or None,
+        help="vLLM reasoning parser (e.g. `deepseek_r1`, `qwen3`) that moves a reasoning "
+        "model's thinking out of `content` into `reasoning_content`; unknown names are a "
+        "start-up error listing the valid ones. $DYN_REASONING_PARSER sets the default.",
+    )
+    parser.add_argument(
         "--log-level",
         default=os.environ.get("DYN_LOG", "INFO").upper(),
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -251,7 +279,43 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         header_timeout_s=args.header_timeout,
         write_timeout_s=args.write_timeout,
         return_spec_stats=args.return_spec_stats,
+        chat_template=_chat_template(args.chat_template),
+        chat_parsing=ChatParsingOptions(
+            tool_call_parser=_tool_call_parser(args.tool_call_parser),
+            reasoning_parser=_reasoning_parser(args.reasoning_parser),
+        ),
     )
+
+
+def _chat_template(path: str | None) -> str | None:
+    """The `--chat-template` file's source; ConfigError if it is missing or not Jinja."""
+    if path is None:
+        return None
+    try:
+        return load_chat_template(path)
+    except ChatTemplateError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _tool_call_parser(name: str | None) -> str | None:
+    """`--tool-call-parser`, checked against vLLM's registered parsers."""
+    if name is None:
+        return None
+    try:
+        tool_parser_class(name)
+    except ValueError as exc:
+        raise ConfigError(f"--tool-call-parser: {exc}") from None
+    return name
+
+
+def _reasoning_parser(name: str | None) -> str | None:
+    """`--reasoning-parser`, checked against vLLM's registered reasoning parsers."""
+    if name is None:
+        return None
+    try:
+        return check_reasoning_parser_name(name)
+    except UnknownReasoningParser as exc:
+        raise ConfigError(f"--reasoning-parser: {exc}") from None
 
 
 async def _serve(config: FrontendConfig) -> None:

@@ -53,7 +53,10 @@ class DisaggregatedEngineClient:
         return self.decode.instance_ids()
 
     async def generate(self, request: PreprocessedRequest) -> AsyncGenerator[LLMEngineOutput, None]:
-        result = await self._prefill(request)
+        # n > 1: vLLM's n child sequences would each load the one transferred KV (not
+        # supported by its connectors); the decode worker prefills once for all of them.
+        single = (request.sampling_options.n or 1) == 1
+        result = await self._prefill(request) if single else None
         decode_request = msgspec.structs.replace(request, prefill_result=result)
         stream = self.decode.generate(decode_request)
         try:

@@ -336,7 +336,10 @@ class RequestLegs:
                 request_id, exc,
             )  # fmt: skip
             return False
-        if self.generated and self.migrations < self.migration_limit:
+        # n > 1: the tokens streamed belong to n interleaved sequences, which one
+        # continuation prompt cannot carry on: such a request fails instead of migrating.
+        single = (self.request.sampling_options.n or 1) == 1
+        if self.generated and single and self.migrations < self.migration_limit:
             self.migrations += 1
             self.leg = continuation(self.request, self.generated)
             log.warning(

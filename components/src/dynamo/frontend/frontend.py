@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from dynamo.frontend.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_WAITING, AdmissionLimits
 from dynamo.frontend.card_retry import CardRetries
+from dynamo.frontend.chat_parsers import ChatParsingOptions
 from dynamo.frontend.disagg import DEFAULT_PREFILL_TIMEOUT_S
 from dynamo.frontend.engine_client import (
     DEFAULT_FIRST_TOKEN_TIMEOUT_S,
@@ -44,6 +46,7 @@ from dynamo.frontend.http_server import (
 )
 from dynamo.frontend.metrics import FrontendMetrics
 from dynamo.frontend.model_registry import ModelManager, endpoint_key
+from dynamo.frontend.preprocessor import Preprocessor
 from dynamo.frontend.routing import RouterFactory, RouterMode, make_router_factory
 from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.model_card import (
@@ -92,6 +95,8 @@ class FrontendConfig:
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S  # 0: a stream waits for its client
     return_spec_stats: bool = False  # speculation statistics in every response
+    chat_template: str | None = None  # --chat-template: Jinja source replacing the model's
+    chat_parsing: ChatParsingOptions = field(default_factory=ChatParsingOptions)
 
     @property
     def stream_deadlines(self) -> StreamDeadlines:
@@ -214,7 +219,11 @@ async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None
     )
     metrics = FrontendMetrics()
     manager = ModelManager(
-        on_prefill_fallback=metrics.prefill_fallback, prefill_timeout_s=config.prefill_timeout_s
+        load_preprocessor=functools.partial(
+            Preprocessor.from_dir, chat_template=config.chat_template
+        ),
+        on_prefill_fallback=metrics.prefill_fallback,
+        prefill_timeout_s=config.prefill_timeout_s,
     )
     service = HttpService(
         manager,
@@ -228,6 +237,7 @@ async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None
         timeouts=ConnectionTimeouts(config.keep_alive_timeout_s, config.header_timeout_s),
         write_timeout_s=config.write_timeout_s or None,
         return_spec_stats=config.return_spec_stats,
+        chat_parsing=config.chat_parsing,
     )
     watcher: asyncio.Task[None] | None = None
     try:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from dynamo.frontend.admission import RETRY_AFTER_S
+from dynamo.frontend.choices import ChoicePostprocessors
 from dynamo.frontend.engine_client import (
     EngineClient,
     EngineFailedError,
@@ -43,7 +44,7 @@ from dynamo.frontend.errors import (
     overloaded,
 )
 from dynamo.frontend.metrics import RequestMetrics
-from dynamo.frontend.postprocessor import Postprocessor, TextDelta
+from dynamo.frontend.postprocessor import TextDelta
 from dynamo.frontend.preprocessor import Prepared
 from dynamo.frontend.responses import SSE_DONE, ResponseFormatter
 from dynamo.llm.protocols import LLMEngineOutput
@@ -72,7 +73,8 @@ class Generation:
     model: str
     prepared: Prepared
     engine: EngineClient
-    postprocessor: Postprocessor
+    # One postprocessor per choice (`n`); the response ends when all choices have.
+    postprocessor: ChoicePostprocessors
     formatter: ResponseFormatter
     metrics: RequestMetrics
     # Longest a streamed write may wait for the client to read; None: unbounded.
@@ -127,20 +129,28 @@ async def _next_batch(stream: EngineStream, model: str) -> list[LLMEngineOutput]
         raise engine_error(f"{type(exc).__name__}: {exc}") from exc
 
 
-def _process(gen: Generation, batch: list[LLMEngineOutput]) -> TextDelta:
-    delta = gen.postprocessor.process(batch) if batch else gen.postprocessor.end_of_stream()
-    gen.metrics.tokens(delta.token_count)
-    return delta
+def _process(gen: Generation, batch: list[LLMEngineOutput]) -> list[TextDelta]:
+    """The deltas of a batch, one per choice it touched (an empty batch: the stream ended
+    and the unfinished choices are aborted)."""
+    deltas = gen.postprocessor.process(batch) if batch else gen.postprocessor.end_of_stream()
+    gen.metrics.tokens(sum(delta.token_count for delta in deltas))
+    return deltas
+
+
+def _error_of(deltas: list[TextDelta]) -> str | None:
+    return next((delta.error for delta in deltas if delta.error is not None), None)
 
 
 async def _unary(
     gen: Generation, stream: EngineStream, batch: list[LLMEngineOutput]
 ) -> web.Response:
     while True:
-        delta = _process(gen, batch)
-        if delta.error is not None:
-            raise engine_error(delta.error)
-        gen.formatter.add(delta)
+        deltas = _process(gen, batch)
+        error = _error_of(deltas)
+        if error is not None:
+            raise engine_error(error)
+        for delta in deltas:
+            gen.formatter.add(delta)
         if gen.postprocessor.finished:
             break
         batch = await _next_batch(stream, gen.model)
@@ -221,13 +231,14 @@ async def _write_events(
 ) -> int:
     status = 200
     while True:
-        delta = _process(gen, batch)
-        payload = gen.formatter.events(delta)
-        if delta.error is not None:
+        deltas = _process(gen, batch)
+        error = _error_of(deltas)
+        payload = b"".join(gen.formatter.events(delta) for delta in deltas)
+        if error is not None:
             status = 500
-            payload += error_event(engine_error(delta.error))
+            payload += error_event(engine_error(error))
         if gen.postprocessor.finished:
-            payload += _trailer(gen, delta)
+            payload += _trailer(gen, error)
         if payload:
             await _write(response, transport, payload, gen.write_timeout_s)
         if gen.postprocessor.finished:
@@ -243,9 +254,9 @@ async def _write_events(
     return status
 
 
-def _trailer(gen: Generation, delta: TextDelta) -> bytes:
+def _trailer(gen: Generation, error: str | None) -> bytes:
     """Usage chunk (when asked for and the response did not fail) and `[DONE]`."""
-    if delta.error is None and gen.prepared.plan.include_usage:
+    if error is None and gen.prepared.plan.include_usage:
         usage, metrics = gen.postprocessor.usage(), gen.postprocessor.metrics()
         return gen.formatter.usage_event(usage, metrics) + SSE_DONE
     return SSE_DONE

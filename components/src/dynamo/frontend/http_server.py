@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (aiohttp).
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses`
+(`responses_api.py`: a thin layer over chat completions), `GET /v1/models`
 (and `/v1/models/{model}`), `GET /health`, `GET /live`, `GET /metrics`,
 `GET /debug/kv` (what each KV router believes: cached blocks, load, hit rates), and
 `GET /openapi.json` (`openapi.py`).
@@ -24,6 +25,7 @@ algorithm (a test checks the socket option).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -41,6 +43,9 @@ from dynamo.frontend.admission import (
     RejectReason,
 )
 from dynamo.frontend.auth import api_key_middleware
+from dynamo.frontend.chat_output import ChatOutputParser
+from dynamo.frontend.chat_parsers import ChatParsingOptions, chat_output_parser
+from dynamo.frontend.choices import ChoicePostprocessors
 from dynamo.frontend.engine_client import EngineClient
 from dynamo.frontend.errors import (
     OpenAIError,
@@ -72,6 +77,13 @@ from dynamo.frontend.responses import (
     CompletionFormatter,
     ResponseFormatter,
     encode_json,
+)
+from dynamo.frontend.responses_api import (
+    ResponsesChatRequest,
+    ResponsesRequest,
+    prepare_response,
+    responses_formatter,
+    to_chat_request,
 )
 from dynamo.frontend.unsupported_fields import check_request
 
@@ -107,6 +119,8 @@ class OpenAIEndpoint:
     id_prefix: str
     prepare: Callable[[Preprocessor, Any, str], Awaitable[Prepared]]
     formatter: Callable[[str, str, OutputPlan], ResponseFormatter]
+    # The decoded request into the one served (/v1/responses: the chat request it means).
+    convert: Callable[[Any], Any] | None = None
 
 
 COMPLETIONS = OpenAIEndpoint(
@@ -122,6 +136,15 @@ CHAT_COMPLETIONS = OpenAIEndpoint(
     id_prefix="chatcmpl",
     prepare=Preprocessor.prepare_chat,
     formatter=ChatFormatter,
+)
+# A thin layer over chat completions (`responses_api.py`): same path, other shape.
+RESPONSES = OpenAIEndpoint(
+    name="responses",
+    decoder=msgspec.json.Decoder(ResponsesRequest),
+    id_prefix="resp",
+    prepare=prepare_response,
+    formatter=responses_formatter,
+    convert=to_chat_request,
 )
 
 
@@ -172,6 +195,7 @@ class HttpService:
         timeouts: ConnectionTimeouts | None = None,
         write_timeout_s: float | None = DEFAULT_WRITE_TIMEOUT_S,
         return_spec_stats: bool = False,
+        chat_parsing: ChatParsingOptions | None = None,
     ) -> None:
         """`api_key`: None or empty serves without authentication; `write_timeout_s`
         None lets a stream wait for its client for ever; `return_spec_stats` adds the
@@ -186,6 +210,7 @@ class HttpService:
         self.timeouts = timeouts or ConnectionTimeouts()
         self.write_timeout_s = write_timeout_s
         self.return_spec_stats = return_spec_stats
+        self.chat_parsing = chat_parsing or ChatParsingOptions()  # --tool-call-parser, ...
         self._api_key = api_key or None
         self._openapi = msgspec.json.encode(openapi_document(api_key_required=bool(api_key)))
         self._runner: web.AppRunner | None = None
@@ -202,6 +227,7 @@ class HttpService:
         app = web.Application(middlewares=middlewares, client_max_size=self.max_request_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model:.+}", self.get_model)
         app.router.add_get("/health", self.health)
@@ -258,6 +284,9 @@ class HttpService:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, CHAT_COMPLETIONS)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, RESPONSES)
 
     async def list_models(self, request: web.Request) -> web.Response:
         data = [_model_info(m) for m in sorted(self.manager.models(), key=lambda m: m.name)]
@@ -336,6 +365,8 @@ class HttpService:
     async def _generate(self, request: web.Request, kind: OpenAIEndpoint) -> web.StreamResponse:
         """Decode → look up the model → admit → preprocess → run on its engine."""
         req = decode_request(kind.decoder, await self._read_body(request))
+        if kind.convert is not None:
+            req = kind.convert(req)
         stream = bool(req.stream)
         model = self.manager.get(req.model)
         if model is None:
@@ -360,12 +391,17 @@ class HttpService:
         try:
             check_request(req)  # a field set to a value we do not serve: 400 naming it
             prepared = await kind.prepare(model.preprocessor, req, request_id)
+            parsers = self._chat_output_parsers(req, model, prepared)  # 400: unservable tools
             model = await self._with_workers(model)
         except OpenAIError as exc:
             self.metrics.count_rejected(model.name, kind.name, bool(req.stream), exc.status)
             raise
         assert model.engine is not None
-        formatter = kind.formatter(request_id, model.name, prepared.plan)
+        formatter = (
+            kind.formatter(request_id, model.name, prepared.plan)
+            if parsers is None
+            else ChatFormatter(request_id, model.name, prepared.plan, parser_factory=parsers)
+        )
         return await serve(
             request,
             self._generation(
@@ -375,8 +411,27 @@ class HttpService:
                 prepared,
                 formatter,
                 report_spec_stats=self.return_spec_stats or bool(req.return_spec_stats),
+                choices=req.n or 1,  # 1..MAX_CHOICES: checked by the preprocessor
             ),
         )
+
+    def _chat_output_parsers(
+        self, req: SamplingFields, model: ServedModel, prepared: Prepared
+    ) -> Callable[[], ChatOutputParser] | None:
+        """A fresh parser per choice of a chat response (tools, reasoning); None for
+        completions and for /v1/responses (text only: its own formatter). One parser is
+        built here, so a request the flags cannot serve is a 400 before any worker."""
+        if not isinstance(req, ChatCompletionRequest) or isinstance(req, ResponsesChatRequest):
+            return None
+        make = functools.partial(
+            chat_output_parser,
+            req,
+            self.chat_parsing,
+            model.preprocessor.tokenizer,
+            prepared.request.token_ids,  # the prompt: has its template closed reasoning?
+        )
+        make()
+        return make
 
     def _count_unauthorized(self) -> None:
         self.metrics.count_shed("", "unauthorized")
@@ -408,16 +463,20 @@ class HttpService:
         prepared: Prepared,
         formatter: ResponseFormatter,
         report_spec_stats: bool = False,
+        choices: int = 1,
     ) -> Generation:
         pre = model.preprocessor
         plan = prepared.plan
         metrics = self.metrics.request(model.name, kind.name, plan.stream)
         metrics.prompt(len(prepared.request.token_ids))
-        postprocessor = Postprocessor(
-            plan,
-            prepared.request.token_ids,
-            pre.decode_fn(plan.skip_special_tokens),
-            pre.token_texts,
+        postprocessor = ChoicePostprocessors(
+            choices,
+            lambda: Postprocessor(
+                plan,
+                prepared.request.token_ids,
+                pre.decode_fn(plan.skip_special_tokens),
+                pre.token_texts,
+            ),
             report_spec_stats=report_spec_stats,
         )
         return Generation(

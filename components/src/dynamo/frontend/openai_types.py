@@ -151,6 +151,33 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+class FunctionDefinition(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """`tools[i].function`: what the model may call (checked by `tool_calls`)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema for the arguments object
+    strict: bool | None = None
+
+
+class ToolDefinition(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One entry of `tools`; only `function` tools exist in the chat API."""
+
+    type: str
+    function: FunctionDefinition
+
+
+class ToolChoiceName(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class ToolChoiceFunction(msgspec.Struct, kw_only=True):
+    """`tool_choice` naming one function: `{"type": "function", "function": {"name": ...}}`."""
+
+    type: str
+    function: ToolChoiceName
+
+
 class ChatMessage(msgspec.Struct, omit_defaults=True):
     role: str
     content: str | list[ContentPart] | None = None
@@ -177,10 +204,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
+    # Tool calling (see `tool_calls`).
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | ToolChoiceFunction | None = None
     parallel_tool_calls: bool | None = None
     # Declared to be refused unless neutral (see `unsupported_fields`).
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
@@ -275,9 +303,22 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatTokenLogprob] | None
 
 
-class AssistantMessage(msgspec.Struct):
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class AssistantMessage(msgspec.Struct, omit_defaults=True):
     role: str
     content: str | None
+    reasoning_content: str | None = None  # vLLM's extension: a reasoning model's thinking
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(msgspec.Struct):
@@ -296,9 +337,25 @@ class ChatCompletion(msgspec.Struct, omit_defaults=True, tag_field="object", tag
     metrics: PerRequestMetrics | None = None  # `return_spec_stats`; beside usage
 
 
+class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallChunk(msgspec.Struct, omit_defaults=True):
+    """One streamed piece of a tool call: `id`, `type` and the name on its first piece."""
+
+    index: int
+    function: FunctionCallDelta
+    id: str | None = None
+    type: str | None = None
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallChunk] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -25,6 +25,7 @@ from dynamo.frontend.openai_types import (
     ModelInfo,
     ModelList,
 )
+from dynamo.frontend.responses_api import ResponseObject, ResponsesRequest
 
 OPENAPI_PATH = "/openapi.json"
 _REF = "#/components/schemas/{name}"
@@ -74,13 +75,16 @@ def openapi_document(*, api_key_required: bool = False) -> dict[str, Any]:
     the probes (`/health`, `/live`, `/metrics`) declares bearer authentication and 401."""
     types = (CompletionRequest, ChatCompletionRequest, Completion, ChatCompletion)
     types += (ModelList, ModelInfo, ErrorBody, ChatCompletionChunk)
+    types += (ResponsesRequest, ResponseObject)
     refs, schemas = msgspec.json.schema_components(types, ref_template=_REF)
     # ChatCompletionChunk is listed for the reader (the shape of each streamed chat
     # event's data); no operation refers to it.
-    (completion_req, chat_req, completion, chat, model_list, model_info, error, _) = refs
+    (completion_req, chat_req, completion, chat, model_list, model_info, error, _) = refs[:8]
+    responses_req, response_object = refs[8:]
     paths = _Paths(error, api_key_required)
     _add_generation(paths, "completions", completion_req, completion, "Create a completion")
     _add_generation(paths, "chat/completions", chat_req, chat, "Create a chat completion")
+    _add_generation(paths, "responses", responses_req, response_object, "Create a response")
     _add_models(paths, model_list, model_info)
     _add_operational(paths)
     document: dict[str, Any] = {

@@ -10,7 +10,7 @@ stop strings (never leaked), hidden stop tokens, logprobs, finish reason and usa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dynamo.frontend.detokenizer import DecodeFn, IncrementalDetokenizer, TokenTexts
 from dynamo.frontend.openai_types import (
@@ -80,7 +80,11 @@ class TextDelta:
     """What one batch of engine outputs adds to the response."""
 
     text: str = ""
+    index: int = 0  # the choice this delta belongs to (`n` > 1: 0..n-1)
     token_count: int = 0  # tokens the engine produced in this batch (hidden ones included)
+    # The visible tokens of this batch (a final EOS/stop token excluded): parsers of the
+    # chat output (`chat_output.py`) look for marker tokens in them.
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None  # OpenAI name, set on the last delta
     error: str | None = None  # the engine failed the request
@@ -183,6 +187,7 @@ class Postprocessor:
         self._counts.completion_tokens += len(ids)
         delta.token_count += len(ids)
         visible = self._visible_ids(output)
+        delta.token_ids.extend(visible)
         if self._plan.logprobs is not None and output.log_probs:
             self._add_logprobs(delta, output.log_probs[: len(visible)])
         if output.error is not None or output.finish_reason is FinishReason.ERROR:

@@ -15,6 +15,7 @@ template never stalls the event loop.
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,12 @@ from dynamo.frontend.openai_types import (
 )
 from dynamo.frontend.structured_output import structured_output_of
 from dynamo.frontend.template_kwargs import TemplateKwargsPolicy
+from dynamo.frontend.tool_calls import (
+    ToolRequest,
+    template_reads_tools,
+    tool_request,
+    with_tool_constraint,
+)
 from dynamo.llm.protocols import (
     ModelCard,
     OutputOptions,
@@ -44,6 +51,7 @@ from dynamo.llm.protocols import (
     SamplingDefaults,
     SamplingOptions,
     StopConditions,
+    StructuredOutput,
 )
 
 T = TypeVar("T")
@@ -53,6 +61,9 @@ T = TypeVar("T")
 # every other stream on the event loop for milliseconds. (Chat requests always go to a
 # thread: the template's running time does not follow the input's size.)
 LARGE_INPUT_CHARS = 8192
+# The largest `n` served: each choice is a full sequence on the worker (its own decode KV
+# blocks and batch slot), so one request may not occupy more than this many.
+MAX_CHOICES = 16
 
 
 @dataclass(frozen=True)
@@ -96,9 +107,14 @@ class Preprocessor:
     holds no per-call state.
     """
 
-    def __init__(self, card: ModelCard, tokenizer: Any) -> None:
+    def __init__(self, card: ModelCard, tokenizer: Any, chat_template: str | None = None) -> None:
+        """`chat_template`: Jinja source replacing the model's own (`--chat-template`)."""
         self.card = card
+        if chat_template is not None:
+            tokenizer = copy.copy(tokenizer)  # the caller's tokenizer keeps its own template
+            tokenizer.chat_template = chat_template
         self.tokenizer = tokenizer
+        self.template_reads_tools = template_reads_tools(getattr(tokenizer, "chat_template", None))
         self.context_length = card.context_length
         self.eos_token_ids = _eos_ids(card, tokenizer)
         self.vocab_size = len(tokenizer)
@@ -111,8 +127,10 @@ class Preprocessor:
         self.prompt_bound = PromptBound.for_tokenizer(tokenizer)
 
     @classmethod
-    def from_dir(cls, card: ModelCard, tokenizer_dir: str | Path) -> Preprocessor:
-        return cls(card, load_tokenizer(tokenizer_dir))
+    def from_dir(
+        cls, card: ModelCard, tokenizer_dir: str | Path, chat_template: str | None = None
+    ) -> Preprocessor:
+        return cls(card, load_tokenizer(tokenizer_dir), chat_template)
 
     def decode_fn(self, skip_special_tokens: bool) -> DecodeFn:
         return self._decode_skip if skip_special_tokens else self._decode_keep
@@ -150,7 +168,8 @@ class Preprocessor:
         _check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("`top_logprobs` requires `logprobs` to be true", "top_logprobs")
-        text = self.render_chat(req)
+        tools = tool_request(req)
+        text = self.render_chat(req, tools)
         self.prompt_bound.check_text(len(text), self.context_length, "messages")
         token_ids = self._encode(text, False)
         max_tokens, param = req.max_tokens, "max_tokens"
@@ -165,10 +184,13 @@ class Preprocessor:
             prompt_param="messages",
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             echo_text=None,
+            tool_constraint=tools.constraint if tools is not None else None,
         )
 
-    def render_chat(self, req: ChatCompletionRequest) -> str:
-        """The prompt text from the model's own chat template."""
+    def render_chat(self, req: ChatCompletionRequest, tools: ToolRequest | None = None) -> str:
+        """The prompt text from the model's own chat template (or `--chat-template`),
+        with the request's tools (`tools`: `tool_request(req)`, computed when not given)."""
+        tools = tools if tools is not None else tool_request(req)
         if not req.messages:
             raise bad_request("`messages` must contain at least one message", "messages")
         check_message_count(req.messages)
@@ -190,12 +212,14 @@ class Preprocessor:
         if add_generation is None:
             add_generation = not continue_final
         messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+        tool_args = self._tool_arguments(tools)
         try:
             rendered = self.tokenizer.apply_chat_template(
                 messages,
                 tokenize=False,
                 add_generation_prompt=add_generation,
                 continue_final_message=continue_final,
+                **tool_args,
                 **template_args.variables,
             )
         except OpenAIError:
@@ -207,6 +231,21 @@ class Preprocessor:
         return rendered if isinstance(rendered, str) else str(rendered)
 
     # ------------------------------------------------------------------ internals
+
+    def _tool_arguments(self, tools: ToolRequest | None) -> dict[str, Any]:
+        """`tools=` for the template; 400 when the template would drop them (vLLM serve
+        renders such a request without its tools, and the model never hears of them)."""
+        if tools is None:
+            return {}
+        if not self.template_reads_tools:
+            raise bad_request(
+                f"The chat template of model `{self.card.name}` has no tools section, so "
+                "the model would never see `tools`; start the frontend with "
+                "`--chat-template FILE` naming a template that renders them "
+                "(examples/chat_templates/smollm2_tools.jinja for SmolLM2)",
+                "tools",
+            )
+        return {"tools": tools.template_tools}
 
     def _completion_prompt(self, prompt: Any) -> tuple[list[int], str | None]:
         """Token ids of a completions prompt, plus its text when it was given as text."""
@@ -258,6 +297,7 @@ class Preprocessor:
         prompt_param: str,
         logprobs: int | None,
         echo_text: str | None,
+        tool_constraint: StructuredOutput | None = None,
     ) -> Prepared:
         max_tokens = self._checked_max_tokens(
             len(token_ids), max_tokens, max_tokens_param, prompt_param
@@ -285,7 +325,7 @@ class Preprocessor:
             ),
             output_options=OutputOptions(logprobs=logprobs),
             eos_token_ids=list(self.eos_token_ids),
-            structured_output=structured_output_of(req),
+            structured_output=with_tool_constraint(structured_output_of(req), tool_constraint),
         )
         hidden = set(stop_token_ids)
         if not req.ignore_eos:
@@ -332,8 +372,8 @@ class Preprocessor:
 
 def _check_common(req: SamplingFields) -> None:
     check_stop(req.stop)
-    if req.n is not None and req.n != 1:
-        raise bad_request("Only `n` = 1 is supported", "n")
+    if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+        raise bad_request(f"`n` must be between 1 and {MAX_CHOICES}, got {req.n}", "n")
     if req.top_k is not None and req.top_k < -1:
         raise bad_request("`top_k` must be -1 (disabled), 0 (disabled) or positive", "top_k")
 

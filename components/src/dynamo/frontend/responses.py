@@ -10,10 +10,18 @@ because it runs once per streamed batch.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import msgspec
 
+from dynamo.frontend.chat_output import (
+    ChatOutputParser,
+    ChatPieces,
+    PlainText,
+    ToolCallDelta,
+    merge_tool_calls,
+)
 from dynamo.frontend.openai_types import (
     AssistantMessage,
     ChatChoice,
@@ -27,7 +35,11 @@ from dynamo.frontend.openai_types import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    FunctionCall,
+    FunctionCallDelta,
     PerRequestMetrics,
+    ToolCall,
+    ToolCallChunk,
     Usage,
 )
 from dynamo.frontend.postprocessor import TextDelta, TokenLogprobs
@@ -88,8 +100,18 @@ class _Accumulator:
         return "".join(self.parts)
 
 
+class _CompletionChoice:
+    """One choice of a completion response: its accumulated text and its echo/offsets."""
+
+    def __init__(self, echo_text: str | None) -> None:
+        self.acc = _Accumulator()
+        self.echo_pending = echo_text is not None
+        self.offset = len(echo_text or "")  # text_offset of the next token
+
+
 class CompletionFormatter:
-    """`/v1/completions` objects (`text_completion`)."""
+    """`/v1/completions` objects (`text_completion`). With `n` > 1 each choice (the
+    delta's `index`) keeps its own text, echo and logprob offsets."""
 
     def __init__(
         self, request_id: str, model: str, plan: OutputPlan, created: int | None = None
@@ -98,18 +120,17 @@ class CompletionFormatter:
         self._model = model
         self._plan = plan
         self._created = created or int(time.time())
-        self._acc = _Accumulator()
-        self._echo_pending = plan.echo_text is not None
-        self._offset = len(plan.echo_text or "")  # text_offset of the next token
+        self._choices: dict[int, _CompletionChoice] = {}
 
     def events(self, delta: TextDelta) -> bytes:
-        text = self._take_echo() + delta.text
+        state = self._choice(delta.index)
+        text = self._take_echo(state) + delta.text
         if not text and delta.finish_reason is None and not delta.logprobs:
             return b""
         choice = CompletionChoice(
-            index=0,
+            index=delta.index,
             text=text,
-            logprobs=self._logprobs(delta.logprobs),
+            logprobs=self._logprobs(state, delta.logprobs),
             finish_reason=delta.finish_reason,
         )
         return sse_event(self._wrap([choice]))
@@ -118,16 +139,26 @@ class CompletionFormatter:
         return sse_event(self._wrap([], usage, metrics))
 
     def add(self, delta: TextDelta) -> None:
-        self._acc.add(delta)
+        self._choice(delta.index).acc.add(delta)
 
     def body(self, usage: Usage, metrics: PerRequestMetrics | None = None) -> bytes:
-        acc = self._acc
-        text = self._take_echo() + acc.text
-        logprobs = self._logprobs(acc.logprobs) if self._plan.logprobs is not None else None
-        choice = CompletionChoice(
-            index=0, text=text, logprobs=logprobs, finish_reason=acc.finish_reason
+        choices = [self._body_choice(index) for index in sorted(self._choices or {0: None})]
+        return encode_json(self._wrap(choices, usage, metrics))
+
+    def _body_choice(self, index: int) -> CompletionChoice:
+        state = self._choice(index)
+        acc = state.acc
+        text = self._take_echo(state) + acc.text
+        logprobs = self._logprobs(state, acc.logprobs) if self._plan.logprobs is not None else None
+        return CompletionChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason=acc.finish_reason
         )
-        return encode_json(self._wrap([choice], usage, metrics))
+
+    def _choice(self, index: int) -> _CompletionChoice:
+        state = self._choices.get(index)
+        if state is None:
+            state = self._choices[index] = _CompletionChoice(self._plan.echo_text)
+        return state
 
     def _wrap(
         self,
@@ -144,19 +175,22 @@ class CompletionFormatter:
             metrics=metrics,
         )
 
-    def _take_echo(self) -> str:
-        if not self._echo_pending:
+    def _take_echo(self, state: _CompletionChoice) -> str:
+        """The echoed prompt, once per choice (each choice starts with it)."""
+        if not state.echo_pending:
             return ""
-        self._echo_pending = False
+        state.echo_pending = False
         return self._plan.echo_text or ""
 
-    def _logprobs(self, items: list[TokenLogprobs] | None) -> CompletionLogprobs | None:
+    def _logprobs(
+        self, state: _CompletionChoice, items: list[TokenLogprobs] | None
+    ) -> CompletionLogprobs | None:
         if self._plan.logprobs is None or items is None:
             return None
         offsets = []
         for item in items:
-            offsets.append(self._offset)
-            self._offset += len(item.sampled.token)
+            offsets.append(state.offset)
+            state.offset += len(item.sampled.token)
         return CompletionLogprobs(
             tokens=[i.sampled.token for i in items],
             token_logprobs=[i.sampled.logprob for i in items],
@@ -165,35 +199,65 @@ class CompletionFormatter:
         )
 
 
+class _ChatChoice:
+    """One choice of a chat response: its own output parser (parsers hold text back
+    between deltas, so choices must not share one), its accumulated parts and whether its
+    first chunk (the one carrying the role) went out."""
+
+    def __init__(self, parser: ChatOutputParser) -> None:
+        self.parser = parser
+        self.acc = _Accumulator()
+        self.pieces = ChatPieces()  # the non-streaming body's parts, merged
+        self.role_sent = False
+
+
 class ChatFormatter:
-    """`/v1/chat/completions` objects (`chat.completion` / `chat.completion.chunk`)."""
+    """`/v1/chat/completions` objects (`chat.completion` / `chat.completion.chunk`).
+
+    Text goes through the choice's `ChatOutputParser` (plain text unless a reasoning
+    parser or tools are in play), which splits it into content, reasoning and tool calls;
+    a response that made tool calls finishes with `tool_calls` instead of `stop`.
+
+    With `n` > 1 every choice (the delta's `index`) gets its own parser from
+    `parser_factory`; `parser`, when given, is choice 0's. Without a factory, choices
+    other than 0 are plain text only if no `parser` was given either (a lone parser
+    instance cannot serve several choices: that is a wiring error, raised)."""
 
     def __init__(
-        self, request_id: str, model: str, plan: OutputPlan, created: int | None = None
+        self,
+        request_id: str,
+        model: str,
+        plan: OutputPlan,
+        created: int | None = None,
+        parser: ChatOutputParser | None = None,
+        parser_factory: Callable[[], ChatOutputParser] | None = None,
     ) -> None:
         self._id = request_id
         self._model = model
         self._plan = plan
         self._created = created or int(time.time())
-        self._acc = _Accumulator()
-        self._role_sent = False
+        self._first_parser = parser
+        self._parser_factory = parser_factory
+        self._choices: dict[int, _ChatChoice] = {}
 
     def events(self, delta: TextDelta) -> bytes:
-        if (
-            self._role_sent
-            and not delta.text
-            and delta.finish_reason is None
-            and not delta.logprobs
-        ):
+        state = self._choice(delta.index)
+        pieces = self._parse(state, delta)
+        if state.role_sent and not pieces and delta.finish_reason is None and not delta.logprobs:
             return b""
-        role = None if self._role_sent else "assistant"
-        self._role_sent = True
-        content = delta.text if (delta.text or role) else None
+        role = None if state.role_sent else "assistant"
+        state.role_sent = True
+        content = pieces.content if (pieces.content or role) else None
         choice = ChatChunkChoice(
-            index=0,
-            delta=ChatDelta(role=role, content=content),
+            index=delta.index,
+            delta=ChatDelta(
+                role=role,
+                content=content,
+                reasoning_content=pieces.reasoning or None,
+                tool_calls=[_tool_call_chunk(p) for p in pieces.tool_calls] or None,
+            ),
             logprobs=self._logprobs(delta.logprobs),
-            finish_reason=delta.finish_reason,
+            finish_reason=self._finish_reason(state, delta.finish_reason),
         )
         return sse_event(self._chunk([choice]))
 
@@ -201,27 +265,74 @@ class ChatFormatter:
         return sse_event(self._chunk([], usage, metrics))
 
     def add(self, delta: TextDelta) -> None:
-        self._acc.add(delta)
+        state = self._choice(delta.index)
+        state.acc.add(delta)
+        state.pieces.extend(self._parse(state, delta))
 
     def body(self, usage: Usage, metrics: PerRequestMetrics | None = None) -> bytes:
-        acc = self._acc
-        logprobs = self._logprobs(acc.logprobs) if self._plan.logprobs is not None else None
-        choice = ChatChoice(
-            index=0,
-            message=AssistantMessage(role="assistant", content=acc.text),
-            logprobs=logprobs,
-            finish_reason=acc.finish_reason,
-        )
+        indices = sorted(self._choices) or [0]
         return encode_json(
             ChatCompletion(
                 id=self._id,
                 created=self._created,
                 model=self._model,
-                choices=[choice],
+                choices=[self._body_choice(index) for index in indices],
                 usage=usage,
                 metrics=metrics,
             )
         )
+
+    def _body_choice(self, index: int) -> ChatChoice:
+        state = self._choice(index)
+        acc = state.acc
+        pieces = state.pieces
+        logprobs = self._logprobs(acc.logprobs) if self._plan.logprobs is not None else None
+        calls = [
+            ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+            for c in merge_tool_calls(pieces.tool_calls)
+        ]
+        message = AssistantMessage(
+            role="assistant",
+            content=pieces.content if (pieces.content or not calls) else None,
+            reasoning_content=pieces.reasoning or None,
+            tool_calls=calls,
+        )
+        return ChatChoice(
+            index=index,
+            message=message,
+            logprobs=logprobs,
+            finish_reason=self._finish_reason(state, acc.finish_reason),
+        )
+
+    def _choice(self, index: int) -> _ChatChoice:
+        state = self._choices.get(index)
+        if state is None:
+            state = self._choices[index] = _ChatChoice(self._new_parser(index))
+        return state
+
+    def _new_parser(self, index: int) -> ChatOutputParser:
+        if index == 0 and self._first_parser is not None:
+            return self._first_parser
+        if self._parser_factory is not None:
+            return self._parser_factory()
+        if self._first_parser is not None:
+            raise RuntimeError("ChatFormatter: a response with n > 1 needs a parser_factory")
+        return PlainText()
+
+    @staticmethod
+    def _parse(state: _ChatChoice, delta: TextDelta) -> ChatPieces:
+        """The delta's text split by the choice's parser; at the end, what it still held."""
+        parser = state.parser
+        pieces = parser.feed(delta.text, delta.token_ids) if delta.text else ChatPieces()
+        if delta.done:
+            pieces.extend(parser.finish())
+        return pieces
+
+    @staticmethod
+    def _finish_reason(state: _ChatChoice, reason: str | None) -> str | None:
+        if reason == "stop" and state.parser.made_tool_calls:
+            return "tool_calls"
+        return reason
 
     def _chunk(
         self,
@@ -252,3 +363,12 @@ class ChatFormatter:
                 for i in items
             ]
         )
+
+
+def _tool_call_chunk(piece: ToolCallDelta) -> ToolCallChunk:
+    return ToolCallChunk(
+        index=piece.index,
+        id=piece.id,
+        type="function" if piece.id is not None else None,
+        function=FunctionCallDelta(name=piece.name, arguments=piece.arguments or None),
+    )

@@ -45,7 +45,13 @@ from dynamo.llm.protocols import (
 )
 from dynamo.mocker.config import MockEngineConfig
 from dynamo.mocker.kv_cache import KvBlockPool
-from dynamo.mocker.request import MockRequest, Phase, RequestRejected, admit_request
+from dynamo.mocker.request import (
+    InvalidRequest,
+    MockRequest,
+    Phase,
+    RequestRejected,
+    admit_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -154,18 +160,46 @@ class MockEngine:
         the last with `finish_reason`, usage and speculative statistics. Closing the
         stream early aborts the request and frees its blocks at once.
 
+        With `n` > 1 the request runs as n sequences (as vLLM's parallel sampling runs n
+        child requests `"{i}_{request_id}"`, sharing the prompt's cached blocks): their
+        outputs are interleaved on one stream, each naming its sequence by `index` and
+        each sequence ending with its own final output; the stream ends when all have.
+
         A request the engine cannot take raises `RequestRejected` before any output, as
         vLLM raises (`InvalidRequest` when its parameters are at fault)."""
-        state = self._submit(request, request_id or request.request_id)
+        states = self._submit_all(request, request_id or request.request_id)
+        outputs = states[0].outputs  # shared by all sequences of the request
+        unfinished = len(states)
         try:
-            while True:
-                output = await state.outputs.get()
-                yield output
+            while unfinished:
+                output = await outputs.get()
                 if output.finish_reason is not None:
-                    return
+                    unfinished -= 1
+                yield output
         finally:
-            if state.phase is not Phase.FINISHED:
+            for state in states:
+                if state.phase is not Phase.FINISHED:
+                    self.abort(state.request_id)
+
+    def _submit_all(self, request: PreprocessedRequest, request_id: str) -> list[MockRequest]:
+        """Admit the request's `n` sequences (all or none), on one shared output queue."""
+        n = request.sampling_options.n or 1
+        if n < 1:
+            raise InvalidRequest(f"n must be at least 1, got {n}.")
+        if n == 1:
+            return [self._submit(request, request_id)]
+        shared: asyncio.Queue[LLMEngineOutput] = asyncio.Queue()
+        states: list[MockRequest] = []
+        try:
+            for index in range(n):
+                states.append(
+                    self._submit(request, f"{index}_{request_id}", index=index, outputs=shared)
+                )
+        except RequestRejected:
+            for state in states:
                 self.abort(state.request_id)
+            raise
+        return states
 
     def abort(self, request_id: str) -> bool:
         """End a request now (it gets a `cancelled` output); False if unknown."""
@@ -208,12 +242,19 @@ class MockEngine:
 
     # ------------------------------------------------------------------ admission
 
-    def _submit(self, request: PreprocessedRequest, request_id: str) -> MockRequest:
+    def _submit(
+        self,
+        request: PreprocessedRequest,
+        request_id: str,
+        *,
+        index: int = 0,
+        outputs: asyncio.Queue[LLMEngineOutput] | None = None,
+    ) -> MockRequest:
         if self.dead is not None:
             raise RequestRejected(f"engine dead: {self.dead}")
         if request_id in self._requests:
             raise RequestRejected(f"request {request_id!r} is already running")
-        state = admit_request(request, request_id, self.config)
+        state = admit_request(request, request_id, self.config, index=index, outputs=outputs)
         self._requests[request_id] = state
         self._waiting.append(state)
         self.counters.requests += 1

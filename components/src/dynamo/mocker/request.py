@@ -94,6 +94,7 @@ class MockRequest:
     cached_tokens: int | None = None  # prefix-cache hit at first admission
     preemptions: int = 0
     spec: SpecTally = field(default_factory=SpecTally)
+    index: int = 0  # which of the request's `n` sequences this is (its outputs say so)
 
     @property
     def num_output(self) -> int:
@@ -126,7 +127,7 @@ class MockRequest:
 
     def output(self, tokens: list[int]) -> LLMEngineOutput:
         """One step's output (log-probabilities when the client asked for them)."""
-        return LLMEngineOutput(token_ids=tokens, log_probs=self._logprobs(tokens))
+        return LLMEngineOutput(token_ids=tokens, index=self.index, log_probs=self._logprobs(tokens))
 
     def finish(
         self,
@@ -139,6 +140,7 @@ class MockRequest:
     ) -> LLMEngineOutput:
         """Turn `output` into the final one: finish reason, usage (cached tokens from the
         simulated prefix cache) and, with speculation, the request's statistics."""
+        output.index = self.index
         output.finish_reason = reason
         output.stop_reason = stop_reason
         output.error = error
@@ -195,9 +197,16 @@ def _check_supported(request: PreprocessedRequest) -> None:
 
 
 def admit_request(
-    request: PreprocessedRequest, request_id: str, config: MockEngineConfig
+    request: PreprocessedRequest,
+    request_id: str,
+    config: MockEngineConfig,
+    *,
+    index: int = 0,
+    outputs: asyncio.Queue[LLMEngineOutput] | None = None,
 ) -> MockRequest:
-    """Validate a request and fix its limits; raises RequestRejected."""
+    """Validate a request and fix its limits; raises RequestRejected. `index` is the
+    sequence's index with `n` > 1 (its tokens differ from its siblings'), `outputs` the
+    queue it shares with them (None: its own)."""
     prompt = list(request.token_ids)
     if not prompt:
         raise InvalidRequest("the prompt is empty")
@@ -217,8 +226,8 @@ def admit_request(
     max_tokens = room if stop.max_tokens is None else min(stop.max_tokens, room)
     eos = () if stop.ignore_eos else (request.eos_token_ids or config.eos_token_ids)
     # One seed per request: the same request produces the same tokens anywhere.
-    rng = random.Random(request_seed(config.seed, request.sampling_options.seed, prompt))
-    return MockRequest(
+    rng = random.Random(request_seed(config.seed, request.sampling_options.seed, prompt, index))
+    state = MockRequest(
         request_id=request_id,
         prompt_len=len(prompt),
         tokens=prompt,
@@ -234,4 +243,8 @@ def admit_request(
             excluded=config.special_token_ids | frozenset(config.eos_token_ids),
         ),
         accept_rng=random.Random(rng.getrandbits(64)),
+        index=index,
     )
+    if outputs is not None:
+        state.outputs = outputs
+    return state

@@ -22,9 +22,14 @@ from collections.abc import Collection, Sequence
 from dynamo.llm.kv_router.hashing import hash_block
 
 
-def request_seed(engine_seed: int, request_seed: int | None, prompt: Sequence[int]) -> str:
-    """The seed material of one request (a string: `random.Random` hashes it stably)."""
-    return f"{engine_seed}:{request_seed if request_seed is not None else '-'}:{hash_block(None, prompt)}"
+def request_seed(
+    engine_seed: int, request_seed: int | None, prompt: Sequence[int], index: int = 0
+) -> str:
+    """The seed material of one request (a string: `random.Random` hashes it stably).
+    `index` is the sequence's index with `n` > 1: sequences of one request differ, and
+    sequence 0 is the request's only sequence at n = 1."""
+    material = f"{engine_seed}:{request_seed if request_seed is not None else '-'}:{hash_block(None, prompt)}"
+    return material if index == 0 else f"{material}:{index}"
 
 
 class TokenSampler:

@@ -29,6 +29,8 @@ from dynamo.llm.protocols import (
 
 # Sampling fields copied one-to-one when the request sets them: the wire type's own.
 _SAMPLING_FIELDS = SamplingOptions.__struct_fields__
+# Those a model's generation config may give a default: not `n`, which only a request sets.
+_DEFAULTABLE = frozenset(_SAMPLING_FIELDS) - {"n"}
 
 
 def to_sampling_params(
@@ -49,7 +51,7 @@ def to_sampling_params(
     """
     kwargs: dict[str, Any] = {}
     for key, value in (model_defaults or {}).items():
-        if key in _SAMPLING_FIELDS or key == "max_tokens":
+        if key in _DEFAULTABLE or key == "max_tokens":
             kwargs[key] = value
     opts = request.sampling_options
     for name in _SAMPLING_FIELDS:
@@ -65,6 +67,9 @@ def to_sampling_params(
         max_tokens = rest_of_context if default is None else min(default, rest_of_context)
     if force_max_tokens is not None:
         max_tokens = force_max_tokens
+        # A prefill leg computes the prompt's KV once; the decode leg samples the n
+        # sequences (vLLM's children share that prompt's blocks through its prefix cache).
+        kwargs.pop("n", None)
     if max_tokens is not None:
         kwargs["max_tokens"] = max_tokens
     if stop.min_tokens is not None:
@@ -162,30 +167,63 @@ def spec_stats_from(output: CompletionOutput) -> SpecDecodeStats | None:
 
 class OutputTracker:
     """Turns one request's stream of DELTA `RequestOutput`s into `LLMEngineOutput`s,
-    counting completion tokens for the usage block of the final output."""
+    counting completion tokens per sequence for the usage block of each sequence's final
+    output.
+
+    With `n` > 1 (vLLM's parallel sampling) a `RequestOutput` carries the new tokens of
+    one or more of the n child sequences, each `CompletionOutput` naming its sequence by
+    `index`; every one becomes its own wire output with that `index`. Each sequence's
+    final output carries its own finish reason and usage; the request is over when vLLM
+    says `finished` (every sequence done)."""
 
     def __init__(self, prompt_len: int) -> None:
         self.prompt_len = prompt_len
-        self.completion_tokens = 0
+        self._completion_tokens: dict[int, int] = {}
+        self._finished: set[int] = set()
+
+    @property
+    def completion_tokens(self) -> int:
+        """Completion tokens of all sequences together."""
+        return sum(self._completion_tokens.values())
 
     def convert(self, ro: RequestOutput) -> LLMEngineOutput:
-        out = ro.outputs[0]
+        """The wire output of a one-sequence request's step."""
+        return self._convert_one(ro, ro.outputs[0])
+
+    def convert_all(self, ro: RequestOutput) -> list[LLMEngineOutput]:
+        """One wire output per sequence `ro` carries (n > 1: any of the n, by `index`)."""
+        return [self._convert_one(ro, out) for out in ro.outputs]
+
+    def unfinished(self, n: int) -> list[int]:
+        """The sequences (of `n`) that have not sent their final output yet."""
+        return [index for index in range(n) if index not in self._finished]
+
+    def _convert_one(self, ro: RequestOutput, out: CompletionOutput) -> LLMEngineOutput:
         token_ids = list(out.token_ids)
-        self.completion_tokens += len(token_ids)
-        result = LLMEngineOutput(token_ids=token_ids, log_probs=_logprobs(out, token_ids))
-        if out.finish_reason is not None or ro.finished:
+        index = out.index
+        self._completion_tokens[index] = self._completion_tokens.get(index, 0) + len(token_ids)
+        result = LLMEngineOutput(
+            token_ids=token_ids, index=index, log_probs=_logprobs(out, token_ids)
+        )
+        # A child of a parallel request finishes on its own output; the request as a
+        # whole (n = 1: the one sequence) when vLLM marks it finished.
+        if out.finish_reason is not None or (ro.finished and len(ro.outputs) == 1):
+            self._finished.add(index)
             result.finish_reason = map_finish_reason(out.finish_reason or "abort", out.stop_reason)
             result.stop_reason = out.stop_reason
-            result.completion_usage = self.usage(ro.num_cached_tokens or 0)
+            result.completion_usage = self.usage(ro.num_cached_tokens or 0, index)
             result.spec_decode_stats = spec_stats_from(out)
             if ro.kv_transfer_params:
                 result.disaggregated_params = dict(ro.kv_transfer_params)
         return result
 
-    def usage(self, cached_tokens: int) -> CompletionUsage:
+    def usage(self, cached_tokens: int, index: int = 0) -> CompletionUsage:
+        """Usage of sequence `index`: the prompt (shared by all sequences) and its own
+        completion tokens; the frontend sums the completions of all sequences."""
+        completion = self._completion_tokens.get(index, 0)
         return CompletionUsage(
             prompt_tokens=self.prompt_len,
-            completion_tokens=self.completion_tokens,
-            total_tokens=self.prompt_len + self.completion_tokens,
+            completion_tokens=completion,
+            total_tokens=self.prompt_len + completion,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )

@@ -115,32 +115,32 @@ class GenerateHandler:
         self.counters.prompt_tokens += len(request.token_ids)
         try:
             async for ro in llm.generate(to_prompt(request), params, request_id):
-                out = tracker.convert(ro)
-                if out.finish_reason is not None:
+                outs = tracker.convert_all(ro)
+                if ro.finished:  # every sequence is done (n > 1: the last one just now)
+                    # Counted before the yields: the consumer may close the stream on them.
                     finished = True
-                    self.counters.finish(out.finish_reason.value)
-                    if out.completion_usage and out.completion_usage.prompt_tokens_details:
-                        self.counters.cached_prompt_tokens += (
-                            out.completion_usage.prompt_tokens_details.cached_tokens
-                        )
-                    if prefill:
+                    self._count_finished(outs)
+                for out in outs:
+                    if prefill and out.finish_reason is not None:
                         out.token_ids = []  # the decode worker produces the first token
                         out.disaggregated_params = self._transfer_params(out.disaggregated_params)
-                yield out
+                    yield out
                 if finished:
                     return
                 if ctx.is_stopped():
                     break
             if not finished:
                 # The client cancelled (or vLLM ended the stream without a finish reason).
-                # Counted before the yield: the consumer may close the stream on it.
+                # Counted before the yields: the consumer may close the stream on them.
                 finished = True
                 await self._abort(request_id)
                 self.counters.finish(FinishReason.CANCELLED.value)
-                yield LLMEngineOutput(
-                    finish_reason=FinishReason.CANCELLED,
-                    completion_usage=tracker.usage(0),
-                )
+                for index in tracker.unfinished(params.n):
+                    yield LLMEngineOutput(
+                        index=index,
+                        finish_reason=FinishReason.CANCELLED,
+                        completion_usage=tracker.usage(0, index),
+                    )
         except EngineDeadError as exc:
             finished = True
             log.error("vLLM engine died while serving %s: %s", request_id, exc)
@@ -171,6 +171,16 @@ class GenerateHandler:
                 await self._abort(request_id)
             if entry is not None and self.kv_janitor is not None:
                 self.kv_janitor.release(entry, consumed=True)
+
+    def _count_finished(self, outs: list[LLMEngineOutput]) -> None:
+        """Count a finished request once (n sequences or one), by the finish reason of
+        its last sequence, and its prompt tokens found in the prefix cache."""
+        final = next((o for o in reversed(outs) if o.finish_reason is not None), None)
+        reason = final.finish_reason if final is not None else FinishReason.CANCELLED
+        self.counters.finish((reason or FinishReason.CANCELLED).value)
+        usage = final.completion_usage if final is not None else None
+        if usage is not None and usage.prompt_tokens_details is not None:
+            self.counters.cached_prompt_tokens += usage.prompt_tokens_details.cached_tokens
 
     def _transfer_params(self, from_engine: dict[str, Any] | None) -> dict[str, Any]:
         """What the decode worker needs to find this prefill's KV: the connector's own

@@ -48,6 +48,9 @@ class SamplingOptions(msgspec.Struct, omit_defaults=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    # Parallel sampling: `n` sequences from one prompt (vLLM's `n`), sharing its KV. Each
+    # output then names its sequence in `LLMEngineOutput.index`. None (or 1): one sequence.
+    n: int | None = None
 
 
 class StopConditions(msgspec.Struct, omit_defaults=True):
@@ -166,10 +169,14 @@ class LLMEngineOutput(msgspec.Struct, omit_defaults=True):
     """One step of a worker's response stream.
 
     `token_ids` are the tokens produced this step: 1..K+1 with speculation (DELTA mode).
-    The last output of a stream carries `finish_reason` and `completion_usage`.
+    The last output of a sequence carries `finish_reason` and `completion_usage` (that
+    sequence's own completion tokens). With `SamplingOptions.n` > 1 the stream interleaves
+    the outputs of n sequences; `index` says which (0..n-1), and the stream ends once every
+    sequence has finished. An old peer leaves `index` out: 0, the only sequence.
     """
 
     token_ids: list[int] = msgspec.field(default_factory=list)
+    index: int = 0
     log_probs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

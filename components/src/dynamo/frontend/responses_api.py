@@ -1,0 +1,722 @@
+"""OpenAI's Responses API (`POST /v1/responses`) as a thin layer over chat completions.
+
+Only the text subset is served: `input` as a string or a list of messages (roles `user`,
+`system`, `developer`, `assistant`; `input_text` / `output_text` parts), `instructions`,
+`max_output_tokens`, `temperature`, `top_p`, `stream`, and `text.format` (`text`,
+`json_object`, `json_schema`) as structured output. Such a request is converted into the
+`ChatCompletionRequest` it means (`to_chat_request`) and then takes the chat path all the
+way: the same admission, chat template, sampling defaults, validation, routing and
+engine stream. Only the shape of the answer differs, which `ResponsesFormatter` (a
+`ResponseFormatter` of `responses.py`) builds: the `response` object, or, streaming, the
+typed events `response.created` ... `response.completed` with increasing
+`sequence_number`s.
+
+Nothing is stored. `store: true` (the API's default) is accepted, because every client
+sends it, and ignored: the response object says `store: false`. Whatever would need
+stored state (`previous_response_id`, `conversation`, `background: true`) or a feature
+we do not serve through this endpoint (`tools`, `reasoning`, `include`, `prompt`, ...)
+is a 400 naming the field (`REFUSED`), never a 200 that ignored it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import msgspec
+
+from dynamo.frontend.errors import OpenAIError, bad_request
+from dynamo.frontend.openai_types import (
+    ChatCompletionRequest,
+    ChatMessage,
+    JsonSchemaSpec,
+    PerRequestMetrics,
+    PositiveInt,
+    Probability,
+    ResponseFormat,
+    StreamOptions,
+    Temperature,
+    Usage,
+)
+from dynamo.frontend.postprocessor import TextDelta
+from dynamo.frontend.preprocessor import OutputPlan, Prepared, Preprocessor
+
+# --------------------------------------------------------------------------- requests
+
+
+class InputContentPart(msgspec.Struct, kw_only=True):
+    """One part of an input message's content; only the text parts are served."""
+
+    type: str
+    text: str | None = None
+
+
+class InputItem(msgspec.Struct, kw_only=True):
+    """One item of `input`. Only messages are served; `type` and `role` are checked by
+    `to_chat_request`, which names the unsupported item instead of a missing field."""
+
+    type: str | None = None  # "message" or absent (the "easy" input message)
+    role: str | None = None
+    content: str | list[InputContentPart] | None = None
+    id: str | None = None  # output messages sent back as history carry these two
+    status: str | None = None
+
+
+class TextFormat(msgspec.Struct, kw_only=True):
+    """`text.format`: `text`, `json_object`, or `json_schema` with the schema inline
+    (flat, unlike chat's `response_format.json_schema`)."""
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    schema_: Any = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+
+
+class TextConfig(msgspec.Struct, kw_only=True):
+    format: TextFormat | None = None
+    verbosity: str | None = None  # refused unless null: no verbosity control
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    """POST /v1/responses: the subset we serve, the fields accepted without effect, and
+    the fields declared only so that a value we do not serve is refused (`REFUSED`)."""
+
+    model: str
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+    stream: bool | None = None
+    text: TextConfig | None = None
+    # Dynamo's extension: per-request speculative decoding statistics (`metrics`).
+    return_spec_stats: bool | None = None
+    # Accepted, no effect on the output.
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    store: bool | None = None  # nothing is ever stored
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    parallel_tool_calls: bool | None = None
+    stream_options: dict[str, Any] | None = None
+    # Refused unless neutral (see `REFUSED`).
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    max_tool_calls: int | None = None
+    reasoning: Any = None
+    include: list[str] | None = None
+    prompt: Any = None
+    top_logprobs: int | None = None
+    truncation: str | None = None
+    context_management: Any = None
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def _unset(value: Any) -> bool:
+    return value is None or value is False or value == [] or value == {}
+
+
+def _no_tool_choice(value: Any) -> bool:
+    return value is None or value in ("none", "auto")
+
+
+def _no_reasoning(value: Any) -> bool:
+    """Clients send `reasoning: {}` or `{"effort": null}` for "no reasoning options"."""
+    return value is None or (isinstance(value, dict) and all(v is None for v in value.values()))
+
+
+def _no_truncation(value: Any) -> bool:
+    return value is None or value == "disabled"
+
+
+def _no_logprobs(value: Any) -> bool:
+    return value is None or value == 0
+
+
+@dataclass(frozen=True)
+class RefusedField:
+    """A request field served only at its neutral values; any other is a 400."""
+
+    name: str
+    why: str
+    neutral: Callable[[Any], bool] = _unset
+
+
+REFUSED: tuple[RefusedField, ...] = (
+    RefusedField("previous_response_id", "nothing is stored: send the whole history"),
+    RefusedField("conversation", "nothing is stored: send the whole history"),
+    RefusedField("background", "no background responses: nothing is stored"),
+    RefusedField("tools", "no tools through /v1/responses; use /v1/chat/completions"),
+    RefusedField("tool_choice", "`none` and `auto` are accepted", _no_tool_choice),
+    RefusedField("max_tool_calls", "no tools through /v1/responses", lambda v: v is None),
+    RefusedField("reasoning", "no reasoning controls", _no_reasoning),
+    RefusedField("include", "no extra output data"),
+    RefusedField("prompt", "no stored prompt templates", lambda v: v is None),
+    RefusedField("top_logprobs", "no logprobs through /v1/responses", _no_logprobs),
+    RefusedField("truncation", "input is never truncated; `disabled` is accepted", _no_truncation),
+    RefusedField("context_management", "no context compaction"),
+)
+
+
+def refuse_unserved(req: ResponsesRequest) -> None:
+    """400 naming the first field `req` sets to a value we do not serve."""
+    values = msgspec.structs.asdict(req)
+    for entry in REFUSED:
+        if not entry.neutral(values[entry.name]):
+            raise _unsupported(entry.name, entry.why)
+    if req.text is not None and req.text.verbosity is not None:
+        raise _unsupported("text.verbosity", "no verbosity control")
+
+
+def _unsupported(name: str, why: str) -> OpenAIError:
+    return bad_request(
+        f"`{name}` is not supported by this server ({why}).",
+        param=name,
+        code="unsupported_parameter",
+    )
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+@dataclass(frozen=True)
+class ResponseEcho:
+    """Request fields the response object repeats (OpenAI echoes them)."""
+
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    user: str | None = None
+    text: dict[str, Any] = field(default_factory=lambda: {"format": {"type": "text"}})
+    parallel_tool_calls: bool = True
+    tool_choice: str = "auto"
+
+    @classmethod
+    def of(cls, req: ResponsesRequest) -> ResponseEcho:
+        fmt = req.text.format if req.text is not None else None
+        text = {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}}
+        return cls(
+            instructions=req.instructions,
+            max_output_tokens=req.max_output_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            metadata=dict(req.metadata or {}),
+            user=req.user,
+            text=text,
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+            tool_choice=req.tool_choice if isinstance(req.tool_choice, str) else "auto",
+        )
+
+
+_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+_TEXT_PARTS = frozenset({"input_text", "output_text"})
+
+
+class ResponsesChatRequest(ChatCompletionRequest, kw_only=True):
+    """The chat request a /v1/responses request means, with what its response object
+    repeats (`response_echo`; `echo` is a chat field). From here on the request takes
+    the chat path."""
+
+    response_echo: ResponseEcho
+
+
+def to_chat_request(req: ResponsesRequest) -> ResponsesChatRequest:
+    """The chat completion request `req` means. Raises `OpenAIError` (400 naming the
+    field) for what it asks and we do not serve. `developer` messages become `system`
+    ones (chat templates know no `developer` role), `instructions` a first system
+    message; streaming always asks for usage, which `response.completed` carries."""
+    refuse_unserved(req)
+    messages = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
+    messages += _messages(req.input)
+    return ResponsesChatRequest(
+        model=req.model,
+        messages=messages,
+        max_completion_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        stream=req.stream,
+        stream_options=StreamOptions(include_usage=True) if req.stream else None,
+        response_format=_response_format(req.text),
+        user=req.user,
+        metadata=req.metadata,
+        return_spec_stats=req.return_spec_stats,
+        response_echo=ResponseEcho.of(req),
+    )
+
+
+def _messages(input_: str | list[InputItem]) -> list[ChatMessage]:
+    if isinstance(input_, str):
+        return [ChatMessage(role="user", content=input_)]
+    if not input_:
+        raise bad_request("`input` must contain at least one message", "input")
+    return [_message(i, item) for i, item in enumerate(input_)]
+
+
+def _message(index: int, item: InputItem) -> ChatMessage:
+    where = f"input[{index}]"
+    if item.type not in (None, "message"):
+        raise bad_request(
+            f"`{where}.type` `{item.type}` is not supported: only `message` items are "
+            "served (no tool calls, reasoning or item references)",
+            "input",
+            code="unsupported_parameter",
+        )
+    if item.role not in _ROLES:
+        raise bad_request(
+            f"`{where}.role` must be one of `user`, `system`, `developer`, `assistant`",
+            "input",
+        )
+    return ChatMessage(role=_ROLES[item.role], content=_text(where, item.content))
+
+
+def _text(where: str, content: str | list[InputContentPart] | None) -> str:
+    if content is None:
+        raise bad_request(f"`{where}.content` is required", "input")
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type not in _TEXT_PARTS or part.text is None:
+            raise bad_request(
+                f"`{where}.content[{j}].type` `{part.type}` is not supported: only "
+                "`input_text` and `output_text` parts with `text` are served",
+                "input",
+                code="unsupported_parameter",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)  # as the chat path joins text parts
+
+
+def _response_format(text: TextConfig | None) -> ResponseFormat | None:
+    """`text.format` as chat's `response_format`, which `structured_output` validates
+    (schema errors name `text.format` once `translated` renames them)."""
+    fmt = text.format if text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return ResponseFormat(type="json_object")
+    if fmt.type == "json_schema":
+        if not fmt.name:
+            raise bad_request("`text.format.name` is required for `json_schema`", "text.format")
+        if fmt.schema_ is None:
+            raise bad_request("`text.format.schema` is required for `json_schema`", "text.format")
+        spec = JsonSchemaSpec(
+            name=fmt.name, description=fmt.description, schema_=fmt.schema_, strict=fmt.strict
+        )
+        return ResponseFormat(type="json_schema", json_schema=spec)
+    raise bad_request(
+        f"`text.format.type` `{fmt.type}` is not supported; use `text`, `json_object` or "
+        "`json_schema`",
+        "text.format",
+        code="unsupported_parameter",
+    )
+
+
+# The chat path names chat's fields in its errors; a Responses client sent these instead.
+_RENAMED = (
+    ("response_format.json_schema.schema", "text.format.schema"),
+    ("response_format.json_schema", "text.format"),
+    ("response_format", "text.format"),
+    ("max_completion_tokens", "max_output_tokens"),
+    ("messages", "input"),
+)
+
+
+def translated(exc: OpenAIError) -> OpenAIError:
+    """`exc` with the chat field names in its message and `param` replaced by the
+    Responses fields they came from."""
+    message, param = exc.message, exc.param
+    for chat_name, name in _RENAMED:
+        message = message.replace(f"`{chat_name}", f"`{name}")
+        if param == chat_name:
+            param = name
+    return OpenAIError(
+        exc.status, message, type=exc.type, param=param, code=exc.code, headers=exc.headers
+    )
+
+
+@dataclass(frozen=True)
+class ResponsesPlan(OutputPlan):
+    """The chat request's output plan plus what the response object repeats."""
+
+    echo: ResponseEcho = field(default_factory=lambda: ResponseEcho())
+
+
+async def prepare_response(
+    preprocessor: Preprocessor, req: ResponsesChatRequest, request_id: str
+) -> Prepared:
+    """Prepare exactly as /v1/chat/completions does (errors renamed to the Responses
+    fields); the plan carries the echo to `responses_formatter`."""
+    try:
+        prepared = await preprocessor.prepare_chat(req, request_id)
+    except OpenAIError as exc:
+        raise translated(exc) from None
+    return Prepared(request=prepared.request, plan=_with_echo(prepared.plan, req.response_echo))
+
+
+def _with_echo(plan: OutputPlan, echo: ResponseEcho) -> ResponsesPlan:
+    # The plan is how per-request data reaches the formatter (`OpenAIEndpoint.formatter`
+    # sees request id, model and plan), so the echo rides in a subclass of it: the
+    # stdlib's shallow copy of a dataclass's fields, by their declared names.
+    values = {f.name: getattr(plan, f.name) for f in fields(plan) if f.init}
+    return ResponsesPlan(**values, echo=echo)
+
+
+# --------------------------------------------------------------------------- response objects
+
+
+class OutputText(msgspec.Struct, tag_field="type", tag="output_text"):
+    text: str
+    annotations: list[Any] = msgspec.field(default_factory=list)
+    logprobs: list[Any] = msgspec.field(default_factory=list)
+
+
+class OutputMessage(msgspec.Struct, tag_field="type", tag="message"):
+    id: str
+    status: str  # in_progress, completed, incomplete
+    content: list[OutputText]
+    role: str = "assistant"
+
+
+class InputTokensDetails(msgspec.Struct):
+    cached_tokens: int
+    cache_write_tokens: int = 0
+
+
+class OutputTokensDetails(msgspec.Struct):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(msgspec.Struct):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(msgspec.Struct):
+    reason: str | None
+
+
+class ResponseError(msgspec.Struct):
+    code: str
+    message: str
+
+
+class ResponseObject(msgspec.Struct, omit_defaults=True, tag_field="object", tag="response"):
+    """The `response` object. Every field but `metrics` is always written (`null` where
+    unset), as OpenAI writes them; `metrics` (Dynamo's `return_spec_stats`) only when
+    asked for."""
+
+    id: str
+    created_at: int
+    status: str  # in_progress, completed, incomplete, failed
+    completed_at: int | None
+    model: str
+    output: list[OutputMessage]
+    error: ResponseError | None
+    incomplete_details: IncompleteDetails | None
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    parallel_tool_calls: bool
+    tool_choice: str
+    tools: list[Any]
+    text: dict[str, Any]
+    truncation: str
+    metadata: dict[str, str]
+    user: str | None
+    previous_response_id: str | None
+    reasoning: dict[str, Any] | None
+    store: bool  # always false: nothing is stored
+    background: bool
+    usage: ResponseUsage | None
+    metrics: PerRequestMetrics | None = None
+
+
+class StreamEvent(msgspec.Struct, tag_field="type"):
+    sequence_number: int
+
+
+class ResponseCreated(StreamEvent, tag="response.created"):
+    response: ResponseObject
+
+
+class ResponseInProgress(StreamEvent, tag="response.in_progress"):
+    response: ResponseObject
+
+
+class ResponseCompleted(StreamEvent, tag="response.completed"):
+    response: ResponseObject
+
+
+class ResponseIncomplete(StreamEvent, tag="response.incomplete"):
+    response: ResponseObject
+
+
+class ResponseFailed(StreamEvent, tag="response.failed"):
+    response: ResponseObject
+
+
+class OutputItemAdded(StreamEvent, tag="response.output_item.added"):
+    output_index: int
+    item: OutputMessage
+
+
+class OutputItemDone(StreamEvent, tag="response.output_item.done"):
+    output_index: int
+    item: OutputMessage
+
+
+class ContentPartAdded(StreamEvent, tag="response.content_part.added"):
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class ContentPartDone(StreamEvent, tag="response.content_part.done"):
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class OutputTextDelta(StreamEvent, tag="response.output_text.delta"):
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[Any] = msgspec.field(default_factory=list)
+
+
+class OutputTextDone(StreamEvent, tag="response.output_text.done"):
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[Any] = msgspec.field(default_factory=list)
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def _sse(event: StreamEvent, event_type: str) -> bytes:
+    """A typed Server-Sent Event: `event:` names the type, as OpenAI sends them."""
+    return b"event: " + event_type.encode() + b"\ndata: " + _encoder.encode(event) + b"\n\n"
+
+
+# --------------------------------------------------------------------------- formatter
+
+
+def response_id(request_id: str) -> str:
+    """`resp_<hex>` from the frontend's request id `resp-<hex>`: OpenAI's id shape."""
+    return "resp_" + request_id.split("-", 1)[-1]
+
+
+def _status(finish_reason: str | None) -> tuple[str, IncompleteDetails | None]:
+    """Response status for a finish reason: `length` is OpenAI's `max_output_tokens`
+    incompleteness; an engine abort is incomplete without a reason."""
+    if finish_reason == "length":
+        return "incomplete", IncompleteDetails(reason="max_output_tokens")
+    if finish_reason == "abort":
+        return "incomplete", IncompleteDetails(reason=None)
+    return "completed", None
+
+
+def _usage(usage: Usage) -> ResponseUsage:
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    return ResponseUsage(
+        input_tokens=usage.prompt_tokens,
+        input_tokens_details=InputTokensDetails(cached_tokens=cached),
+        output_tokens=usage.completion_tokens,
+        output_tokens_details=OutputTokensDetails(),
+        total_tokens=usage.total_tokens,
+    )
+
+
+class ResponsesFormatter:
+    """The `response` object of one request (`ResponseFormatter`), or its typed events.
+
+    Streaming, the first `events` call opens the response (`response.created`,
+    `response.in_progress`, the message item and its text part), every delta with text
+    is one `response.output_text.delta`, the last delta closes the part and the item,
+    and `usage_event` (the chat path asks for usage on every Responses stream) ends it
+    with `response.completed` or `response.incomplete`. An engine failure reported in
+    the stream ends it with `response.failed`."""
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        plan: OutputPlan,
+        echo: ResponseEcho | None = None,
+        created: int | None = None,
+    ) -> None:
+        self._id = response_id(request_id)
+        self._item_id = "msg_" + self._id.removeprefix("resp_")
+        self._model = model
+        self._echo = echo or ResponseEcho()
+        self._created = created or int(time.time())
+        self._parts: list[str] = []
+        self._finish_reason: str | None = None
+        self._sequence = 0
+        self._opened = False
+
+    # ------------------------------------------------------------------ streaming
+
+    def events(self, delta: TextDelta) -> bytes:
+        out = [] if self._opened else self._open()
+        self._opened = True
+        if delta.text:
+            self._parts.append(delta.text)
+            out.append(self._text_delta(delta.text))
+        if delta.error is not None:
+            out.append(self._failed(delta.error))
+        elif delta.finish_reason is not None:
+            self._finish_reason = delta.finish_reason
+            out.extend(self._close())
+        return b"".join(out)
+
+    def usage_event(self, usage: Usage, metrics: PerRequestMetrics | None = None) -> bytes:
+        response = self._response(usage, metrics)
+        if response.status == "incomplete":
+            return _sse(ResponseIncomplete(self._next(), response), "response.incomplete")
+        return _sse(ResponseCompleted(self._next(), response), "response.completed")
+
+    # ------------------------------------------------------------------ unary
+
+    def add(self, delta: TextDelta) -> None:
+        if delta.text:
+            self._parts.append(delta.text)
+        if delta.finish_reason is not None:
+            self._finish_reason = delta.finish_reason
+
+    def body(self, usage: Usage, metrics: PerRequestMetrics | None = None) -> bytes:
+        return _encoder.encode(self._response(usage, metrics))
+
+    # ------------------------------------------------------------------ internals
+
+    def _next(self) -> int:
+        number = self._sequence
+        self._sequence += 1
+        return number
+
+    def _open(self) -> list[bytes]:
+        snapshot = self._snapshot("in_progress", [], None)
+        item = OutputMessage(id=self._item_id, status="in_progress", content=[])
+        return [
+            _sse(ResponseCreated(self._next(), snapshot), "response.created"),
+            _sse(ResponseInProgress(self._next(), snapshot), "response.in_progress"),
+            _sse(OutputItemAdded(self._next(), 0, item), "response.output_item.added"),
+            _sse(
+                ContentPartAdded(self._next(), self._item_id, 0, 0, OutputText(text="")),
+                "response.content_part.added",
+            ),
+        ]
+
+    def _text_delta(self, text: str) -> bytes:
+        event = OutputTextDelta(self._next(), self._item_id, 0, 0, delta=text)
+        return _sse(event, "response.output_text.delta")
+
+    def _close(self) -> list[bytes]:
+        text = "".join(self._parts)
+        item = self._message()
+        return [
+            _sse(
+                OutputTextDone(self._next(), self._item_id, 0, 0, text=text),
+                "response.output_text.done",
+            ),
+            _sse(
+                ContentPartDone(self._next(), self._item_id, 0, 0, OutputText(text=text)),
+                "response.content_part.done",
+            ),
+            _sse(OutputItemDone(self._next(), 0, item), "response.output_item.done"),
+        ]
+
+    def _failed(self, message: str) -> bytes:
+        response = self._snapshot(
+            "failed",
+            [OutputMessage(self._item_id, "incomplete", [OutputText("".join(self._parts))])],
+            None,
+            error=ResponseError(code="server_error", message=message),
+        )
+        return _sse(ResponseFailed(self._next(), response), "response.failed")
+
+    def _message(self) -> OutputMessage:
+        status, _ = _status(self._finish_reason)
+        return OutputMessage(
+            id=self._item_id, status=status, content=[OutputText(text="".join(self._parts))]
+        )
+
+    def _response(self, usage: Usage, metrics: PerRequestMetrics | None) -> ResponseObject:
+        status, incomplete = _status(self._finish_reason)
+        return self._snapshot(
+            status,
+            [self._message()],
+            _usage(usage),
+            incomplete=incomplete,
+            completed_at=int(time.time()),
+            metrics=metrics,
+        )
+
+    def _snapshot(
+        self,
+        status: str,
+        output: list[OutputMessage],
+        usage: ResponseUsage | None,
+        *,
+        error: ResponseError | None = None,
+        incomplete: IncompleteDetails | None = None,
+        completed_at: int | None = None,
+        metrics: PerRequestMetrics | None = None,
+    ) -> ResponseObject:
+        echo = self._echo
+        return ResponseObject(
+            id=self._id,
+            created_at=self._created,
+            status=status,
+            completed_at=completed_at,
+            model=self._model,
+            output=output,
+            error=error,
+            incomplete_details=incomplete,
+            instructions=echo.instructions,
+            max_output_tokens=echo.max_output_tokens,
+            temperature=echo.temperature,
+            top_p=echo.top_p,
+            parallel_tool_calls=echo.parallel_tool_calls,
+            tool_choice=echo.tool_choice,
+            tools=[],
+            text=echo.text,
+            truncation="disabled",
+            metadata=echo.metadata,
+            user=echo.user,
+            previous_response_id=None,
+            reasoning=None,
+            store=False,
+            background=False,
+            usage=usage,
+            metrics=metrics,
+        )
+
+
+def responses_formatter(request_id: str, model: str, plan: OutputPlan) -> ResponsesFormatter:
+    """The formatter for one /v1/responses request: its echo travels in the plan
+    (`prepare_response`); a plain plan repeats nothing."""
+    echo = plan.echo if isinstance(plan, ResponsesPlan) else None
+    return ResponsesFormatter(request_id, model, plan, echo)
