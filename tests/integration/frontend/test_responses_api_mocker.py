@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import pydantic
 import pytest
@@ -164,6 +165,22 @@ async def test_streaming_sends_the_typed_events_in_order(client: openai.AsyncOpe
     # The same prompt without streaming gives the same text (the mocker is seeded by it).
     unary = await create_validated(client, input=PROMPT, max_output_tokens=200)
     assert unary.output_text == text
+
+
+async def test_a_stream_ends_with_its_last_typed_event_and_no_done_line(
+    served: tuple[str, Any],
+) -> None:
+    """OpenAI's Responses stream has no `data: [DONE]` line (the chat stream does): a
+    client that decodes every event's data as JSON must not meet one."""
+    body = {"model": MODEL, "input": PROMPT, "stream": True, "max_output_tokens": 20}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(served[0] + "/v1/responses", json=body) as resp:
+            assert resp.status == 200
+            raw = (await resp.read()).decode()
+    blocks = [block for block in raw.split("\n\n") if block.strip()]
+    assert "[DONE]" not in raw
+    assert blocks[-1].startswith("event: response.")
+    assert blocks[-1].split("\n")[0] in ("event: response.completed", "event: response.incomplete")
 
 
 async def test_a_message_list_with_history_is_served(client: openai.AsyncOpenAI) -> None:

@@ -401,3 +401,31 @@ def test_the_choice_index_is_optional_on_the_wire() -> None:
     new = decode(encode(LLMEngineOutput(token_ids=[1], index=2)), LLMEngineOutput)
     assert new.index == 2
     assert decode(encode(SamplingOptions(n=3)), SamplingOptions).n == 3
+
+
+class AllReasoning(PlainText):
+    """A parser that files every piece of text as reasoning (a reply cut off inside
+    `<think>`)."""
+
+    def feed(self, text: str, token_ids: Sequence[int]) -> ChatPieces:
+        return ChatPieces(reasoning=text)
+
+
+def test_a_message_of_only_reasoning_has_null_content_as_vllm_sends_it() -> None:
+    plan = OutputPlan(
+        stream=False,
+        include_usage=False,
+        stop_strings=(),
+        hidden_stop_ids=frozenset(),
+        skip_special_tokens=True,
+        logprobs=None,
+    )
+    formatter = ChatFormatter("id", MODEL, plan, parser_factory=AllReasoning)
+    formatter.add(TextDelta(text="hmm", finish_reason="length"))
+    (choice,) = json.loads(formatter.body(Usage(1, 1, 2)))["choices"]
+    assert choice["message"]["content"] is None
+    assert choice["message"]["reasoning_content"] == "hmm"
+    plain = ChatFormatter("id", MODEL, plan)
+    plain.add(TextDelta(text="", finish_reason="length"))
+    (choice,) = json.loads(plain.body(Usage(1, 0, 1)))["choices"]
+    assert choice["message"]["content"] == "", "no parser, no text: an empty string"

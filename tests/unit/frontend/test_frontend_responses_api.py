@@ -22,7 +22,7 @@ import pydantic
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
-from dynamo.frontend.errors import OpenAIError, bad_request
+from dynamo.frontend.errors import OpenAIError, bad_request, engine_error
 from dynamo.frontend.openai_types import Usage
 from dynamo.frontend.postprocessor import TextDelta
 from dynamo.frontend.preprocessor import OutputPlan
@@ -155,9 +155,14 @@ def _events(payload: bytes) -> list[dict[str, Any]]:
 
 
 def test_an_engine_failure_mid_stream_ends_with_response_failed() -> None:
+    """The stream loop (generation.py) reports a failure, in a delta or between batches,
+    through `failure_event`, then writes `end_of_stream`: for the Responses API that is
+    `response.failed` as the last event and no `data: [DONE]` line."""
     formatter = ResponsesFormatter("resp-abc", "m", PLAN)
     events = _events(formatter.events(TextDelta(text="Hel", token_count=1)))
     events += _events(formatter.events(TextDelta(text="lo", token_count=1, error="worker died")))
+    events += _events(formatter.failure_event(engine_error("worker died")))
+    assert formatter.end_of_stream() == b""
     for event in events:
         STREAM_EVENT.validate_python(event)
     assert [e["type"] for e in events][-2:] == ["response.output_text.delta", "response.failed"]

@@ -39,14 +39,13 @@ from dynamo.frontend.errors import (
     OpenAIError,
     bad_request,
     engine_error,
-    error_event,
     no_workers,
     overloaded,
 )
 from dynamo.frontend.metrics import RequestMetrics
 from dynamo.frontend.postprocessor import TextDelta
 from dynamo.frontend.preprocessor import Prepared
-from dynamo.frontend.responses import SSE_DONE, ResponseFormatter
+from dynamo.frontend.responses import ResponseFormatter
 from dynamo.llm.protocols import LLMEngineOutput
 
 log = logging.getLogger(__name__)
@@ -236,7 +235,7 @@ async def _write_events(
         payload = b"".join(gen.formatter.events(delta) for delta in deltas)
         if error is not None:
             status = 500
-            payload += error_event(engine_error(error))
+            payload += gen.formatter.failure_event(engine_error(error))
         if gen.postprocessor.finished:
             payload += _trailer(gen, error)
         if payload:
@@ -248,15 +247,17 @@ async def _write_events(
         except OpenAIError as exc:
             # Headers are out: report in-band, as OpenAI does, and end the stream.
             log.warning("engine failed mid-stream for %s: %s", gen.model, exc.message)
-            await _write(response, transport, error_event(exc) + SSE_DONE, gen.write_timeout_s)
+            ending = gen.formatter.failure_event(exc) + gen.formatter.end_of_stream()
+            await _write(response, transport, ending, gen.write_timeout_s)
             status = exc.status
             break
     return status
 
 
 def _trailer(gen: Generation, error: str | None) -> bytes:
-    """Usage chunk (when asked for and the response did not fail) and `[DONE]`."""
+    """Usage chunk (when asked for and the response did not fail) and the formatter's end
+    of stream (`[DONE]` for chat and completions)."""
     if error is None and gen.prepared.plan.include_usage:
         usage, metrics = gen.postprocessor.usage(), gen.postprocessor.metrics()
-        return gen.formatter.usage_event(usage, metrics) + SSE_DONE
-    return SSE_DONE
+        return gen.formatter.usage_event(usage, metrics) + gen.formatter.end_of_stream()
+    return gen.formatter.end_of_stream()

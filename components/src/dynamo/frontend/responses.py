@@ -22,6 +22,7 @@ from dynamo.frontend.chat_output import (
     ToolCallDelta,
     merge_tool_calls,
 )
+from dynamo.frontend.errors import OpenAIError, error_event
 from dynamo.frontend.openai_types import (
     AssistantMessage,
     ChatChoice,
@@ -79,6 +80,25 @@ class ResponseFormatter(Protocol):
         """The complete non-streaming response as JSON bytes (`metrics` beside usage)."""
         ...
 
+    def failure_event(self, error: OpenAIError) -> bytes:
+        """What reports `error` in a stream whose status line is already sent."""
+        ...
+
+    def end_of_stream(self) -> bytes:
+        """What closes a stream after its last event."""
+        ...
+
+
+class ChunkStreamEnd:
+    """The ending of the chat and completion APIs' streams: an in-band `{"error": ...}`
+    event for a failure, and `data: [DONE]` last (the Responses API ends differently)."""
+
+    def failure_event(self, error: OpenAIError) -> bytes:
+        return error_event(error)
+
+    def end_of_stream(self) -> bytes:
+        return SSE_DONE
+
 
 class _Accumulator:
     """Text, logprobs and finish reason gathered for a non-streaming response."""
@@ -109,7 +129,7 @@ class _CompletionChoice:
         self.offset = len(echo_text or "")  # text_offset of the next token
 
 
-class CompletionFormatter:
+class CompletionFormatter(ChunkStreamEnd):
     """`/v1/completions` objects (`text_completion`). With `n` > 1 each choice (the
     delta's `index`) keeps its own text, echo and logprob offsets."""
 
@@ -211,7 +231,7 @@ class _ChatChoice:
         self.role_sent = False
 
 
-class ChatFormatter:
+class ChatFormatter(ChunkStreamEnd):
     """`/v1/chat/completions` objects (`chat.completion` / `chat.completion.chunk`).
 
     Text goes through the choice's `ChatOutputParser` (plain text unless a reasoning
@@ -293,7 +313,8 @@ class ChatFormatter:
         ]
         message = AssistantMessage(
             role="assistant",
-            content=pieces.content if (pieces.content or not calls) else None,
+            # null when the message is only tool calls or only reasoning (as vLLM sends it)
+            content=pieces.content or (None if calls or pieces.reasoning else ""),
             reasoning_content=pieces.reasoning or None,
             tool_calls=calls,
         )

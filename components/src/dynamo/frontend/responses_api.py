@@ -557,7 +557,8 @@ class ResponsesFormatter:
     is one `response.output_text.delta`, the last delta closes the part and the item,
     and `usage_event` (the chat path asks for usage on every Responses stream) ends it
     with `response.completed` or `response.incomplete`. An engine failure reported in
-    the stream ends it with `response.failed`."""
+    the stream, or a failure between batches, ends it with `response.failed`
+    (`failure_event`); no `data: [DONE]` follows (`end_of_stream`)."""
 
     def __init__(
         self,
@@ -585,9 +586,7 @@ class ResponsesFormatter:
         if delta.text:
             self._parts.append(delta.text)
             out.append(self._text_delta(delta.text))
-        if delta.error is not None:
-            out.append(self._failed(delta.error))
-        elif delta.finish_reason is not None:
+        if delta.error is None and delta.finish_reason is not None:
             self._finish_reason = delta.finish_reason
             out.extend(self._close())
         return b"".join(out)
@@ -597,6 +596,18 @@ class ResponsesFormatter:
         if response.status == "incomplete":
             return _sse(ResponseIncomplete(self._next(), response), "response.incomplete")
         return _sse(ResponseCompleted(self._next(), response), "response.completed")
+
+    def failure_event(self, error: OpenAIError) -> bytes:
+        """`response.failed` with the text so far: the stream's last event."""
+        opening = b"" if self._opened else b"".join(self._open())
+        self._opened = True
+        return opening + self._failed(error.message)
+
+    def end_of_stream(self) -> bytes:
+        """Nothing: `response.completed` (or `.incomplete`, `.failed`) ends a Responses
+        stream, which has no `data: [DONE]` line (parsers that decode every event as JSON
+        would choke on one)."""
+        return b""
 
     # ------------------------------------------------------------------ unary
 
