@@ -23,7 +23,6 @@ gives the same text (and the same EOS) on every run.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -35,15 +34,9 @@ import pytest
 import pytest_asyncio
 from openai.types.responses import Response, ResponseStreamEvent
 
-from dynamo.frontend.routing import RouterMode
 from dynamo.llm.worker import ServedWorker
-from dynamo.mocker.args import WorkerSettings
-from dynamo.mocker.backend import MockerBackend, mocker_worker
-from dynamo.mocker.config import MockEngineConfig
-from dynamo.mocker.model_info import ModelInfo
-from dynamo.mocker.timing import TimingModel
-from dynamo.testing.frontends import InLoopFrontend
-from dynamo.testing.http import wait_for_instances_async
+from dynamo.mocker.backend import MockerBackend
+from dynamo.testing.mocker_stacks import mock_engine_config, mocker_behind_frontend
 
 MODEL = "mock-responses"
 PROMPT = "Name three colours."
@@ -62,32 +55,17 @@ CLOSING = ["response.output_text.done", "response.content_part.done", "response.
 async def served(
     nats_url: str, embedded_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[tuple[str, ServedWorker[MockerBackend]]]:
-    namespace = "resp" + uuid.uuid4().hex[:8]
-    info = ModelInfo.load(embedded_model)
-    engine_config = MockEngineConfig(
-        block_size=16,
-        num_gpu_blocks=256,
-        max_model_len=2048,
-        timing=TimingModel(speed_up=1000.0),
-        eos_probability=0.1,  # responses end on their own (`completed`) within ~10 tokens
-        vocab_size=info.vocab_size,
-        eos_token_ids=info.eos_token_ids,
-        special_token_ids=info.special_token_ids,
-    )
-    settings = WorkerSettings(namespace=namespace, nats_server=nats_url, lease_ttl=10.0)
-    worker = mocker_worker(
-        settings, engine_config, model_path=embedded_model, served_model_name=MODEL, name="m0"
-    )
-    frontend = InLoopFrontend.start(
-        nats_url, namespace, tmp_path_factory.mktemp("tok"), router_mode=RouterMode.ROUND_ROBIN
-    )
-    try:
-        await worker.start()
-        await wait_for_instances_async(frontend.base_url, MODEL, 1, timeout=60, interval=0.05)
-        yield frontend.base_url, worker
-    finally:
-        await frontend.stop()
-        await worker.stop(drain_timeout=1.0)
+    async with mocker_behind_frontend(
+        nats_url,
+        embedded_model,
+        tmp_path_factory.mktemp("tok"),
+        model=MODEL,
+        engine_config=mock_engine_config(
+            embedded_model,
+            eos_probability=0.1,  # responses end on their own (`completed`) within ~10 tokens
+        ),
+    ) as served:
+        yield served
 
 
 @pytest_asyncio.fixture

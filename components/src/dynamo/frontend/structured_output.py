@@ -106,7 +106,7 @@ def _from_response_format(fmt: ResponseFormat | None) -> _Constraint | None:
             )
         if spec.schema_ is None:
             raise bad_request("`response_format.json_schema.schema` is required", param)
-        schema = _checked_schema(spec.schema_, "response_format.json_schema.schema")
+        schema = checked_json_schema(spec.schema_, "response_format.json_schema.schema")
         return _Constraint(param, StructuredOutput(json_schema=schema))
     raise bad_request(
         f"`response_format.type` `{fmt.type}` is not supported; use one of "
@@ -133,7 +133,7 @@ def _from_structured_outputs(so: StructuredOutputsField | None) -> _Constraint |
     value = values[name]
     where = f"{param}.{name}"
     if name == "json":
-        return _Constraint(param, StructuredOutput(json_schema=_checked_schema(value, where)))
+        return _Constraint(param, StructuredOutput(json_schema=checked_json_schema(value, where)))
     if name == "json_object":
         if value is not True:
             raise bad_request(
@@ -186,7 +186,7 @@ def _from_guided(req: SamplingFields) -> _Constraint | None:
     name = set_fields[0]
     value = given[name]
     if name == "guided_json":
-        output = StructuredOutput(json_schema=_checked_schema(value, name))
+        output = StructuredOutput(json_schema=checked_json_schema(value, name))
     elif name == "guided_regex":
         output = StructuredOutput(regex=_checked_regex(value, name))
     elif name == "guided_choice":
@@ -213,10 +213,12 @@ def _with_options(
 # ---------------------------------------------------------------------- checks
 
 
-def _checked_schema(value: Any, where: str) -> str:
+def checked_json_schema(value: Any, where: str, param: str | None = None) -> str:
     """A JSON schema given as an object or as JSON text, checked against its meta-schema
-    (the draft its `$schema` names, 2020-12 otherwise); returned as compact JSON text."""
-    param = where.split(".", 1)[0]
+    (the draft its `$schema` names, 2020-12 otherwise); returned as compact JSON text.
+    A broken one is a 400 naming `where`, with `param` (by default the top-level field of
+    `where`) as the error's `param`: the client's error, found before any worker."""
+    param = param or where.split(".", 1)[0]
     if isinstance(value, str):
         if not value.strip():
             raise bad_request(f"`{where}` must not be empty", param)

@@ -30,9 +30,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-import jsonschema
-import jsonschema.exceptions
-import jsonschema.validators
 import msgspec
 
 from dynamo.frontend.chat_output import ChatOutputParser, ChatPieces, ToolCallDelta
@@ -42,6 +39,7 @@ from dynamo.frontend.openai_types import (
     ToolChoiceFunction,
     ToolDefinition,
 )
+from dynamo.frontend.structured_output import checked_json_schema
 from dynamo.frontend.template_kwargs import template_variables
 from dynamo.llm.protocols import StructuredOutput
 
@@ -202,7 +200,8 @@ def _check_tool(index: int, tool: ToolDefinition) -> None:
             f"{where}.function.name",
         )
     if tool.function.parameters is not None:
-        _check_schema(tool.function.parameters, f"{where}.function.parameters")
+        where_schema = f"{where}.function.parameters"
+        checked_json_schema(tool.function.parameters, where_schema, param=where_schema)
 
 
 def _check_unique_names(tools: Sequence[ToolDefinition]) -> None:
@@ -214,25 +213,6 @@ def _check_unique_names(tools: Sequence[ToolDefinition]) -> None:
                 f"tools[{index}].function.name",
             )
         seen.add(tool.function.name)
-
-
-def _check_schema(schema: dict[str, Any], where: str) -> None:
-    """A parameters schema must be a valid JSON schema (its `$schema` draft, 2020-12 by
-    default): a broken one is the client's error, found before any worker is touched."""
-    try:
-        validator = jsonschema.validators.validator_for(
-            schema, default=jsonschema.Draft202012Validator
-        )
-        validator.check_schema(schema)
-    except jsonschema.exceptions.SchemaError as exc:
-        at = "/".join(str(p) for p in exc.path)
-        location = f" at `{at}`" if at else ""
-        message = (exc.message.splitlines() or [""])[0][:300]
-        raise bad_request(
-            f"`{where}` is not a valid JSON schema{location}: {message}", where
-        ) from None
-    except RecursionError:
-        raise bad_request(f"`{where}` is nested too deeply", where) from None
 
 
 def _parameters(tool: ToolDefinition) -> dict[str, Any]:
