@@ -360,13 +360,14 @@ def test_prompt_longer_than_context_is_400(client: openai.OpenAI) -> None:
     assert info.value.body["param"] == "max_tokens"
 
 
-def test_n_greater_than_one_is_400(client: openai.OpenAI) -> None:
+def test_n_beyond_the_cap_is_400(client: openai.OpenAI) -> None:
+    """n is served from 1 to 16 (docs/frontend.md, "Several choices"); more is a 400."""
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=4, n=2)
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=4, n=17)
     assert info.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=17
         )
 
 
@@ -374,7 +375,7 @@ def test_n_greater_than_one_is_400(client: openai.OpenAI) -> None:
     ("path", "body", "status", "param"),
     [
         ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model"),
-        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
         ("/v1/completions", {"model": MODEL, "prompt": "x " * 3000}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 9}, 400, "temperature"),
         ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
