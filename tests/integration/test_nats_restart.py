@@ -257,8 +257,12 @@ async def replayed_cache(runtime: DistributedRuntime, subject: str) -> set[int] 
     """What a router replaying `subject` from the start of the stream would believe the
     worker caches; None unless the history opens with a `KvAllCleared`."""
     info = await runtime.js.stream_info(KV_EVENTS_STREAM)
+    if info.state.messages == 0:
+        # Just recreated and still empty: its first_seq is 0, and asking JetStream for
+        # message 0 is a 400 (seen once when the poll landed in that moment).
+        return None
     events = []
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+    for seq in range(max(info.state.first_seq, 1), info.state.last_seq + 1):
         try:
             msg = await runtime.js.get_msg(KV_EVENTS_STREAM, seq)
         except NotFoundError:  # purged
