@@ -6,6 +6,9 @@
 #
 #   MODEL, HTTP_PORT as in agg.sh; PREFILL_ARGS / DECODE_ARGS add worker flags;
 #   DECODE_SPEC_CONFIG: --speculative-config JSON for the decode worker (none by default);
+#   PREFILL_SPEC_CONFIG: the prefill worker's, by default the decode worker's: a drafter
+#     with KV layers of its own (MTP, Eagle, a draft model) must run on both, so that its
+#     KV moves with the target's (a decode worker refuses KV laid out unlike its own);
 #   ROUTER_MODE (round-robin|random|kv) for the frontend.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
@@ -16,8 +19,11 @@ ENGINE_ARGS=(--model "$MODEL" --namespace "$NAMESPACE" --enforce-eager --block-s
 ensure_nats
 start frontend "$PYTHON" -m dynamo.frontend --http-port "$HTTP_PORT" --namespace "$NAMESPACE" \
   --router-mode "${ROUTER_MODE:-round-robin}"
+PREFILL_SPEC_CONFIG=${PREFILL_SPEC_CONFIG-${DECODE_SPEC_CONFIG:-}}
+PREFILL_SPEC=()
+[[ -n "$PREFILL_SPEC_CONFIG" ]] && PREFILL_SPEC=(--speculative-config "$PREFILL_SPEC_CONFIG")
 # shellcheck disable=SC2086
-start prefill "$PYTHON" -m dynamo.vllm --is-prefill-worker "${ENGINE_ARGS[@]}" ${PREFILL_ARGS:-}
+start prefill "$PYTHON" -m dynamo.vllm --is-prefill-worker "${ENGINE_ARGS[@]}" "${PREFILL_SPEC[@]}" ${PREFILL_ARGS:-}
 DECODE_SPEC=()
 [[ -n "${DECODE_SPEC_CONFIG:-}" ]] && DECODE_SPEC=(--speculative-config "$DECODE_SPEC_CONFIG")
 # shellcheck disable=SC2086

@@ -7,44 +7,76 @@ next(t) = argmax(lm_head @ embed[t]), computable from the weights alone. That wa
 the offline measurement in `tiny_mtp`'s docstring showed vLLM without speculation produces
 the same walk).
 
-Claims, through the frontend's /v1/completions:
-1. native `--speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'`: greedy
-   text equals the walk, vLLM's accepted-draft counter grows, and the model card advertises
-   method mtp with K=1 (the K the router counts speculative slots with);
-2. a TensorRT-LLM-style `--extra-engine-args` file (`decoding_type: MTP`,
-   `num_nextn_predict_layers: 1`) resolves to method mtp (`--dry-run`) and serves the same text.
+Three engines start together and serve through two frontends (KV router mode):
+- aggregated, native `--speculative-config '{"method": "mtp", "num_speculative_tokens": 2}'`
+  (two draft positions from the one MTP layer);
+- disaggregated: a prefill worker (same native config: the MTP layer keeps KV of its own,
+  which must be handed over with the target's) and a decode worker configured by a
+  TensorRT-LLM-style `--extra-engine-args` file (`decoding_type: MTP`,
+  `num_nextn_predict_layers: 1`), which the worker translates to vLLM's mtp with K=1.
+
+Claims: greedy text equals the walk on every path; vLLM's accepted-draft counters grow
+(every draft token is accepted, at every position: the MTP layer agrees with the target by
+construction); the router books speculative slots with the K each worker runs (2 and 1);
+the decode worker loads the prompt's KV from the prefill worker instead of computing it
+(vLLM's external-prefix-cache hits: the tiny target's text does not depend on its KV, so
+equal text alone would not show the transfer); and a transfer from a prefill worker
+without the MTP layer is refused instead of killing the decode engine.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
+from e2e_prompts import greedy_request
 from safetensors.torch import load_file
 from tiny_mtp import build_tiny_mtp
 
-from dynamo.llm.model_card import CardAdded, ModelCardWatcher
-from dynamo.llm.protocols import ModelCard
+from dynamo.frontend.disagg import prefill_leg
+from dynamo.llm.protocols import LLMEngineOutput, PrefillResult
 from dynamo.runtime import DistributedRuntime
-from dynamo.testing.http import http_post_json
-from dynamo.testing.processes import FrontendProcess, WorkerProcess, cpu_engine_flags
+from dynamo.testing.http import http_get, http_post_json, kv_router_view, metric_values
+from dynamo.testing.processes import FrontendProcess, WorkerProcess, cpu_engine_flags, stop_all
 
 MAX_MODEL_LEN = 512
 MAX_TOKENS = 12
-PROMPT = "Tell me a story about a cat."
-MTP_TOKENS = 1
+BLOCK = 32
+# Over two KV blocks, so the disaggregated decode worker has whole blocks to load.
+PROMPT = (
+    "Tell me a story about a cat who lives in a lighthouse by the sea, keeps the lamp "
+    "burning through every winter storm, and one night guides a lost fishing boat home. "
+    "Keep it short, warm and simple, for a child at bedtime. Give the cat a name, the "
+    "boat a colour and the storm a sound, and end with the cat asleep by the lamp at dawn."
+)
+NATIVE_K = 2  # more draft tokens than MTP layers: vLLM runs the one layer twice
+ENGINE_FILE_K = 1
 SERVED = "tiny-mtp"
-NATIVE_SPEC = {"method": "mtp", "num_speculative_tokens": MTP_TOKENS}
+NATIVE_SPEC = {"method": "mtp", "num_speculative_tokens": NATIVE_K}
 ENGINE_FILE = f"""\
 # TensorRT-LLM form, translated by the worker to vLLM's native method mtp.
 speculative_config:
   decoding_type: MTP
-  num_nextn_predict_layers: {MTP_TOKENS}
+  num_nextn_predict_layers: {ENGINE_FILE_K}
 """
+AGG_NS = "e2e-mtp"
+DISAGG_NS = "e2e-mtp-disagg"
+
+
+@dataclass
+class MtpStacks:
+    """The module's engines and the frontends in front of them."""
+
+    native: WorkerProcess
+    prefill: WorkerProcess
+    decode: WorkerProcess
+    agg_frontend: FrontendProcess
+    disagg_frontend: FrontendProcess
 
 
 @pytest.fixture(scope="module")
@@ -59,82 +91,90 @@ def mtp_tokenizer(mtp_target: Path):
     return AutoTokenizer.from_pretrained(str(mtp_target))
 
 
+@pytest.fixture(scope="module")
+def transfer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Not created here: the workers create (and so own) it; see dynamo.vllm.transfer_root.
+    return tmp_path_factory.mktemp("mtp-kv") / "store"
+
+
+@pytest.fixture(scope="module")
+def stacks(
+    mtp_target: Path,
+    nats_url: str,
+    e2e_log_dir: Path,
+    transfer_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[MtpStacks]:
+    scratch = tmp_path_factory.mktemp("mtp-stacks")
+    engine_file = scratch / "mtp.yaml"
+    engine_file.write_text(ENGINE_FILE)
+    transfer = {"DYN_KV_SHARED_STORAGE_PATH": str(transfer_dir)}
+
+    def worker(name: str, namespace: str, component: str, extra: list[str]) -> WorkerProcess:
+        return WorkerProcess(
+            f"worker-{name}", mtp_target, nats_url, e2e_log_dir,
+            namespace=namespace, component=component, env=transfer,
+            engine_flags=cpu_engine_flags(MAX_MODEL_LEN),
+            extra=["--served-model-name", SERVED, *extra],
+        )  # fmt: skip
+
+    started: list[WorkerProcess | FrontendProcess] = []
+    try:
+        native = worker(
+            "mtp-native", AGG_NS, "backend", ["--speculative-config", json.dumps(NATIVE_SPEC)]
+        )
+        started.append(native)
+        prefill = worker(
+            "mtp-prefill",
+            DISAGG_NS,
+            "prefill",
+            ["--is-prefill-worker", "--speculative-config", json.dumps(NATIVE_SPEC)],
+        )
+        started.append(prefill)
+        decode = worker("mtp-decode", DISAGG_NS, "backend",
+                        ["--is-decode-worker", "--extra-engine-args", str(engine_file)])  # fmt: skip
+        started.append(decode)
+        for w in (native, prefill, decode):
+            w.wait_ready()
+        agg_frontend = FrontendProcess(
+            "frontend-mtp", nats_url, e2e_log_dir, namespace=AGG_NS, extra=["--router-mode", "kv"]
+        )
+        started.append(agg_frontend)
+        disagg_frontend = FrontendProcess(
+            "frontend-mtp-disagg", nats_url, e2e_log_dir, namespace=DISAGG_NS,
+            extra=["--router-mode", "kv"],
+        )  # fmt: skip
+        started.append(disagg_frontend)
+        for frontend in (agg_frontend, disagg_frontend):
+            frontend.wait_for_model(SERVED)
+        yield MtpStacks(native, prefill, decode, agg_frontend, disagg_frontend)
+    finally:
+        stop_all(reversed(started))
+
+
+def complete(frontend: FrontendProcess) -> dict:
+    body = {
+        "model": SERVED,
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    status, text = http_post_json(f"{frontend.base_url}/v1/completions", body, timeout=120)
+    assert status == 200, text
+    return json.loads(text)
+
+
 def reference_walk(target: Path, last_prompt_token: int, count: int) -> list[int]:
     """Greedy tokens without speculation: every block of the tiny target is a no-op on the
     residual and RMS norm only rescales, so next(t) = argmax(lm_head @ embed[t])."""
     weights = load_file(str(target / "model.safetensors"))
-    successor = torch.argmax(weights["model.embed_tokens.weight"] @ weights["lm_head.weight"].T, 1)
+    embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
     tokens, token = [], last_prompt_token
     for _ in range(count):
-        token = int(successor[token])
+        token = int(torch.argmax(head @ embed[token]))
         tokens.append(token)
     return tokens
-
-
-class Stack:
-    """One MTP worker and a frontend over its own namespace."""
-
-    def __init__(self, worker: WorkerProcess, frontend: FrontendProcess, model: str) -> None:
-        self.worker = worker
-        self.frontend = frontend
-        self.model = model
-
-    def complete(self, prompt: str) -> str:
-        body = {
-            "model": self.model,
-            "prompt": prompt,
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0.0,
-            "ignore_eos": True,
-        }
-        status, text = http_post_json(f"{self.frontend.base_url}/v1/completions", body)
-        assert status == 200, text
-        return json.loads(text)["choices"][0]["text"]
-
-
-def start_stack(
-    name: str, target: Path, nats_url: str, log_dir: Path, extra: list[str]
-) -> Iterator[Stack]:
-    namespace = f"e2e-{name}"
-    worker = WorkerProcess(
-        f"worker-{name}",
-        target,
-        nats_url,
-        log_dir,
-        namespace=namespace,
-        engine_flags=cpu_engine_flags(MAX_MODEL_LEN),
-        extra=["--served-model-name", SERVED, *extra],
-    )
-    frontend = FrontendProcess(f"frontend-{name}", nats_url, log_dir, namespace=namespace)
-    try:
-        worker.wait_ready()
-        frontend.wait_for_model(SERVED)
-        yield Stack(worker, frontend, SERVED)
-    finally:
-        frontend.stop()
-        worker.stop()
-
-
-@pytest.fixture(scope="module")
-def native_stack(mtp_target: Path, nats_url: str, e2e_log_dir: Path) -> Iterator[Stack]:
-    yield from start_stack(
-        "mtp-native",
-        mtp_target,
-        nats_url,
-        e2e_log_dir,
-        ["--speculative-config", json.dumps(NATIVE_SPEC)],
-    )
-
-
-@pytest.fixture(scope="module")
-def engine_file_stack(
-    mtp_target: Path, nats_url: str, e2e_log_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Stack]:
-    path = tmp_path_factory.mktemp("mtp-engine") / "mtp.yaml"
-    path.write_text(ENGINE_FILE)
-    yield from start_stack(
-        "mtp-file", mtp_target, nats_url, e2e_log_dir, ["--extra-engine-args", str(path)]
-    )
 
 
 def expected_text(target: Path, tokenizer) -> str:
@@ -142,51 +182,59 @@ def expected_text(target: Path, tokenizer) -> str:
     return tokenizer.decode(reference_walk(target, last, MAX_TOKENS), skip_special_tokens=True)
 
 
-def spec_counters(worker: WorkerProcess) -> tuple[float, float, float]:
-    """vLLM's (drafts, accepted draft tokens, accepted at position 0) counters."""
-    return (
-        worker.metric("vllm:spec_decode_num_drafts_total"),
-        worker.metric("vllm:spec_decode_num_accepted_tokens_total"),
-        worker.metric("vllm:spec_decode_num_accepted_tokens_per_pos_total"),
-    )
+@dataclass(frozen=True)
+class SpecCounters:
+    """vLLM's speculation counters of one worker: drafts, accepted draft tokens, and
+    accepted tokens per draft position."""
+
+    drafts: float
+    accepted: float
+    per_position: tuple[float, ...]
+
+    @classmethod
+    def read(cls, worker: WorkerProcess, k: int) -> SpecCounters:
+        _, text = http_get(worker.metrics_url)
+        per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+        return cls(
+            drafts=sum(metric_values(text, "vllm:spec_decode_num_drafts_total")),
+            accepted=sum(metric_values(text, "vllm:spec_decode_num_accepted_tokens_total")),
+            per_position=tuple(
+                sum(metric_values(text, per_pos, {"position": str(i)})) for i in range(k)
+            ),
+        )
+
+    def __sub__(self, other: SpecCounters) -> SpecCounters:
+        return SpecCounters(
+            self.drafts - other.drafts,
+            self.accepted - other.accepted,
+            tuple(a - b for a, b in zip(self.per_position, other.per_position, strict=True)),
+        )
 
 
-async def registered_card(runtime: DistributedRuntime, namespace: str) -> ModelCard:
-    watcher = await ModelCardWatcher(runtime, namespace).start()
-
-    async def first_card() -> ModelCard:
-        async for event in watcher:
-            if isinstance(event, CardAdded):
-                return event.card
-        raise AssertionError("the card watcher ended")
-
-    try:
-        return await asyncio.wait_for(first_card(), 10.0)
-    finally:
-        await watcher.close()
+def router_k(frontend: FrontendProcess, namespace: str) -> list[int]:
+    """The K the frontend's KV router books speculative slots with, per worker."""
+    view = kv_router_view(frontend.base_url, SERVED, f"{namespace}/backend/generate")
+    return [w["num_speculative_tokens"] for w in view["workers"].values()]
 
 
 def test_native_mtp_greedy_equals_no_speculation_and_accepts(
-    native_stack: Stack, mtp_target: Path, mtp_tokenizer
+    stacks: MtpStacks, mtp_target: Path, mtp_tokenizer
 ) -> None:
-    worker = native_stack.worker
-    before = spec_counters(worker)
-    text = native_stack.complete(PROMPT)
+    before = SpecCounters.read(stacks.native, NATIVE_K)
+    text = complete(stacks.agg_frontend)["choices"][0]["text"]
+    grown = SpecCounters.read(stacks.native, NATIVE_K) - before
     assert text == expected_text(mtp_target, mtp_tokenizer)
-    drafts, accepted, first_position = (
-        a - b for a, b in zip(spec_counters(worker), before, strict=True)
-    )
-    print(f"MTP K=1: drafts {drafts}, accepted {accepted}, accepted at position 0 {first_position}")
-    assert drafts > 0
-    # The tiny target's MTP layer agrees with the target: every draft is accepted.
-    assert accepted == drafts == first_position
+    print(f"MTP K={NATIVE_K} aggregated: {grown}")
+    assert grown.drafts > 0
+    # The tiny target's MTP layer agrees with the target: every draft token is accepted,
+    # at every position (K=2 reuses the one MTP layer for the second position).
+    assert grown.per_position == (grown.drafts,) * NATIVE_K
+    assert grown.accepted == grown.drafts * NATIVE_K
 
 
-async def test_native_mtp_card_advertises_k(runtime, native_stack: Stack) -> None:
-    card = await registered_card(runtime, native_stack.worker.namespace)
-    assert card.speculative is not None
-    assert card.speculative.method == "mtp"
-    assert card.speculative.num_speculative_tokens == MTP_TOKENS
+def test_router_books_the_k_that_runs(stacks: MtpStacks) -> None:
+    assert router_k(stacks.agg_frontend, AGG_NS) == [NATIVE_K]
+    assert router_k(stacks.disagg_frontend, DISAGG_NS) == [ENGINE_FILE_K]
 
 
 def test_engine_file_dry_run_resolves_to_mtp(mtp_target: Path, tmp_path: Path) -> None:
@@ -197,11 +245,99 @@ def test_engine_file_dry_run_resolves_to_mtp(mtp_target: Path, tmp_path: Path) -
     cfg = parse_worker_args(
         ["--model", str(mtp_target), "--extra-engine-args", str(path), "--dry-run"]
     )
-    assert cfg.speculative_config == {"method": "mtp", "num_speculative_tokens": MTP_TOKENS}
+    assert cfg.speculative_config == {"method": "mtp", "num_speculative_tokens": ENGINE_FILE_K}
 
 
-def test_engine_file_mtp_serves_the_same_text(
-    engine_file_stack: Stack, mtp_target: Path, mtp_tokenizer
+def test_disaggregated_mtp_decodes_transferred_kv_and_equals_aggregated(
+    stacks: MtpStacks, mtp_target: Path, mtp_tokenizer
 ) -> None:
-    assert engine_file_stack.complete(PROMPT) == expected_text(mtp_target, mtp_tokenizer)
-    assert engine_file_stack.worker.metric("vllm:spec_decode_num_accepted_tokens_total") > 0
+    hits_before = stacks.decode.metric("vllm:external_prefix_cache_hits_total")
+    remote_before = remote_prefills(stacks.decode)
+    before = SpecCounters.read(stacks.decode, ENGINE_FILE_K)
+    result = complete(stacks.disagg_frontend)
+    grown = SpecCounters.read(stacks.decode, ENGINE_FILE_K) - before
+    prompt_tokens = result["usage"]["prompt_tokens"]
+    transferred = (prompt_tokens - 2) // BLOCK * BLOCK
+    assert transferred >= 2 * BLOCK
+    hits = stacks.decode.metric("vllm:external_prefix_cache_hits_total") - hits_before
+    print(f"disaggregated MTP: {prompt_tokens} prompt tokens, {hits} loaded, counters {grown}")
+    assert hits == transferred
+    assert remote_prefills(stacks.decode) == {
+        **remote_before,
+        "loaded": remote_before["loaded"] + 1,
+    }
+    assert result["choices"][0]["text"] == expected_text(mtp_target, mtp_tokenizer)
+    aggregated = complete(stacks.agg_frontend)["choices"][0]["text"]
+    assert result["choices"][0]["text"] == aggregated
+    assert grown.drafts > 0
+    assert grown.accepted == grown.drafts and grown.per_position == (grown.drafts,)
+
+
+def remote_prefills(worker: WorkerProcess) -> dict[str, float]:
+    """The decode worker's remote prefills by outcome (loaded / refused)."""
+    _, text = http_get(worker.metrics_url)
+    name = "dynamo_worker_remote_prefills_total"
+    return {o: sum(metric_values(text, name, {"outcome": o})) for o in ("loaded", "refused")}
+
+
+def layout_without_speculation(target: Path) -> str:
+    """The KV layout a prefill worker started without MTP reports for the tiny target."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from dynamo.vllm.kv_layout import describe_kv_layout
+
+    args = AsyncEngineArgs(
+        model=str(target), enforce_eager=True, block_size=BLOCK, max_model_len=MAX_MODEL_LEN
+    )
+    return describe_kv_layout(args.create_engine_config())
+
+
+async def engine_outputs(
+    runtime: DistributedRuntime, component: str, request
+) -> list[LLMEngineOutput]:
+    endpoint = runtime.namespace(DISAGG_NS).component(component).endpoint("generate")
+    client = await endpoint.client()
+    await client.wait_for_instances(timeout=30)
+    return [out async for out in client.round_robin(request, response_type=LLMEngineOutput)]
+
+
+async def test_decode_computes_the_prompt_when_the_prefill_worker_lacks_the_mtp_layer(
+    runtime: DistributedRuntime,
+    stacks: MtpStacks,
+    mtp_target: Path,
+    mtp_tokenizer,
+    transfer_dir: Path,
+) -> None:
+    """What a prefill worker started without MTP hands over: a KV file per target layer,
+    none for the MTP layer (`model.layers.2`), and its own layout. vLLM's connector would
+    fail the decode engine on the missing file; the decode worker refuses the transfer,
+    computes the prompt itself and stays up."""
+    from dynamo.vllm.kv_layout import KV_LAYOUT_PARAM
+    from dynamo.vllm.kv_transfer import entry_name
+
+    ids = mtp_tokenizer("Once more: " + PROMPT)["input_ids"]  # no block in any cache yet
+    request = greedy_request(ids, MAX_TOKENS, model=SERVED, ignore_eos=True)
+    (prefilled,) = [o for o in await engine_outputs(runtime, "prefill", prefill_leg(request))
+                    if o.disaggregated_params]  # fmt: skip
+    params = dict(prefilled.disaggregated_params or {})
+    plain = layout_without_speculation(mtp_target)
+    assert params[KV_LAYOUT_PARAM] != plain, "MTP adds a layer a plain prefill worker lacks"
+    entry = transfer_dir / entry_name(ids, BLOCK)
+    (entry / "model.layers.2.self_attn.attn.safetensors").unlink()
+    params[KV_LAYOUT_PARAM] = plain
+
+    before = remote_prefills(stacks.decode)
+    hits_before = stacks.decode.metric("vllm:external_prefix_cache_hits_total")
+    request = greedy_request(ids, MAX_TOKENS, model=SERVED, ignore_eos=True)
+    decode_request = msgspec.structs.replace(request, prefill_result=PrefillResult(params))
+    outputs = await engine_outputs(runtime, "backend", decode_request)
+    tokens = [t for o in outputs for t in o.token_ids]
+    assert tokens == reference_walk(mtp_target, ids[-1], MAX_TOKENS)
+    usage = outputs[-1].completion_usage
+    cached = (
+        usage.prompt_tokens_details.cached_tokens if usage and usage.prompt_tokens_details else 0
+    )
+    assert cached == 0, "the prompt was computed here, not loaded"
+    assert stacks.decode.metric("vllm:external_prefix_cache_hits_total") == hits_before
+    assert remote_prefills(stacks.decode) == {**before, "refused": before["refused"] + 1}
+    assert not entry.exists()

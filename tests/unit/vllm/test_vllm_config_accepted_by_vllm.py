@@ -89,3 +89,26 @@ def test_speculators_checkpoint(speculators_checkpoint: Path, tiny_model: Path) 
     assert spec.draft_model_config.model == str(speculators_checkpoint)
     assert spec.draft_model_config.seed == 5
     assert spec.draft_model_config.max_model_len == 1024
+
+
+def test_kv_layout_counts_draft_layers_only_for_drafters_that_keep_kv(
+    tiny_model: Path, tiny_mtp_model: Path, eagle3_draft: Path, write_yaml
+) -> None:
+    """What a prefill/decode pair must share (`dynamo.vllm.kv_layout`): n-gram keeps no KV,
+    so a plain prefill worker may feed an n-gram decode worker; MTP and Eagle3 do."""
+    from dynamo.vllm.kv_layout import describe_kv_layout
+
+    def layout(model: Path, *extra: str) -> str:
+        return describe_kv_layout(vllm_config(["--model", str(model), *extra])[1])
+
+    plain = layout(tiny_model)
+    assert plain == layout(tiny_model, "--extra-engine-args", str(CONFIG_DIR / "ngram.yaml"))
+    assert "no draft layers" in plain and "block 32" in plain
+    eagle3 = write_yaml(
+        f"speculative_config:\n  method: eagle3\n  model: {eagle3_draft}\n  num_speculative_tokens: 3\n"
+    )
+    with_eagle3 = layout(tiny_model, "--extra-engine-args", str(eagle3))
+    assert with_eagle3 != plain and "(eagle3)" in with_eagle3
+    mtp = layout(tiny_mtp_model, "--extra-engine-args", str(CONFIG_DIR / "mtp_decode.yaml"))
+    assert "draft layers (mtp)" in mtp
+    assert mtp != layout(tiny_mtp_model)

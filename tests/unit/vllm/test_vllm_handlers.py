@@ -54,6 +54,7 @@ from dynamo.llm.protocols import (
 from dynamo.runtime import Context, InvalidRequestError, WorkerOverloadedError
 from dynamo.vllm.engine import EngineFacts, VllmEngine
 from dynamo.vllm.handlers import GenerateHandler, RequestCounters
+from dynamo.vllm.kv_layout import KV_LAYOUT_PARAM
 from dynamo.vllm.kv_transfer import KvTransferJanitor, entry_name
 
 PROMPT = list(range(100, 109))
@@ -137,6 +138,7 @@ class Worker:
         kv_connector: str | None = None,
         counters: RequestCounters | None = None,
         kv_janitor: KvTransferJanitor | None = None,
+        kv_layout: str = "",
     ) -> None:
         self.llm = llm
         self.engine = VllmEngine(AsyncEngineArgs(model=str(model_dir)))
@@ -149,6 +151,7 @@ class Worker:
             speculative=None,
             sampling_defaults=dict(MODEL_DEFAULTS),
             kv_connector=kv_connector,
+            kv_layout=kv_layout,
         )
         self.deaths: list[BaseException] = []
         self.handler = GenerateHandler(
@@ -298,6 +301,63 @@ async def test_decode_hands_the_prefill_params_to_the_connector(tiny_model: Path
     assert [out.token_ids for out in outputs] == [[5], [6]]
     assert worker.counters.remote_prefill_used == 1
     assert worker.counters.finished == {"length": 1}
+
+
+LAYOUT = "30 layers + 1 draft layers (mtp), 3 KV heads x 64, block 32, bfloat16"
+OTHER_LAYOUT = "30 layers + no draft layers, 3 KV heads x 64, block 32, bfloat16"
+
+
+async def test_a_prefill_worker_names_its_kv_layout(tiny_model: Path) -> None:
+    transfer = {"remote_block_ids": [1], "remote_engine_id": "prefill-engine"}
+    for connector, from_engine in (("NixlConnector", transfer), (CONNECTOR, None)):
+        llm = FakeAsyncLLM([step([42], finish_reason="length", kv_transfer_params=from_engine)])
+        worker = Worker(
+            tiny_model, llm, WorkerType.PREFILL, kv_connector=connector, kv_layout=LAYOUT
+        )
+        (out,) = await worker.run(make_request())
+        assert out.disaggregated_params is not None
+        assert out.disaggregated_params[KV_LAYOUT_PARAM] == LAYOUT
+
+
+async def test_decode_loads_kv_laid_out_like_its_own_without_the_layout_key(
+    tiny_model: Path,
+) -> None:
+    transfer = {"remote_block_ids": [3], KV_LAYOUT_PARAM: LAYOUT}
+    llm = FakeAsyncLLM([step([5], finish_reason="length")])
+    worker = Worker(
+        tiny_model, llm, WorkerType.DECODE, kv_connector="NixlConnector", kv_layout=LAYOUT
+    )
+    await worker.run(make_request(prefill_result=PrefillResult(disaggregated_params=transfer)))
+    assert worker.sent_params().extra_args == {"kv_transfer_params": {"remote_block_ids": [3]}}
+    assert worker.counters.remote_prefill_used == 1
+    assert worker.counters.remote_prefill_refused == 0
+
+
+async def test_decode_refuses_kv_laid_out_otherwise_and_computes_the_prompt(
+    tiny_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    storage = tiny_model.parent / "kv"
+    janitor = KvTransferJanitor(storage, BLOCK_SIZE)  # creates (owns) the directory
+    params = {"kv_connector": CONNECTOR, "by_prompt": True, KV_LAYOUT_PARAM: OTHER_LAYOUT}
+    for _ in range(2):
+        entry = kv_entry(storage)
+        llm = FakeAsyncLLM([step([5]), step([6], finish_reason="length")])
+        worker = Worker(
+            tiny_model, llm, WorkerType.DECODE, kv_connector=CONNECTOR, kv_janitor=janitor,
+            kv_layout=LAYOUT,
+        )  # fmt: skip
+        stream = worker.generate(make_request(prefill_result=PrefillResult(params)))
+        await anext(stream)
+        # Gone before the engine ran: the prompt-keyed connector would have loaded it.
+        assert not entry.exists()
+        _ = [out async for out in stream]
+        assert worker.sent_params().extra_args is None, "no transfer parameters reach vLLM"
+        assert worker.counters.remote_prefill_refused == 1
+        assert worker.counters.remote_prefill_used == 0
+    assert janitor.removed_refused == 2
+    reports = [r for r in caplog.records if "laid out" in r.getMessage()]
+    assert len(reports) == 2, "once per decode worker (each test worker is a new handler)"
+    assert OTHER_LAYOUT in reports[0].getMessage() and LAYOUT in reports[0].getMessage()
 
 
 async def test_decode_without_a_prefill_result_counts_no_remote_prefill(

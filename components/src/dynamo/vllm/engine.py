@@ -16,6 +16,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from dynamo.llm.protocols import SpeculativeInfo
 from dynamo.vllm.engine_stats import EngineStats, make_stat_logger_factory
+from dynamo.vllm.kv_layout import describe_kv_layout
 from dynamo.vllm.spec_config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class EngineFacts:
     speculative: SpeculativeInfo | None
     sampling_defaults: dict[str, Any]
     kv_connector: str | None = None  # vLLM KV connector for disaggregation (None: aggregated)
+    kv_layout: str = ""  # what a prefill/decode pair must share (`kv_layout.describe_kv_layout`)
 
 
 def speculative_info(spec_config: Any) -> SpeculativeInfo | None:
@@ -109,14 +111,16 @@ class VllmEngine:
             speculative=speculative_info(cfg.speculative_config),
             sampling_defaults=dict(cfg.model_config.get_diff_sampling_param()),
             kv_connector=getattr(cfg.kv_transfer_config, "kv_connector", None),
+            kv_layout=describe_kv_layout(cfg),
         )
         log.info(
-            "engine ready in %.1fs: max_model_len=%d block_size=%d kv_blocks=%d speculative=%s",
+            "engine ready in %.1fs: max_model_len=%d block_size=%d kv_blocks=%d speculative=%s kv=[%s]",
             time.monotonic() - t0,
             self.facts.max_model_len,
             self.facts.block_size,
             self.facts.num_gpu_blocks,
             self.facts.speculative,
+            self.facts.kv_layout,
         )
         return self.facts
 

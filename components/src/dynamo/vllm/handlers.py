@@ -30,6 +30,7 @@ from dynamo.llm.protocols import (
 from dynamo.runtime import Context, InvalidRequestError, WorkerOverloadedError
 from dynamo.vllm.conversion import OutputTracker, to_prompt, to_sampling_params
 from dynamo.vllm.engine import VllmEngine
+from dynamo.vllm.kv_layout import KV_LAYOUT_PARAM, KvLayoutCheck
 from dynamo.vllm.kv_transfer import KvTransferJanitor
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class RequestCounters:
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
         self.remote_prefill_used = 0
+        self.remote_prefill_refused = 0  # transferred KV laid out unlike this engine's
 
     def finish(self, reason: str) -> None:
         self.finished[reason] = self.finished.get(reason, 0) + 1
@@ -58,9 +60,10 @@ class GenerateHandler:
     """Serves `generate` for one worker type.
 
     - aggregated / decode: streams every step's accepted tokens (1..K+1 with speculation);
-      a decode worker passes the prefill worker's `kv_transfer_params` to the connector.
+      a decode worker passes the prefill worker's `kv_transfer_params` to the connector
+      when the KV they describe is laid out like its own (`kv_layout`).
     - prefill: runs the prompt with max_tokens=1 and `do_remote_decode`, returning the
-      connector's `kv_transfer_params` as `disaggregated_params`.
+      connector's `kv_transfer_params`, and its KV layout, as `disaggregated_params`.
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class GenerateHandler:
         self.counters = counters or RequestCounters()
         # Decode side of the disk-based (CPU) connector: deletes consumed KV entries.
         self.kv_janitor = kv_janitor if worker_type is not WorkerType.PREFILL else None
+        self.layout_check = KvLayoutCheck(engine.facts.kv_layout if engine.facts else "")
 
     def _kv_transfer_params(self, request: PreprocessedRequest) -> dict[str, Any] | None:
         if self.worker_type is WorkerType.PREFILL:
@@ -85,8 +89,15 @@ class GenerateHandler:
             params.setdefault("do_remote_decode", True)
             return params
         if request.prefill_result is not None and request.prefill_result.disaggregated_params:
+            params = dict(request.prefill_result.disaggregated_params)
+            if not self.layout_check.admits(params, request.request_id):
+                self.counters.remote_prefill_refused += 1
+                if self.kv_janitor is not None:  # keyed by prompt: it would load it anyway
+                    self.kv_janitor.discard(request.token_ids)
+                return None
+            params.pop(KV_LAYOUT_PARAM, None)
             self.counters.remote_prefill_used += 1
-            return dict(request.prefill_result.disaggregated_params)
+            return params
         return request.kv_transfer_params
 
     async def generate(
@@ -187,10 +198,11 @@ class GenerateHandler:
         parameters (NIXL: remote engine, block ids, ...), or for connectors that key the
         KV by the prompt itself (ExampleConnector) a marker naming the connector, so the
         frontend can tell a completed prefill from a failed one."""
-        if from_engine:
-            return dict(from_engine)
         facts = self.engine.facts
-        return {"kv_connector": facts.kv_connector if facts else None, "by_prompt": True}
+        layout = {KV_LAYOUT_PARAM: facts.kv_layout} if facts and facts.kv_layout else {}
+        if from_engine:
+            return {**from_engine, **layout}
+        return {"kv_connector": facts.kv_connector if facts else None, "by_prompt": True, **layout}
 
     async def _abort(self, request_id: str) -> None:
         try:

