@@ -37,6 +37,7 @@ from dynamo.runtime import DistributedRuntime
 from dynamo.testing.http import http_post_json, kv_router_view, routed_requests
 from dynamo.testing.processes import FrontendProcess, WorkerProcess
 from dynamo.testing.waiting import wait_until
+from dynamo.vllm.kv_transfer import transferred_tokens
 from dynamo.vllm.transfer_root import TransferRoot
 
 NAMESPACE = "disagg"
@@ -133,11 +134,6 @@ def prefill_routed(frontend: FrontendProcess) -> dict[str, int]:
     return routed_requests(prefill_router(frontend))
 
 
-def connector_tokens(num_prompt_tokens: int) -> int:
-    """Prompt tokens the ExampleConnector hands over: whole blocks of the first N-1 tokens."""
-    return (num_prompt_tokens - 2) // 32 * 32
-
-
 def partition_stable_prompt(tokenizer, topic: str) -> str:
     """A long prompt whose KV split matches between the connector and local prefix caching.
 
@@ -194,7 +190,7 @@ async def test_decode_loads_prompt_from_connector_and_matches_aggregated(
         prompt = partition_stable_prompt(tokenizer, topic)
         result = chat(frontend, prompt)
         usage = result["usage"]
-        transferred = connector_tokens(usage["prompt_tokens"])
+        transferred = transferred_tokens(usage["prompt_tokens"], 32)
         assert transferred >= 64
         assert usage["prompt_tokens_details"]["cached_tokens"] == transferred
         expected, reference_cached = await aggregated_reference(nats_url, tokenizer, prompt)

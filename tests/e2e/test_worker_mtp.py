@@ -41,8 +41,9 @@ from tiny_mtp import build_tiny_mtp
 from dynamo.frontend.disagg import prefill_leg
 from dynamo.llm.protocols import LLMEngineOutput, PrefillResult
 from dynamo.runtime import DistributedRuntime
-from dynamo.testing.http import http_get, http_post_json, kv_router_view, metric_values
+from dynamo.testing.http import http_post_json, kv_router_view
 from dynamo.testing.processes import FrontendProcess, WorkerProcess, cpu_engine_flags, stop_all
+from dynamo.vllm.kv_transfer import entry_name, transferred_tokens
 
 MAX_MODEL_LEN = 512
 MAX_TOKENS = 12
@@ -193,14 +194,11 @@ class SpecCounters:
 
     @classmethod
     def read(cls, worker: WorkerProcess, k: int) -> SpecCounters:
-        _, text = http_get(worker.metrics_url)
         per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
         return cls(
-            drafts=sum(metric_values(text, "vllm:spec_decode_num_drafts_total")),
-            accepted=sum(metric_values(text, "vllm:spec_decode_num_accepted_tokens_total")),
-            per_position=tuple(
-                sum(metric_values(text, per_pos, {"position": str(i)})) for i in range(k)
-            ),
+            drafts=worker.metric("vllm:spec_decode_num_drafts_total"),
+            accepted=worker.metric("vllm:spec_decode_num_accepted_tokens_total"),
+            per_position=tuple(worker.metric(per_pos, position=str(i)) for i in range(k)),
         )
 
     def __sub__(self, other: SpecCounters) -> SpecCounters:
@@ -257,7 +255,7 @@ def test_disaggregated_mtp_decodes_transferred_kv_and_equals_aggregated(
     result = complete(stacks.disagg_frontend)
     grown = SpecCounters.read(stacks.decode, ENGINE_FILE_K) - before
     prompt_tokens = result["usage"]["prompt_tokens"]
-    transferred = (prompt_tokens - 2) // BLOCK * BLOCK
+    transferred = transferred_tokens(prompt_tokens, BLOCK)
     assert transferred >= 2 * BLOCK
     hits = stacks.decode.metric("vllm:external_prefix_cache_hits_total") - hits_before
     print(f"disaggregated MTP: {prompt_tokens} prompt tokens, {hits} loaded, counters {grown}")
@@ -275,9 +273,8 @@ def test_disaggregated_mtp_decodes_transferred_kv_and_equals_aggregated(
 
 def remote_prefills(worker: WorkerProcess) -> dict[str, float]:
     """The decode worker's remote prefills by outcome (loaded / refused)."""
-    _, text = http_get(worker.metrics_url)
     name = "dynamo_worker_remote_prefills_total"
-    return {o: sum(metric_values(text, name, {"outcome": o})) for o in ("loaded", "refused")}
+    return {o: worker.metric(name, outcome=o) for o in ("loaded", "refused")}
 
 
 def layout_without_speculation(target: Path) -> str:
@@ -313,7 +310,6 @@ async def test_decode_computes_the_prompt_when_the_prefill_worker_lacks_the_mtp_
     fail the decode engine on the missing file; the decode worker refuses the transfer,
     computes the prompt itself and stays up."""
     from dynamo.vllm.kv_layout import KV_LAYOUT_PARAM
-    from dynamo.vllm.kv_transfer import entry_name
 
     ids = mtp_tokenizer("Once more: " + PROMPT)["input_ids"]  # no block in any cache yet
     request = greedy_request(ids, MAX_TOKENS, model=SERVED, ignore_eos=True)

@@ -45,13 +45,19 @@ def default_ttl() -> float:
     return float(value) if value else DEFAULT_TTL_S
 
 
+def transferred_tokens(num_prompt_tokens: int, block_size: int) -> int:
+    """Prompt tokens the ExampleConnector hands over: whole blocks of the first N-1."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import align_to_block_size
+
+    return align_to_block_size(num_prompt_tokens - 1, block_size)
+
+
 def entry_name(prompt_token_ids: Sequence[int], block_size: int) -> str:
     """The directory name the ExampleConnector uses for a prompt (no multimodal hashes)."""
     import torch
-    from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import align_to_block_size
     from vllm.utils.hashing import safe_hash
 
-    count = align_to_block_size(len(prompt_token_ids) - 1, block_size)
+    count = transferred_tokens(len(prompt_token_ids), block_size)
     tokens = torch.tensor(list(prompt_token_ids))[:count]
     return safe_hash(tokens.numpy().tobytes(), usedforsecurity=False).hexdigest()
 

@@ -279,13 +279,13 @@ class WorkerProcess(ManagedProcess):
         """Seconds until `/health` answers 200 (the engine is loaded and registered)."""
         return wait_healthy(self.health_url, [self], timeout=timeout)
 
-    def metric(self, name: str) -> float:
-        """Sum of all samples of one series of the worker's `/metrics` (any labels);
-        `KeyError` when the worker exports no such series."""
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of series `name` on the worker's `/metrics` whose labels
+        include `labels`; `KeyError` when the worker exports no such sample."""
         _, text = http_get(self.metrics_url)
-        values = metric_values(text, name)
+        values = metric_values(text, name, labels)
         if not values:
-            raise KeyError(f"{name} not in {self.metrics_url}")
+            raise KeyError(f"{name}{labels or ''} not in {self.metrics_url}")
         return sum(values)
 
 
