@@ -19,7 +19,9 @@ Claims, each on a real nats-server:
 * the whole system (a frontend in kv mode and two mocker workers, as processes) under
   load: within 10 s of the new broker, requests succeed and the router predicts prefix
   hits again; requests in flight at the crash complete or end with a clean error; no
-  process crashes or logs a traceback.
+  process crashes or logs a traceback;
+* a worker that loses the broker while it deregisters stops at once instead of waiting
+  out the NATS timeouts of the calls in flight.
 """
 
 from __future__ import annotations
@@ -699,3 +701,26 @@ async def test_kv_mode_recovers_from_a_broker_restart_without_its_store(
     finally:
         for proc in reversed(procs):
             proc.stop(10)
+
+
+async def test_a_worker_that_loses_the_broker_while_leaving_stops_at_once(
+    broker: Broker, embedded_model: Path
+) -> None:
+    """The broker is frozen while the worker starts to leave, so the worker's first
+    deregistration call hangs; then the broker dies (as when a killed launch script takes
+    NATS and the worker down together). nats-py lets a call in flight run into its timeout
+    (5 s for a key delete, and there are several), so the worker must notice the lost
+    connection and stop without them: its keys expire with their leases."""
+    worker = await mocker(broker.url, "leave" + uuid.uuid4().hex[:6], embedded_model).start()
+    pid = broker.server.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        stopping = asyncio.create_task(worker.stop(drain_timeout=5))
+        await asyncio.sleep(0.5)
+        assert not stopping.done()  # waiting on the frozen broker
+    finally:
+        killed_at = time.monotonic()
+        broker.server.kill()
+    await asyncio.wait_for(stopping, 30)
+    assert time.monotonic() - killed_at < 3.0

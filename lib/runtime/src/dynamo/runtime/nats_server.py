@@ -128,6 +128,11 @@ class NatsServer:
         return f"{scheme}://{self.host}:{self.port}"
 
     @property
+    def pid(self) -> int | None:
+        """The server process's pid while it runs (tests freeze it with SIGSTOP)."""
+        return self._proc.pid if self.running and self._proc is not None else None
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 

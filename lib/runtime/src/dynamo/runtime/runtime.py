@@ -82,6 +82,7 @@ class DistributedRuntime:
         self._leases = LeaseKeeper(nc, self.js, lease_ttl)
         self._closed = False
         self._kv_cache: dict[str, KeyValue] = {}
+        self._disconnected = asyncio.Event()  # set from a disconnect until the reconnect
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -116,8 +117,8 @@ class DistributedRuntime:
                 await holder["rt"]._on_reconnected()
 
         async def on_disconnected() -> None:
-            if "rt" in holder and not holder["rt"]._closed:
-                log.warning("disconnected from NATS; reconnecting")
+            if "rt" in holder:
+                holder["rt"]._on_disconnected()
 
         async def on_error(exc: Exception) -> None:
             log.debug("NATS error: %s", exc)
@@ -157,6 +158,15 @@ class DistributedRuntime:
     def is_connected(self) -> bool:
         return self.nc.is_connected and not self._closed
 
+    async def wait_disconnected(self) -> None:
+        """Return once the connection to NATS is lost (at once if it is lost now).
+
+        Lets a caller give up on NATS calls that started while connected: nats-py does
+        not fail a request in flight when the connection drops, it lets it time out."""
+        if not self.nc.is_connected:
+            return
+        await self._disconnected.wait()
+
     @property
     def instance_hex(self) -> str:
         return naming.instance_hex(self.instance_id)
@@ -192,10 +202,16 @@ class DistributedRuntime:
         with contextlib.suppress(ValueError):
             self._reconnect_listeners.remove(listener)
 
+    def _on_disconnected(self) -> None:
+        self._disconnected.set()
+        if not self._closed:
+            log.warning("disconnected from NATS; reconnecting")
+
     async def _on_reconnected(self) -> None:
         """nats-py's reconnect callback. It runs inside nats-py's reconnect loop, so the
         restore is only started here: a slow restore must not stall that loop, and a
         restore cut short by another disconnect is replaced by the next one."""
+        self._disconnected.clear()
         if self._closed:
             return
         self.reconnects += 1

@@ -38,6 +38,7 @@ from dynamo.llm.worker.backend import (
 from dynamo.llm.worker.inflight import inflight_bound
 from dynamo.runtime import Context, DistributedRuntime
 from dynamo.runtime.backoff import retry_until_done
+from dynamo.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -165,16 +166,30 @@ class ServedWorker(Generic[B]):
         await self.backend.stop()
 
     async def _leave(self, runtime: DistributedRuntime, drain_timeout: float) -> None:
+        """Deregister and drain, unless the broker is gone or goes while we do it.
+
+        A Ctrl-C or a killed launch script often stops the broker together with us:
+        then there is nobody to deregister from or drain for, every NATS call would wait
+        for its timeout (seconds each), and our keys expire with their leases anyway."""
         if runtime.is_connected:
-            if self.card is not None:
-                await remove_model_card(runtime, self.card)
-            await runtime.shutdown(drain_timeout=drain_timeout)
-            return
-        # The broker is gone (a Ctrl-C often stops it together with us): there is nobody
-        # to deregister from or drain for, and every NATS call would wait for its
-        # timeout. Our keys expire with their leases.
+            leave = asyncio.create_task(self._deregister(runtime, drain_timeout))
+            lost = asyncio.create_task(runtime.wait_disconnected())
+            try:
+                await asyncio.wait({leave, lost}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                lost.cancel()
+            if leave.done():
+                leave.result()
+                return
+            log.warning("%s: lost NATS while leaving; its keys expire with their leases", self.name)
+            await cancel_and_wait(leave)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(runtime.shutdown(drain_timeout=0), DISCONNECTED_STOP_S)
+
+    async def _deregister(self, runtime: DistributedRuntime, drain_timeout: float) -> None:
+        if self.card is not None:
+            await remove_model_card(runtime, self.card)
+        await runtime.shutdown(drain_timeout=drain_timeout)
 
     # ------------------------------------------------------------------ internals
 
