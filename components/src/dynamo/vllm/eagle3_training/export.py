@@ -1,0 +1,99 @@
+"""Write a trained head as a speculators Eagle3 checkpoint that vLLM 0.32 loads.
+
+The directory holds `config.json` (an `Eagle3Speculator` config whose verifier is the
+target, so `--model <dir>` alone serves target + draft) and `model.safetensors` with the
+head in bf16 under the names vLLM's `Eagle3LlamaForCausalLM.load_weights` reads, plus
+`d2t` (int64 offsets, draft id -> target id) and `t2d` (bool mask). The token embedding is
+the target's: vLLM shares it when the checkpoint has none, which keeps the file small.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from dynamo.vllm.eagle3_training.head import Eagle3Head
+from dynamo.vllm.eagle3_training.ttt import DraftVocab
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def speculators_config(
+    head: Eagle3Head, target: Path, target_config: dict[str, Any], speculative_tokens: int
+) -> dict[str, Any]:
+    shape = head.shape
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.9.0",
+        "draft_vocab_size": shape.draft_vocab_size,
+        "norm_before_residual": False,
+        "target_hidden_size": shape.hidden_size,
+        "torch_dtype": "bfloat16",
+        "transformer_layer_config": {
+            "model_type": "llama",
+            "vocab_size": target_config["vocab_size"],
+            "hidden_size": shape.hidden_size,
+            "intermediate_size": shape.intermediate_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": shape.num_heads,
+            "num_key_value_heads": shape.num_kv_heads,
+            "head_dim": shape.head_dim,
+            "max_position_embeddings": target_config.get("max_position_embeddings", 8192),
+            "rms_norm_eps": shape.rms_norm_eps,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
+            "tie_word_embeddings": False,
+        },
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": speculative_tokens,
+                    "verifier_accept_k": 1,
+                }
+            ],
+            "verifier": {
+                "name_or_path": str(target),
+                "architectures": target_config.get("architectures", ["LlamaForCausalLM"]),
+            },
+        },
+    }
+
+
+def head_tensors(head: Eagle3Head, vocab: DraftVocab) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors: the head in bf16 (no embedding), `d2t` and `t2d`."""
+    tensors = {
+        name: tensor.detach().to(torch.bfloat16).contiguous()
+        for name, tensor in head.state_dict().items()
+    }
+    tensors["d2t"] = vocab.d2t_offsets.contiguous()
+    tensors["t2d"] = vocab.t2d_mask.contiguous()
+    return tensors
+
+
+def save_checkpoint(
+    out: Path,
+    head: Eagle3Head,
+    vocab: DraftVocab,
+    target: Path,
+    speculative_tokens: int,
+    extra_files: dict[str, str] | None = None,
+) -> Path:
+    """Write the checkpoint to `out` (created); `extra_files` (name -> text) go beside it."""
+    out.mkdir(parents=True, exist_ok=True)
+    target_config = json.loads((target / "config.json").read_text())
+    save_file(head_tensors(head, vocab), str(out / WEIGHTS_FILE))
+    config = speculators_config(head, target, target_config, speculative_tokens)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name, text in (extra_files or {}).items():
+        (out / name).write_text(text)
+    return out
