@@ -41,9 +41,10 @@ def generate_answers(
     sampled_fraction: float,
     max_model_len: int,
     seed: int = 0,
-) -> list[Conversation]:
-    """Answers from a vLLM engine on `target` (eager, CPU-friendly). A `sampled_fraction`
-    of the prompts are answered with the model's generation defaults, the rest greedily."""
+) -> list[Conversation | None]:
+    """Answers from a vLLM engine on `target` (eager, CPU-friendly), in prompt order (None
+    for an empty answer). A `sampled_fraction` of the prompts are answered with the
+    model's generation defaults, the rest greedily."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -66,17 +67,19 @@ def generate_answers(
             p = SamplingParams(temperature=0.0, max_tokens=max_answer_tokens)
         params.append(p)
     outputs = llm.chat(list(conversations), params, use_tqdm=True)
-    result = []
+    result: list[Conversation | None] = []
     for out, is_sampled in zip(outputs, sampled, strict=True):
         answer = list(out.outputs[0].token_ids)
-        if answer:
-            result.append(Conversation(list(out.prompt_token_ids or []), answer, is_sampled))
+        prompt = list(out.prompt_token_ids or [])
+        result.append(Conversation(prompt, answer, is_sampled) if answer else None)
+    kept = [c for c in result if c is not None]
     log.info(
         "generated %d answers (%d sampled), %d tokens",
-        len(result),
-        sum(c.sampled for c in result),
-        sum(len(c.answer_ids) for c in result),
+        len(kept),
+        sum(c.sampled for c in kept),
+        sum(len(c.answer_ids) for c in kept),
     )
+    del llm  # frees the engine (and its KV cache) before the capture stage
     return result
 
 
