@@ -59,10 +59,13 @@ def generate_answers(
     rng = random.Random(seed)
     sampled = [rng.random() < sampled_fraction for _ in conversations]
     params = []
-    for i, is_sampled in enumerate(sampled):
+    for is_sampled in sampled:
         if is_sampled:
+            # No per-request seed: vLLM 0.32 on CPU rewinds a seeded request's generator
+            # when its prefill is chunked and fails ("CPU Generator does not use offset");
+            # the engine's own seed keeps the run reproducible.
             p = defaults.clone()
-            p.max_tokens, p.seed = max_answer_tokens, seed + i
+            p.max_tokens = max_answer_tokens
         else:
             p = SamplingParams(temperature=0.0, max_tokens=max_answer_tokens)
         params.append(p)
