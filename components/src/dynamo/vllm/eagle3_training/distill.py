@@ -8,9 +8,11 @@ batched vLLM run with the chat template applied.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,15 +38,58 @@ class Conversation:
 def generate_answers(
     target: Path,
     conversations: Sequence[Messages],
+    journal: Path,
     *,
     max_answer_tokens: int,
     sampled_fraction: float,
     max_model_len: int,
     seed: int = 0,
+    chunk: int = 256,
 ) -> list[Conversation | None]:
     """Answers from a vLLM engine on `target` (eager, CPU-friendly), in prompt order (None
     for an empty answer). A `sampled_fraction` of the prompts are answered with the
-    model's generation defaults, the rest greedily."""
+    model's generation defaults, the rest greedily.
+
+    Generation is the slow stage on CPU (about 150 tokens/s for a 135M model on two
+    cores), so answers are appended to `journal` a chunk at a time and a rerun starts
+    after the last finished chunk."""
+    done = _read_journal(journal)
+    keys = [conversation_key(c) for c in conversations]
+    rng = random.Random(seed)
+    sampled = [rng.random() < sampled_fraction for _ in conversations]
+    todo = [i for i, key in enumerate(keys) if key not in done]
+    if todo:
+        log.info("generating %d answers (%d already in %s)", len(todo), len(done), journal)
+        _generate_into(
+            journal, target, conversations, keys, sampled, todo,
+            max_answer_tokens=max_answer_tokens, max_model_len=max_model_len,
+            seed=seed, chunk=chunk,
+        )  # fmt: skip
+        done = _read_journal(journal)
+    result = [done.get(key) for key in keys]
+    kept = [c for c in result if c is not None]
+    log.info(
+        "%d answers (%d sampled), %d answer tokens",
+        len(kept),
+        sum(c.sampled for c in kept),
+        sum(len(c.answer_ids) for c in kept),
+    )
+    return result
+
+
+def _generate_into(
+    journal: Path,
+    target: Path,
+    conversations: Sequence[Messages],
+    keys: list[str],
+    sampled: list[bool],
+    todo: list[int],
+    *,
+    max_answer_tokens: int,
+    max_model_len: int,
+    seed: int,
+    chunk: int,
+) -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -55,35 +100,58 @@ def generate_answers(
         seed=seed,
         generation_config="auto",
     )
-    defaults = llm.get_default_sampling_params()
-    rng = random.Random(seed)
-    sampled = [rng.random() < sampled_fraction for _ in conversations]
-    params = []
-    for is_sampled in sampled:
-        if is_sampled:
-            # No per-request seed: vLLM 0.32 on CPU rewinds a seeded request's generator
-            # when its prefill is chunked and fails ("CPU Generator does not use offset");
-            # the engine's own seed keeps the run reproducible.
-            p = defaults.clone()
-            p.max_tokens = max_answer_tokens
-        else:
-            p = SamplingParams(temperature=0.0, max_tokens=max_answer_tokens)
-        params.append(p)
-    outputs = llm.chat(list(conversations), params, use_tqdm=True)
-    result: list[Conversation | None] = []
-    for out, is_sampled in zip(outputs, sampled, strict=True):
-        answer = list(out.outputs[0].token_ids)
-        prompt = list(out.prompt_token_ids or [])
-        result.append(Conversation(prompt, answer, is_sampled) if answer else None)
-    kept = [c for c in result if c is not None]
-    log.info(
-        "generated %d answers (%d sampled), %d tokens",
-        len(kept),
-        sum(c.sampled for c in kept),
-        sum(len(c.answer_ids) for c in kept),
-    )
+    # No per-request seed for the sampled answers: vLLM 0.32 on CPU rewinds a seeded
+    # request's generator when its prefill is chunked and fails ("CPU Generator does not
+    # use offset"); the engine's own seed keeps the run reproducible.
+    sampled_params = llm.get_default_sampling_params().clone()
+    sampled_params.max_tokens = max_answer_tokens
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_answer_tokens)
+    started = time.monotonic()
+    for first in range(0, len(todo), chunk):
+        indices = todo[first : first + chunk]
+        params = [sampled_params if sampled[i] else greedy for i in indices]
+        outputs = llm.chat([conversations[i] for i in indices], params, use_tqdm=False)
+        with journal.open("a") as f:
+            for i, out in zip(indices, outputs, strict=True):
+                record = {
+                    "key": keys[i],
+                    "prompt_ids": list(out.prompt_token_ids or []),
+                    "answer_ids": list(out.outputs[0].token_ids),
+                    "sampled": sampled[i],
+                }
+                f.write(json.dumps(record) + "\n")
+        finished = first + len(indices)
+        elapsed = time.monotonic() - started
+        log.info(
+            "answers: %d/%d, %.0fs elapsed, ~%.0fs left",
+            finished,
+            len(todo),
+            elapsed,
+            elapsed / finished * (len(todo) - finished),
+        )
     del llm  # frees the engine (and its KV cache) before the capture stage
-    return result
+
+
+def conversation_key(messages: Messages) -> str:
+    """Names a conversation in the journal, so a rerun with a different prompt list still
+    reuses every answer it already has."""
+    return hashlib.sha1(json.dumps(messages, sort_keys=True).encode()).hexdigest()
+
+
+def _read_journal(journal: Path) -> dict[str, Conversation | None]:
+    done: dict[str, Conversation | None] = {}
+    if not journal.exists():
+        return done
+    for line in journal.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by an interrupted run
+            continue
+        answer = record["answer_ids"]
+        done[record["key"]] = (
+            Conversation(record["prompt_ids"], answer, record["sampled"]) if answer else None
+        )
+    return done
 
 
 def save(conversations: Sequence[Conversation], path: Path) -> None:

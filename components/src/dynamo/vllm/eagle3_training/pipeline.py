@@ -84,6 +84,7 @@ def _answers(
     answers = distill.generate_answers(
         args.target,
         prompts + held,
+        work / "answers.journal.jsonl",
         max_answer_tokens=args.max_answer_tokens,
         sampled_fraction=args.sampled_fraction,
         max_model_len=args.max_model_len,
