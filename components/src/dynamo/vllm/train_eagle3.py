@@ -27,11 +27,21 @@ from pathlib import Path
 log = logging.getLogger("dynamo.vllm.train_eagle3")
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """Shows a flag's default when it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, argparse.SUPPRESS) and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m dynamo.vllm.train_eagle3",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsShown,
     )
     p.add_argument("--target", type=Path, required=True, help="the target model directory")
     p.add_argument("--out", type=Path, required=True, help="where the checkpoint is written")
@@ -40,11 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         help='JSONL of {"prompt": ...} or {"messages": [...]} (default: the bundled set)',
     )
-    p.add_argument("--num-prompts", type=int, default=3000, help="bundled prompts to use")
+    p.add_argument("--num-prompts", type=int, default=2400, help="bundled prompts to use")
     p.add_argument(
         "--held-out", type=int, default=64, help="bundled held-out prompts for evaluation"
     )
-    p.add_argument("--max-answer-tokens", type=int, default=256, help="answer length cap")
+    p.add_argument("--max-answer-tokens", type=int, default=192, help="answer length cap")
     p.add_argument("--sampled-fraction", type=float, default=0.2,
                    help="answers sampled at the model's defaults instead of greedy")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=1024, help="vLLM context for generation")
@@ -52,12 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="unrolled draft steps (K) in training")
     p.add_argument("--speculative-tokens", type=int, default=3,
                    help="K the checkpoint proposes by default when served")  # fmt: skip
-    p.add_argument("--epochs", type=float, default=4.0, help="passes over the data")
-    p.add_argument("--time-budget", type=float, default=60.0, help="training minutes at most")
+    p.add_argument("--epochs", type=float, default=6.0, help="passes over the data")
+    p.add_argument("--time-budget", type=float, default=45.0, help="training minutes at most")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch")
     p.add_argument("--work-dir", type=Path, help="intermediate data (default: OUT/work)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds generation, shuffling and init")
     return p.parse_args(argv)
 
 
