@@ -2,13 +2,27 @@
 # Aggregated serving with speculative decoding: NATS (started, or reused via $NATS_SERVER),
 # one frontend on :$HTTP_PORT and one vLLM worker on the embedded model.
 #
-#   SPEC_CONFIG   vLLM --speculative-config JSON (default: n-gram, K=3)
+#   SPEC          ngram (default: prompt lookup, K=3) or eagle3 (the Eagle3 head shipped
+#                 for the embedded model, K=3; `make setup` prepares it)
+#   SPEC_CONFIG   vLLM --speculative-config JSON (overrides SPEC)
 #   MODEL         model name or directory (default: smollm2-135m-instruct)
 #   HTTP_PORT     frontend port (default 8000)
 #   WORKER_ARGS   extra worker flags, e.g. "--extra-engine-args engine_configs/ngram.yaml"
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-SPEC_CONFIG=${SPEC_CONFIG:-'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'}
+SPEC=${SPEC:-ngram}
+case "$SPEC" in
+  ngram) preset='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}' ;;
+  eagle3)
+    if [[ "$(basename "$MODEL")" != smollm2-135m-instruct ]]; then
+      echo "SPEC=eagle3 uses the head trained for smollm2-135m-instruct, not $MODEL;" \
+        "train one (python -m dynamo.vllm.train_eagle3) and pass it in SPEC_CONFIG" >&2
+      exit 2
+    fi
+    preset='{"method": "eagle3", "model": "smollm2-135m-instruct-eagle3", "num_speculative_tokens": 3}' ;;
+  *) echo "SPEC must be ngram or eagle3, not '$SPEC' (or set SPEC_CONFIG)" >&2; exit 2 ;;
+esac
+SPEC_CONFIG=${SPEC_CONFIG:-$preset}
 
 ensure_nats
 start frontend "$PYTHON" -m dynamo.frontend --http-port "$HTTP_PORT" --namespace "$NAMESPACE"

@@ -8,6 +8,13 @@ VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 STAMP="$VENV/.dynamo-setup"
 MODEL=${DYN_DEFAULT_MODEL:-smollm2-135m-instruct}
+# The Eagle3 head shipped for the default model (dynamo/llm/models/heads), prepared beside it.
+HEAD=smollm2-135m-instruct-eagle3
+# The Eagle3 checkpoint format and training utilities. Installed without their declared
+# dependencies: speculators asks for torchvision/torchaudio (CUDA builds that break
+# `import transformers` beside the +cpu torch) and hs-connectors for a CUDA torch; what they
+# import besides (datasets, transformers) comes with the project's extras.
+SPECULATORS="speculators==0.9.0 hs-connectors==0.9.0"
 
 step_start=$(date +%s)
 say() { printf '[setup %4ss] %s\n' "$(( $(date +%s) - step_start ))" "$*"; }
@@ -27,10 +34,11 @@ else
 fi
 
 # What the installed environment must match: dependency spec + extra + interpreter.
-want="$(sha256sum pyproject.toml | cut -c1-16) extra=$extra py=$($PYTHON -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+want="$(sha256sum pyproject.toml | cut -c1-16) extra=$extra py=$($PYTHON -c 'import sys; print("%d.%d" % sys.version_info[:2])') $SPECULATORS"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]] \
-   && "$VENV/bin/python" -m dynamo.llm.models path "$MODEL" >/dev/null 2>&1; then
+   && "$VENV/bin/python" -m dynamo.llm.models path "$MODEL" >/dev/null 2>&1 \
+   && { [[ "$MODEL" != smollm2-135m-instruct ]] || "$VENV/bin/python" -m dynamo.llm.models path "$HEAD" >/dev/null 2>&1; }; then
   say "ready: $VENV ($extra build) and model $MODEL already prepared; nothing to do"
   exit 0
 fi
@@ -66,6 +74,12 @@ if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$want" ]]; then
     say "removing torchvision/torchaudio/torchcodec (incompatible with the +cpu torch)"
     "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
+  say "installing $SPECULATORS (--no-deps)"
+  # shellcheck disable=SC2086  # two requirement words
+  "$VENV/bin/python" -m pip install --quiet --no-deps $SPECULATORS >>"$pip_log" 2>&1 \
+    || { tail -n 20 "$pip_log" >&2; say "error: installing $SPECULATORS failed; see $pip_log" >&2; exit 1; }
+  "$VENV/bin/python" -c 'from speculators.models.eagle3 import Eagle3SpeculatorConfig' \
+    || { say "error: speculators does not import" >&2; exit 1; }
   "$VENV/bin/python" -c 'import dynamo.runtime, dynamo.llm, dynamo.vllm, dynamo.frontend' \
     || { say "error: project packages do not import" >&2; exit 1; }
   say "installed"
@@ -73,6 +87,10 @@ fi
 
 say "preparing the embedded model $MODEL"
 "$VENV/bin/python" -m dynamo.llm.models prepare "$MODEL"
+if [[ "$MODEL" == smollm2-135m-instruct ]]; then
+  say "preparing its Eagle3 head $HEAD"
+  "$VENV/bin/python" -m dynamo.llm.models prepare "$HEAD"
+fi
 
 echo "$want" > "$STAMP"
 say "setup complete"

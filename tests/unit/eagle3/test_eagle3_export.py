@@ -46,5 +46,9 @@ def test_checkpoint_names_mapping_and_config(tmp_path: Path) -> None:
     assert config["speculators_model_type"] == "eagle3"
     assert config["draft_vocab_size"] == 8
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(target)
+    assert config["dtype"] == "bfloat16"  # speculators' own serialisation wrote it
+    named = save_checkpoint(tmp_path / "named", head, vocab, target, 3, verifier="my-model")
+    verifier = json.loads((named / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == "my-model"
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     assert (out / "recipe.json").read_text() == "{}"

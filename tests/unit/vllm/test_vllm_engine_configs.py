@@ -27,6 +27,7 @@ TWINS = {
     "eagle_prefill.yaml": "native/eagle_prefill.yaml",
     "eagle_decode.yaml": "native/eagle_decode.yaml",
     "mtp_decode.yaml": "native/mtp_decode.yaml",
+    "eagle3_smollm2.yaml": "native/eagle3_smollm2.yaml",
 }
 
 

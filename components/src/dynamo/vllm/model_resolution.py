@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from dynamo.llm.models import (
-    KNOWN_MODELS,
     ModelNotPreparedError,
     PrepareError,
     UnknownModelError,
+    is_known_name,
     resolve_model,
 )
 from dynamo.llm.models import model_dir as cached_model_dir
@@ -67,7 +67,7 @@ def _resolve_verifier(checkpoint: sc.SpeculatorsCheckpoint, *, dry_run: bool) ->
     """The verifier as a local directory: an embedded model name, a path, or a path
     relative to the checkpoint. Hub ids cannot be fetched here, so they are an error."""
     name = checkpoint.verifier
-    if name.strip().lower() in KNOWN_MODELS or Path(name).expanduser().is_absolute():
+    if is_known_name(name) or Path(name).expanduser().is_absolute():
         return resolve_model_dir(name, dry_run=dry_run, what="speculators verifier")
     for candidate in (checkpoint.path / name, Path(name)):  # relative: to the checkpoint first
         if candidate.is_dir():

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, get_args
 
-from dynamo.llm.models import KNOWN_MODELS
+from dynamo.llm.models import is_known_name
 from dynamo.runtime.cli import ConfigError
 from dynamo.vllm import spec_config as sc
 from dynamo.vllm.config_layers import (
@@ -126,7 +126,7 @@ def _resolve_draft_model(spec: dict[str, Any], source: str, *, dry_run: bool) ->
         return
     name = str(model)
     path = Path(name).expanduser()
-    if name.strip().lower() in KNOWN_MODELS or path.is_dir():
+    if is_known_name(name) or path.is_dir():
         spec["model"] = str(resolve_model_dir(name, dry_run=dry_run, what="draft model"))
     elif _looks_like_path(name):
         problem = "is not a directory" if path.exists() else "does not exist"

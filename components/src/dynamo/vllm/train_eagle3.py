@@ -43,7 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=DefaultsShown,
     )
-    p.add_argument("--target", type=Path, required=True, help="the target model directory")
+    p.add_argument(
+        "--target",
+        required=True,
+        help="the target: a model directory, or an embedded model's name (e.g. "
+        "smollm2-135m-instruct), which the checkpoint then names as its verifier",
+    )
     p.add_argument("--out", type=Path, required=True, help="where the checkpoint is written")
     p.add_argument(
         "--prompts",
@@ -71,11 +76,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def resolve_target(name: str) -> tuple[Path, str]:
+    """The target's directory, and how the checkpoint names it: an embedded model by its
+    name (prepared first if needed), a directory by its absolute path."""
+    from dynamo.llm.models import is_known_name, resolve_model
+
+    directory = resolve_model(name)
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"{directory}: no config.json there")
+    return directory, name.strip().lower() if is_known_name(name) else str(directory)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
-    if not (args.target / "config.json").is_file():
-        print(f"error: --target {args.target}: no config.json there", file=sys.stderr)
+    try:
+        args.target, args.verifier = resolve_target(args.target)
+    except (ValueError, RuntimeError) as exc:  # unknown name, no config, cannot prepare
+        print(f"error: --target: {exc}", file=sys.stderr)
         return 2
     from dynamo.vllm.eagle3_training import pipeline
 

@@ -1,7 +1,8 @@
 """Write a trained head as a speculators Eagle3 checkpoint that vLLM 0.32 loads.
 
 The directory holds `config.json` (an `Eagle3Speculator` config whose verifier is the
-target, so `--model <dir>` alone serves target + draft) and `model.safetensors` with the
+target, so `--model <dir>` alone serves target + draft; built and validated by the
+`speculators` library's own `Eagle3SpeculatorConfig`, so the format is theirs, not a copy) and `model.safetensors` with the
 head in bf16 under the names vLLM's `Eagle3LlamaForCausalLM.load_weights` reads, plus
 `d2t` (int64 offsets, draft id -> target id) and `t2d` (bool mask). The token embedding is
 the target's: vLLM shares it when the checkpoint has none, which keeps the file small.
@@ -23,7 +24,7 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 def speculators_config(
-    head: Eagle3Head, target: Path, target_config: dict[str, Any], speculative_tokens: int
+    head: Eagle3Head, verifier: str, target_config: dict[str, Any], speculative_tokens: int
 ) -> dict[str, Any]:
     shape = head.shape
     return {
@@ -62,7 +63,7 @@ def speculators_config(
                 }
             ],
             "verifier": {
-                "name_or_path": str(target),
+                "name_or_path": verifier,
                 "architectures": target_config.get("architectures", ["LlamaForCausalLM"]),
             },
         },
@@ -80,6 +81,14 @@ def head_tensors(head: Eagle3Head, vocab: DraftVocab) -> dict[str, torch.Tensor]
     return tensors
 
 
+def validated_config_json(config: dict[str, Any]) -> str:
+    """`config` through speculators' `Eagle3SpeculatorConfig`: rejects what speculators
+    would, and fills its defaults the way speculators writes them."""
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+
+    return Eagle3SpeculatorConfig.from_dict(config).to_json_string()
+
+
 def save_checkpoint(
     out: Path,
     head: Eagle3Head,
@@ -87,13 +96,17 @@ def save_checkpoint(
     target: Path,
     speculative_tokens: int,
     extra_files: dict[str, str] | None = None,
+    *,
+    verifier: str | None = None,
 ) -> Path:
-    """Write the checkpoint to `out` (created); `extra_files` (name -> text) go beside it."""
+    """Write the checkpoint to `out` (created); `extra_files` (name -> text) go beside it.
+    `verifier` is how the config names the target (default: `target`'s path; an embedded
+    model's name keeps a shipped head independent of where the cache is)."""
     out.mkdir(parents=True, exist_ok=True)
     target_config = json.loads((target / "config.json").read_text())
     save_file(head_tensors(head, vocab), str(out / WEIGHTS_FILE))
-    config = speculators_config(head, target, target_config, speculative_tokens)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    config = speculators_config(head, verifier or str(target), target_config, speculative_tokens)
+    (out / "config.json").write_text(validated_config_json(config))
     for name, text in (extra_files or {}).items():
         (out / name).write_text(text)
     return out

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = train(head, vocab, train_records, held_records, cfg, work)
     evaluation = result.evaluations[-1] if result.evaluations else None
     summary = {
-        "target": str(args.target),
+        "target": args.verifier,
         "prompts": str(args.prompts) if args.prompts else f"bundled ({args.num_prompts})",
         "train_sequences": len(train_records),
         "train_answer_tokens": sum(int(r.loss_mask.sum()) for r in train_records),
@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.target,
         args.speculative_tokens,
         {"recipe.json": json.dumps(summary, indent=2) + "\n"},
+        verifier=args.verifier,
     )
     return summary
 

@@ -6,16 +6,19 @@ GGUF into a Hugging Face safetensors directory under the cache (`$DYN_MODEL_DIR`
 `~/.cache/dynamo/models`), verifies it and records a manifest of checksums. Preparing an
 already prepared model is a quick no-op; a damaged or stale directory is rebuilt.
 
-Everything that needs a model goes through `resolve_model`, which accepts a recipe name
-or a path to any Hugging Face model directory.
+Everything that needs a model goes through `resolve_model`, which accepts a recipe name,
+the name of a draft head shipped with the project (`heads.py`), or a path to any Hugging
+Face model directory.
 """
 
 from __future__ import annotations
 
 from dynamo.llm.models.cache import model_cache_dir, model_dir
+from dynamo.llm.models.heads import KNOWN_HEADS, DraftHead, get_head
 from dynamo.llm.models.prepare import (
     ModelNotPreparedError,
     PrepareError,
+    is_known_name,
     is_prepared,
     prepare_model,
     resolve_model,
@@ -25,6 +28,10 @@ from dynamo.llm.models.recipes import DEFAULT_MODEL, KNOWN_MODELS, UnknownModelE
 
 __all__ = [
     "DEFAULT_MODEL",
+    "KNOWN_HEADS",
+    "DraftHead",
+    "get_head",
+    "is_known_name",
     "KNOWN_MODELS",
     "ModelNotPreparedError",
     "PrepareError",

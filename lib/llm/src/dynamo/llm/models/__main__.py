@@ -1,4 +1,5 @@
-"""`python -m dynamo.llm.models {list,prepare,path,verify}`: manage the embedded models.
+"""`python -m dynamo.llm.models {list,prepare,path,verify}`: manage the embedded models and
+the draft heads shipped for them.
 
 Exit codes: 0 success, 1 a prepare/verify failure, 2 bad usage (unknown model name, in
 which case the known names are listed).
@@ -10,6 +11,7 @@ import argparse
 import sys
 
 from dynamo.llm.models import cache
+from dynamo.llm.models.heads import KNOWN_HEADS, get_head
 from dynamo.llm.models.prepare import (
     ModelNotPreparedError,
     PrepareError,
@@ -31,6 +33,9 @@ def _cmd_list(_: argparse.Namespace) -> int:
         state = "prepared" if is_prepared(name) else "not prepared"
         default = " (default)" if name == DEFAULT_MODEL else ""
         print(f"  {name}{default}: {state}\n      {recipe.description}")
+    for name, head in sorted(KNOWN_HEADS.items()):
+        state = "prepared" if is_prepared(name) else "not prepared"
+        print(f"  {name} ({head.method} draft for {head.target}): {state}\n      {head.description}")
     return 0
 
 
@@ -46,6 +51,14 @@ def _cmd_path(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    head = get_head(args.name)
+    if head is not None:
+        if not is_prepared(head.name):
+            print(f"{head.name}: not prepared, or older than the shipped weights", file=sys.stderr)
+            print(f"run: python -m dynamo.llm.models prepare {head.name}", file=sys.stderr)
+            return 1
+        print(f"{head.name}: ok ({cache.model_dir(head.name)})")
+        return 0
     recipe = get_recipe(args.name)
     problems = verify_model(recipe.name, full=True)
     if problems:

@@ -25,6 +25,7 @@ from dynamo.llm.models.manifest import (
     sha256_file,
     write_manifest,
 )
+from dynamo.llm.models.heads import HeadError, get_head, is_head_prepared, prepare_head
 from dynamo.llm.models.recipes import KNOWN_MODELS, ModelRecipe, UnknownModelError, get_recipe
 from dynamo.llm.models.source import locate_gguf, package_version
 
@@ -44,7 +45,11 @@ def _quiet(_: str) -> None:
 
 
 def is_prepared(name: str) -> bool:
-    """True when the cached directory of `name` passes the quick manifest check."""
+    """True when the cached directory of `name` passes the quick manifest check (a shipped
+    draft head: when its prepared copy matches the shipped weights)."""
+    head = get_head(name)
+    if head is not None:
+        return is_prepared(head.target) and is_head_prepared(head)
     recipe = get_recipe(name)
     return not check_model_dir(cache.model_dir(recipe.name), recipe, full=False)
 
@@ -58,8 +63,16 @@ def verify_model(name: str, *, full: bool = True) -> list[str]:
 def prepare_model(name: str, *, force: bool = False, log: Log = _quiet) -> Path:
     """The directory of the prepared model `name`, building it first when needed.
 
-    Raises UnknownModelError (lists the known names) or PrepareError.
+    Raises UnknownModelError (lists the known names) or PrepareError. A shipped draft head
+    prepares its target first, then itself next to it.
     """
+    head = get_head(name)
+    if head is not None:
+        target_dir = prepare_model(head.target, force=force, log=log)
+        try:
+            return prepare_head(head, target_dir, log=log)
+        except HeadError as exc:
+            raise PrepareError(str(exc)) from exc
     recipe = get_recipe(name)
     target = cache.model_dir(recipe.name)
     if not force:
@@ -173,17 +186,22 @@ def resolve_model(name_or_path: str | Path, *, prepare: bool = True, log: Log = 
     path = Path(text).expanduser()
     if path.is_dir():
         return path.absolute()
-    if text.lower() in KNOWN_MODELS:
-        recipe = get_recipe(text)
+    if is_known_name(text):
+        name = text.lower()
         if prepare:
-            return prepare_model(recipe.name, log=log)
-        if not is_prepared(recipe.name):
+            return prepare_model(name, log=log)
+        if not is_prepared(name):
             raise ModelNotPreparedError(
-                f"model {recipe.name} is not prepared; run: python -m dynamo.llm.models prepare {recipe.name}"
+                f"model {name} is not prepared; run: python -m dynamo.llm.models prepare {name}"
             )
-        return cache.model_dir(recipe.name)
+        return cache.model_dir(name)
     detail = "no such directory" if ("/" in text or text.startswith(".")) else ""
     raise UnknownModelError(text, detail=detail)
+
+
+def is_known_name(name: str) -> bool:
+    """An embedded model's recipe name or a shipped draft head's name (case-insensitive)."""
+    return name.strip().lower() in KNOWN_MODELS or get_head(name) is not None
 
 
 def served_name_for(name_or_path: str | Path) -> str:
@@ -212,6 +230,7 @@ __all__ = [
     "PrepareError",
     "UnknownModelError",
     "check_converted",
+    "is_known_name",
     "is_prepared",
     "prepare_model",
     "resolve_model",

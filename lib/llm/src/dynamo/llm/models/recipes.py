@@ -87,7 +87,9 @@ class UnknownModelError(ValueError):
 
     def __init__(self, name: str, *, detail: str = "") -> None:
         self.name = name
-        known = ", ".join(sorted(KNOWN_MODELS))
+        from dynamo.llm.models.heads import KNOWN_HEADS
+
+        known = ", ".join(sorted([*KNOWN_MODELS, *KNOWN_HEADS]))
         suffix = f" ({detail})" if detail else ""
         super().__init__(f"unknown model {name!r}{suffix}; known models: {known}")
 
