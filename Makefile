@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: help setup run test test-unit test-integration test-e2e lint format bench clean
+.PHONY: help setup run test test-unit test-integration test-e2e lint format bench eagle3 clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -38,6 +38,12 @@ format: setup  ## apply ruff formatting and safe fixes
 
 bench: setup  ## run every benchmark and print their ratios (QUICK=1: smoke run; docs/benchmarks.md)
 	@PATH=$(CURDIR)/$(VENV)/bin:$$PATH benchmarks/run_all.sh
+
+eagle3: setup  ## retrain the shipped Eagle3 head from scratch (~100 min on 2 cores; EAGLE3_ARGS adds flags)
+	$(PY) -m dynamo.vllm.train_eagle3 --target smollm2-135m-instruct \
+		--out lib/llm/src/dynamo/llm/models/heads/smollm2-135m-instruct-eagle3 \
+		--work-dir $(HOME)/.cache/dynamo/eagle3-work $(EAGLE3_ARGS)
+	$(PY) -m dynamo.llm.models prepare smollm2-135m-instruct-eagle3
 
 clean:  ## remove the virtualenv and caches (the model cache in ~/.cache/dynamo stays)
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -348,7 +348,9 @@ def dynamo_stack(
 
 @dataclass(frozen=True)
 class Scenario:
-    """One `vllm bench serve` run: random dataset, greedy, ignore-eos, /v1/completions."""
+    """One `vllm bench serve` run: greedy, ignore-eos, /v1/completions, on the random
+    dataset, or on `prompts_file` (JSON lines `{"prompt": ...}`, sent through the chat
+    template: real text, which speculative decoding needs to show anything)."""
 
     name: str
     concurrency: int
@@ -356,6 +358,7 @@ class Scenario:
     seed: int  # different per scenario, so no run reuses another's prompts from the cache
     input_len: int = 256
     output_len: int = 128
+    prompts_file: Path | None = None
 
 
 @dataclass
@@ -412,9 +415,7 @@ def bench_serve_argv(
         "--endpoint", "/v1/completions",
         "--model", served,
         "--tokenizer", str(model_dir),
-        "--dataset-name", "random",
-        "--random-input-len", str(scenario.input_len),
-        "--random-output-len", str(scenario.output_len),
+        *_dataset_args(scenario),
         "--ignore-eos",
         "--temperature", "0",
         "--num-prompts", str(scenario.num_prompts),
@@ -428,6 +429,20 @@ def bench_serve_argv(
         "--result-dir", str(result_path.parent),
         "--result-filename", result_path.name,
     )  # fmt: skip
+
+
+def _dataset_args(scenario: Scenario) -> list[str]:
+    if scenario.prompts_file is not None:
+        return [
+            "--dataset-name", "custom",
+            "--dataset-path", str(scenario.prompts_file),
+            "--custom-output-len", str(scenario.output_len),
+        ]  # fmt: skip
+    return [
+        "--dataset-name", "random",
+        "--random-input-len", str(scenario.input_len),
+        "--random-output-len", str(scenario.output_len),
+    ]  # fmt: skip
 
 
 def run_bench_serve(

@@ -91,6 +91,8 @@ run disagg_split '^disaggregated vs aggregated' \
   "$PY" benchmarks/disagg_bench.py "${SERVING_ARGS[@]}" --split-cores --json "$OUT/disagg_split.json"
 run structured_output '^structured output vs' \
   "$PY" benchmarks/structured_output_bench.py "${SERVING_ARGS[@]}" --json "$OUT/structured_output.json"
+run spec_decode '^speculative decoding vs none' \
+  "$PY" benchmarks/spec_decode_bench.py "${SERVING_ARGS[@]}" --json "$OUT/spec_decode.json"
 
 printf '\n=================== summaries (%s runs, %s cores, load average %s)\n' \
   "$MODE" "$(nproc)" "$(cut -d' ' -f1-3 /proc/loadavg)"

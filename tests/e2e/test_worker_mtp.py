@@ -43,6 +43,7 @@ from dynamo.llm.protocols import LLMEngineOutput, PrefillResult
 from dynamo.runtime import DistributedRuntime
 from dynamo.testing.http import http_post_json, kv_router_view
 from dynamo.testing.processes import FrontendProcess, WorkerProcess, cpu_engine_flags, stop_all
+from dynamo.testing.spec_counters import SpecCounters
 from dynamo.vllm.kv_transfer import entry_name, transferred_tokens
 
 MAX_MODEL_LEN = 512
@@ -181,32 +182,6 @@ def reference_walk(target: Path, last_prompt_token: int, count: int) -> list[int
 def expected_text(target: Path, tokenizer) -> str:
     last = tokenizer(PROMPT)["input_ids"][-1]
     return tokenizer.decode(reference_walk(target, last, MAX_TOKENS), skip_special_tokens=True)
-
-
-@dataclass(frozen=True)
-class SpecCounters:
-    """vLLM's speculation counters of one worker: drafts, accepted draft tokens, and
-    accepted tokens per draft position."""
-
-    drafts: float
-    accepted: float
-    per_position: tuple[float, ...]
-
-    @classmethod
-    def read(cls, worker: WorkerProcess, k: int) -> SpecCounters:
-        per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-        return cls(
-            drafts=worker.metric("vllm:spec_decode_num_drafts_total"),
-            accepted=worker.metric("vllm:spec_decode_num_accepted_tokens_total"),
-            per_position=tuple(worker.metric(per_pos, position=str(i)) for i in range(k)),
-        )
-
-    def __sub__(self, other: SpecCounters) -> SpecCounters:
-        return SpecCounters(
-            self.drafts - other.drafts,
-            self.accepted - other.accepted,
-            tuple(a - b for a, b in zip(self.per_position, other.per_position, strict=True)),
-        )
 
 
 def router_k(frontend: FrontendProcess, namespace: str) -> list[int]:

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "training": asdict(cfg),
         "batches": result.steps_done,
         "training_seconds": round(result.seconds, 1),
-        "final_loss": result.losses[-1] if result.losses else None,
+        "loss": _loss_ends(result.losses),
         "held_out": asdict(evaluation) if evaluation else None,
     }
     save_checkpoint(
@@ -68,6 +68,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         verifier=args.verifier,
     )
     return summary
+
+
+def _loss_ends(losses: list[float]) -> dict[str, float] | None:
+    """Mean loss over the first and the last tenth of this run's batches (at least one,
+    at most ten each): whether training went anywhere, without the noise of one batch."""
+    if not losses:
+        return None
+    window = max(1, min(10, len(losses) // 10))
+    return {
+        "first": sum(losses[:window]) / window,
+        "last": sum(losses[-window:]) / window,
+        "batches_averaged": window,
+    }
 
 
 def _answers(

@@ -35,7 +35,9 @@ def _cmd_list(_: argparse.Namespace) -> int:
         print(f"  {name}{default}: {state}\n      {recipe.description}")
     for name, head in sorted(KNOWN_HEADS.items()):
         state = "prepared" if is_prepared(name) else "not prepared"
-        print(f"  {name} ({head.method} draft for {head.target}): {state}\n      {head.description}")
+        print(
+            f"  {name} ({head.method} draft for {head.target}): {state}\n      {head.description}"
+        )
     return 0
 
 

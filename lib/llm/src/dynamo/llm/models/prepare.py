@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dynamo.llm.models import cache
 from dynamo.llm.models.generation_defaults import stale_defaults, upgrade_in_place, write_defaults
+from dynamo.llm.models.heads import HeadError, get_head, is_head_prepared, prepare_head
 from dynamo.llm.models.manifest import (
     SourceInfo,
     build_manifest,
@@ -25,7 +26,6 @@ from dynamo.llm.models.manifest import (
     sha256_file,
     write_manifest,
 )
-from dynamo.llm.models.heads import HeadError, get_head, is_head_prepared, prepare_head
 from dynamo.llm.models.recipes import KNOWN_MODELS, ModelRecipe, UnknownModelError, get_recipe
 from dynamo.llm.models.source import locate_gguf, package_version
 

@@ -1,0 +1,165 @@
+"""The Eagle3 head shipped for the embedded model, and the tool that trains heads, end to end.
+
+Three engines on the real embedded model, each behind its own frontend:
+- the target alone (no speculation): the greedy reference;
+- the target with the shipped head (`smollm2-135m-instruct-eagle3`, prepared by `make
+  setup`), K=3, named by the head's name in `--speculative-config`;
+- the target with a head the training tool has just made in a short smoke run, started as
+  `--model <checkpoint>` (the worker reads the speculators config: the checkpoint's
+  verifier, an embedded model's name, becomes the target).
+
+Claims: on held-out prompts (topics the training prompts never use) the shipped head's
+greedy output is identical to the target alone, and its mean acceptance length at K=3,
+from the worker's `vllm:spec_decode_*` counters, is at least 1.8 (per-position acceptance
+printed); the smoke run finishes, its loss falls, and vLLM serves its checkpoint, with the
+same greedy text as the target alone.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from dynamo.llm.models import model_dir
+from dynamo.testing.http import http_post_json
+from dynamo.testing.processes import FrontendProcess, WorkerProcess, cpu_engine_flags, stop_all
+from dynamo.testing.spec_counters import SpecCounters
+from dynamo.vllm.eagle3_training.prompts import held_out
+
+HEAD = "smollm2-135m-instruct-eagle3"
+K = 3
+MIN_ACCEPTANCE_LENGTH = 1.8
+PROMPTS = held_out(16)
+MAX_TOKENS = 128
+MAX_MODEL_LEN = 1024
+SMOKE_TIMEOUT_S = 300
+SMOKE_ARGS = [
+    "--num-prompts", "16", "--held-out", "4", "--max-answer-tokens", "32",
+    "--draft-vocab", "1024", "--epochs", "30", "--time-budget", "0.5", "--batch-tokens", "2048",
+]  # fmt: skip
+
+
+@dataclass
+class Served:
+    worker: WorkerProcess
+    frontend: FrontendProcess
+    model: str
+
+
+@dataclass
+class Stacks:
+    plain: Served
+    shipped: Served
+    smoke: Served
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory: pytest.TempPathFactory, embedded_model: Path) -> Path:
+    """A short training run of the tool on a handful of bundled prompts."""
+    out = tmp_path_factory.mktemp("eagle3-smoke") / "head"
+    argv = [sys.executable, "-m", "dynamo.vllm.train_eagle3",
+            "--target", "smollm2-135m-instruct", "--out", str(out), *SMOKE_ARGS]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def stacks(smoke_run: Path, nats_url: str, e2e_log_dir: Path) -> Iterator[Stacks]:
+    spec = json.dumps({"method": "eagle3", "model": HEAD, "num_speculative_tokens": K})
+    flags = cpu_engine_flags(MAX_MODEL_LEN)
+    configs = {
+        "plain": ("smollm2-135m-instruct", []),
+        "shipped": ("smollm2-135m-instruct", ["--speculative-config", spec]),
+        "smoke": (str(smoke_run), []),
+    }
+    started: list[WorkerProcess | FrontendProcess] = []
+    try:
+        workers = {}
+        for name, (model, extra) in configs.items():
+            workers[name] = WorkerProcess(
+                f"worker-eagle3-{name}", model, nats_url, e2e_log_dir,
+                namespace=f"e2e-eagle3-{name}", engine_flags=flags,
+                extra=["--served-model-name", name, *extra],
+            )  # fmt: skip
+            started.append(workers[name])
+        for worker in workers.values():
+            worker.wait_ready()
+        served = {}
+        for name, worker in workers.items():
+            frontend = FrontendProcess(
+                f"frontend-eagle3-{name}", nats_url, e2e_log_dir, namespace=worker.namespace
+            )
+            started.append(frontend)
+            frontend.wait_for_model(name)
+            served[name] = Served(worker, frontend, name)
+        yield Stacks(**served)
+    finally:
+        stop_all(reversed(started))
+
+
+def chat(served: Served, prompt: str) -> str:
+    body = {
+        "model": served.model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+    }
+    status, text = http_post_json(f"{served.frontend.base_url}/v1/chat/completions", body, 300)
+    assert status == 200, text
+    return json.loads(text)["choices"][0]["message"]["content"]
+
+
+def answers(served: Served, prompts: list[str]) -> list[str]:
+    """All prompts at once (the engine batches them), answers in prompt order."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: chat(served, p), prompts))
+
+
+@pytest.fixture(scope="module")
+def reference(stacks: Stacks) -> list[str]:
+    return answers(stacks.plain, PROMPTS)
+
+
+def test_the_shipped_head_keeps_greedy_output_and_accepts_enough(
+    stacks: Stacks, reference: list[str]
+) -> None:
+    before = SpecCounters.read(stacks.shipped.worker, K)
+    texts = answers(stacks.shipped, PROMPTS)
+    grown = SpecCounters.read(stacks.shipped.worker, K) - before
+    per_position = ", ".join(f"{p:.3f}" for p in grown.acceptance_per_position)
+    print(
+        f"shipped Eagle3 head, K={K}, {len(PROMPTS)} held-out prompts x {MAX_TOKENS} tokens: "
+        f"{grown.drafts:.0f} drafts, {grown.accepted:.0f} accepted, mean acceptance length "
+        f"{grown.mean_acceptance_length:.3f}, accepted per position [{per_position}]"
+    )
+    for prompt, text, expected in zip(PROMPTS, texts, reference, strict=True):
+        assert text == expected, prompt
+    assert grown.mean_acceptance_length >= MIN_ACCEPTANCE_LENGTH
+
+
+def test_the_shipped_head_is_prepared_next_to_the_model() -> None:
+    config = json.loads((model_dir(HEAD) / "config.json").read_text())
+    verifier = config["speculators_config"]["verifier"]["name_or_path"]
+    assert verifier == str(model_dir("smollm2-135m-instruct"))
+    assert (model_dir(HEAD) / "recipe.json").is_file()
+
+
+def test_a_smoke_training_run_learns_and_vllm_serves_its_head(
+    smoke_run: Path, stacks: Stacks, reference: list[str]
+) -> None:
+    recipe = json.loads((smoke_run / "recipe.json").read_text())
+    print(f"smoke run: loss {recipe['loss']}, held-out {recipe['held_out']}")
+    assert recipe["loss"]["last"] < recipe["loss"]["first"]
+    assert recipe["target"] == "smollm2-135m-instruct"
+    before = SpecCounters.read(stacks.smoke.worker, K)
+    texts = answers(stacks.smoke, PROMPTS[:4])
+    assert texts == reference[:4]  # lossless, however weak the head
+    assert (SpecCounters.read(stacks.smoke.worker, K) - before).drafts > 0
