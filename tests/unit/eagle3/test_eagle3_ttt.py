@@ -56,3 +56,15 @@ def test_the_loss_falls_and_every_step_learns() -> None:
     assert metrics.loss < 0.2 * first.loss
     assert min(metrics.accuracy) > 0.9, metrics
     assert metrics.coverage == 1.0
+
+
+def test_the_walk_drafts_where_vllm_drafts_not_at_every_position() -> None:
+    from dynamo.vllm.eagle3_training.train import walk_rounds
+
+    # Prompt positions 0..1, answer positions 2..9. Leading correct drafts per position:
+    leading = torch.tensor([0, 0, 3, 0, 0, 0, 1, 2, 0, 0])
+    answer = torch.tensor([False, False, True, True, True, True, True, True, True, True])
+    # t=2 accepts 3 -> t=6 accepts 1 -> t=8 accepts 0 -> t=9 is the last: done.
+    assert walk_rounds(leading, answer) == [3, 1, 0]
+    # The plain mean over answer positions (6/8) is not what vLLM counts (4/3 per round).
+    assert walk_rounds(leading, torch.zeros(10, dtype=torch.bool)) == []
