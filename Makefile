@@ -39,7 +39,7 @@ format: setup  ## apply ruff formatting and safe fixes
 bench: setup  ## run every benchmark and print their ratios (QUICK=1: smoke run; docs/benchmarks.md)
 	@PATH=$(CURDIR)/$(VENV)/bin:$$PATH benchmarks/run_all.sh
 
-eagle3: setup  ## retrain the shipped Eagle3 head from scratch (~100 min on 2 cores; EAGLE3_ARGS adds flags)
+eagle3: setup  ## retrain the shipped Eagle3 head (~100 min on 2 cores; resumes from ~/.cache/dynamo/eagle3-work, delete it to start over; EAGLE3_ARGS adds flags)
 	$(PY) -m dynamo.vllm.train_eagle3 --target smollm2-135m-instruct \
 		--out lib/llm/src/dynamo/llm/models/heads/smollm2-135m-instruct-eagle3 \
 		--work-dir $(HOME)/.cache/dynamo/eagle3-work $(EAGLE3_ARGS)

@@ -4,6 +4,8 @@ loss falls and every unrolled step learns to draft the target's choice."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -68,3 +70,29 @@ def test_the_walk_drafts_where_vllm_drafts_not_at_every_position() -> None:
     assert walk_rounds(leading, answer) == [3, 1, 0]
     # The plain mean over answer positions (6/8) is not what vLLM counts (4/3 per round).
     assert walk_rounds(leading, torch.zeros(10, dtype=torch.bool)) == []
+
+
+def test_a_rerun_goes_on_and_reports_the_whole_run(tmp_path: Path) -> None:
+    from dynamo.vllm.eagle3_training.capture import CapturedSequence
+    from dynamo.vllm.eagle3_training.train import TrainConfig, TrainResult, train
+
+    torch.manual_seed(0)
+    embed = torch.randn(VOCAB, SHAPE.hidden_size)
+    vocab = DraftVocab.most_frequent(Counter(range(24)), 24, VOCAB)
+    batch = successor_batch(embed, 8, 16)
+    records = [
+        CapturedSequence(batch.tokens[i], batch.aux[i], batch.labels[i], batch.loss_mask[i])
+        for i in range(8)
+    ]
+    cfg = TrainConfig(steps=2, batch_tokens=32, warmup=1)  # 4 batches an epoch
+
+    def run(epochs: float, held_out: list[CapturedSequence]) -> TrainResult:
+        config = replace(cfg, epochs=epochs)
+        return train(Eagle3Head(SHAPE, embed), vocab, records, held_out, config, tmp_path)
+
+    first = run(1.0, [])
+    second = run(2.0, records)  # resumes from the first run's state
+    assert (first.steps_done, second.steps_done) == (4, 8)
+    assert second.losses[:4] == first.losses and len(second.losses) == 8
+    assert second.seconds >= first.seconds
+    assert second.evaluations and second.evaluations[0].rounds > 0

@@ -21,7 +21,6 @@ import argparse
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 
 log = logging.getLogger("dynamo.vllm.train_eagle3")
@@ -97,10 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from dynamo.vllm.eagle3_training import pipeline
 
-    started = time.monotonic()
     summary = pipeline.run(args)
-    summary["total_seconds"] = round(time.monotonic() - started, 1)
-    (args.out / "recipe.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary["held_out"], indent=2))
     return 0
 

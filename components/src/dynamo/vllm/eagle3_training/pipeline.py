@@ -6,10 +6,12 @@ import argparse
 import gc
 import json
 import logging
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -23,14 +25,21 @@ from dynamo.vllm.eagle3_training.ttt import DraftVocab
 
 log = logging.getLogger(__name__)
 DONE = "DONE"
+T = TypeVar("T")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     work: Path = args.work_dir or args.out / "work"
     work.mkdir(parents=True, exist_ok=True)
-    train_set, held_set = _answers(args, work)
-    train_records = _captured(args.target, train_set, work / "train-shards")
-    held_records = _captured(args.target, held_set, work / "held-out-shards")
+    stages = StageClock(work / "stage-seconds.json")
+    train_set, held_set = stages.timed("generation", lambda: _answers(args, work))
+    train_records, held_records = stages.timed(
+        "capture",
+        lambda: (
+            _captured(args.target, train_set, work / "train-shards"),
+            _captured(args.target, held_set, work / "held-out-shards"),
+        ),
+    )
     vocab = DraftVocab.most_frequent(
         _answer_label_counts(train_records), args.draft_vocab, _vocab_size(args.target)
     )
@@ -54,7 +63,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "draft_vocab": args.draft_vocab,
         "training": asdict(cfg),
         "batches": result.steps_done,
-        "training_seconds": round(result.seconds, 1),
+        "seconds": stages.record("training", result.seconds),
         "loss": _loss_ends(result.losses),
         "held_out": asdict(evaluation) if evaluation else None,
     }
@@ -68,6 +77,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         verifier=args.verifier,
     )
     return summary
+
+
+class StageClock:
+    """How long each stage took when it really ran, kept in the work dir: a rerun that
+    finds a stage's output cached reports the first run's time, not its own."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seconds: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
+
+    def timed(self, stage: str, work: Callable[[], T]) -> T:
+        started = time.monotonic()
+        value = work()
+        if stage not in self.seconds:
+            self.record(stage, time.monotonic() - started)
+        return value
+
+    def record(self, stage: str, seconds: float) -> dict[str, float]:
+        """Set a stage's time; returns every stage's so far and their total."""
+        self.seconds[stage] = round(seconds, 1)
+        self.path.write_text(json.dumps(self.seconds, indent=2) + "\n")
+        return {**self.seconds, "total": round(sum(self.seconds.values()), 1)}
 
 
 def _loss_ends(losses: list[float]) -> dict[str, float] | None:

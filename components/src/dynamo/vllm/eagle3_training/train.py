@@ -169,8 +169,8 @@ def train(
     optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(cfg.warmup, planned))
     state_path = out_dir / CHECKPOINT
-    step = _resume(state_path, head, optimizer, schedule)
-    result = TrainResult(steps_done=step, seconds=0.0)
+    result = _resume(state_path, head, optimizer, schedule)
+    step, earlier_s = result.steps_done, result.seconds
     started = last_save = time.monotonic()
     bar = tqdm(total=planned, initial=step, desc="eagle3", unit="batch", dynamic_ncols=True)
     stop = False
@@ -192,14 +192,16 @@ def train(
             )
             now = time.monotonic()
             if now - last_save > cfg.checkpoint_every_s:
-                _save_state(state_path, head, optimizer, schedule, step)
+                result.steps_done, result.seconds = step, earlier_s + now - started
+                _save_state(state_path, head, optimizer, schedule, result)
                 last_save = now
-            if step >= planned or now - started > cfg.time_budget_s:
-                stop = now - started > cfg.time_budget_s
+            spent = earlier_s + now - started  # the budget counts earlier runs too
+            if step >= planned or spent > cfg.time_budget_s:
+                stop = spent > cfg.time_budget_s
                 break
     bar.close()
-    _save_state(state_path, head, optimizer, schedule, step)
-    result.steps_done, result.seconds = step, time.monotonic() - started
+    result.steps_done, result.seconds = step, earlier_s + time.monotonic() - started
+    _save_state(state_path, head, optimizer, schedule, result)
     if stop:
         report(f"time budget of {cfg.time_budget_s:.0f}s reached after {step}/{planned} batches")
     if held_out:
@@ -217,25 +219,33 @@ def _warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
     return factor
 
 
-def _save_state(path: Path, head, optimizer, schedule, step: int) -> None:
+def _save_state(path: Path, head, optimizer, schedule, progress: TrainResult) -> None:
+    """Everything a rerun needs to go on, and to report the whole run: its batches, its
+    training time and every batch's loss so far."""
     tmp = path.with_suffix(".tmp")
     torch.save(
         {
             "head": head.state_dict(),
             "optimizer": optimizer.state_dict(),
             "schedule": schedule.state_dict(),
-            "step": step,
+            "step": progress.steps_done,
+            "seconds": progress.seconds,
+            "losses": progress.losses,
         },
         tmp,
     )
     tmp.replace(path)
 
 
-def _resume(path: Path, head, optimizer, schedule) -> int:
+def _resume(path: Path, head, optimizer, schedule) -> TrainResult:
     if not path.exists():
-        return 0
+        return TrainResult(steps_done=0, seconds=0.0)
     state = torch.load(path, weights_only=True)
     head.load_state_dict(state["head"])
     optimizer.load_state_dict(state["optimizer"])
     schedule.load_state_dict(state["schedule"])
-    return int(state["step"])
+    return TrainResult(
+        steps_done=int(state["step"]),
+        seconds=float(state.get("seconds", 0.0)),
+        losses=list(state.get("losses", [])),
+    )
