@@ -185,6 +185,7 @@ def plot(points: list[Point], path: Path) -> None:
         if mine:
             right.plot([k for k, _ in mine], [p.mean_acceptance_length for _, p in mine],
                        marker="o", label=f"c={c}")  # fmt: skip
+    right.set_xticks(sorted({int(p.setup.removeprefix("eagle3-k")) for p in eagle}))
     right.set_xlabel("K (draft tokens per step)")
     right.set_ylabel("mean acceptance length (tokens/step)")
     right.set_title("Eagle3 head: acceptance by K")
