@@ -25,6 +25,8 @@ import json
 import shutil
 from pathlib import Path
 
+from dynamo.vllm.eagle3_training.export import speculators_section
+
 HIDDEN = 64
 INTERMEDIATE = 128
 HEADS = 2
@@ -98,18 +100,9 @@ def speculators_config(verifier: Path, vocab_size: int) -> dict:
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
             "tie_word_embeddings": False,
         },
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": SPECULATIVE_TOKENS,
-                    "verifier_accept_k": 1,
-                }
-            ],
-            "verifier": {"name_or_path": str(verifier), "architectures": ["LlamaForCausalLM"]},
-        },
+        "speculators_config": speculators_section(
+            str(verifier), ["LlamaForCausalLM"], SPECULATIVE_TOKENS
+        ),
     }
 
 

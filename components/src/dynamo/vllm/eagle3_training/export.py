@@ -52,21 +52,30 @@ def speculators_config(
             "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
             "tie_word_embeddings": False,
         },
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": speculative_tokens,
-                    "verifier_accept_k": 1,
-                }
-            ],
-            "verifier": {
-                "name_or_path": verifier,
-                "architectures": target_config.get("architectures", ["LlamaForCausalLM"]),
-            },
-        },
+        "speculators_config": speculators_section(
+            verifier,
+            target_config.get("architectures", ["LlamaForCausalLM"]),
+            speculative_tokens,
+        ),
+    }
+
+
+def speculators_section(
+    verifier: str, architectures: list[str], speculative_tokens: int
+) -> dict[str, Any]:
+    """An Eagle3 checkpoint's `speculators_config`: greedy proposals of K tokens, and the
+    verifier (the target) by name or path."""
+    return {
+        "algorithm": "eagle3",
+        "default_proposal_method": "greedy",
+        "proposal_methods": [
+            {
+                "proposal_type": "greedy",
+                "speculative_tokens": speculative_tokens,
+                "verifier_accept_k": 1,
+            }
+        ],
+        "verifier": {"name_or_path": verifier, "architectures": architectures},
     }
 
 
