@@ -93,6 +93,10 @@ run structured_output '^structured output vs' \
   "$PY" benchmarks/structured_output_bench.py "${SERVING_ARGS[@]}" --json "$OUT/structured_output.json"
 run spec_decode '^speculative decoding vs none' \
   "$PY" benchmarks/spec_decode_bench.py "${SERVING_ARGS[@]}" --json "$OUT/spec_decode.json"
+# None vs static K vs the profiled K schedule at c=1..32 (profiles first, once, when
+# benchmarks/results/eagle3.profile.json is missing).
+run spec_dynamic '^dynamic speculation' \
+  "$PY" benchmarks/spec_decode_bench.py --dynamic "${SERVING_ARGS[@]}" --json "$OUT/spec_dynamic.json"
 
 printf '\n=================== summaries (%s runs, %s cores, load average %s)\n' \
   "$MODE" "$(nproc)" "$(cut -d' ' -f1-3 /proc/loadavg)"

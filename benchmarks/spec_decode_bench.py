@@ -14,25 +14,48 @@ Usage:
     .venv/bin/python benchmarks/spec_decode_bench.py            # full run (~25 min)
     .venv/bin/python benchmarks/spec_decode_bench.py --quick    # short smoke run
     .venv/bin/python benchmarks/spec_decode_bench.py --setups none,eagle3-k3
+    .venv/bin/python benchmarks/spec_decode_bench.py --dynamic            # ~15 min
+    .venv/bin/python benchmarks/spec_decode_bench.py --dynamic --quick
+    .venv/bin/python benchmarks/spec_decode_bench.py --dynamic --static-k 1 --reprofile
 
 Full runs write benchmarks/results/spec_decode.json and docs/images/spec_decode.png
 (`--json` / `--plot` elsewhere).
+
+`--dynamic` compares three setups instead: no speculation, Eagle3 with a static K
+(`--static-k`, default 2) and Eagle3 with the K schedule of a measured speculation profile
+(`--profile`, default benchmarks/results/eagle3.profile.json: the worker gets the Eagle3
+config without `num_speculative_tokens` plus `--speculation-profile`, and runs the K the
+schedule gives for the current batch size). Same held-out prompts, 128 output tokens, at
+concurrency 1, 4, 16 and 32 (12, 32, 64 and 96 requests; 3, 8, 16 and 32 with `--quick`),
+every worker with `--max-num-seqs 32` so that 32 sequences run at once. When the profile
+file is missing (or with `--reprofile`) it is made first by `python -m
+dynamo.vllm.profile_spec` (batch sizes 1..32, K up to 3, 64 output tokens), about 4 more
+minutes on 2 cores. Target, at every concurrency: the profiled schedule reaches >= 0.97x the
+better of no speculation and static K, and beats static K wherever static K loses to no
+speculation; one verdict line per concurrency and an overall PASS/MISS. Full runs write
+benchmarks/results/spec_dynamic.json and docs/images/spec_dynamic.png (tokens/s and
+median TPOT by concurrency, the profiled points labelled with their K).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dynamo.testing.http import metric_total
+from dynamo.testing.processes import child_env
 from dynamo.vllm.eagle3_training.prompts import held_out
+from dynamo.vllm.speculation_profile import k_for_batch
 from harness import (
     CPU_ENGINE_FLAGS,
+    RESULTS_DIR,
     ROOT,
     BenchError,
     RunResult,
@@ -67,6 +90,21 @@ SETUPS: dict[str, dict | None] = {
 DRAFTS = "dynamo_frontend_spec_decode_drafts_total"
 ACCEPTED = "dynamo_frontend_spec_decode_accepted_tokens_total"
 DEFAULT_PLOT = ROOT / "docs" / "images" / "spec_decode.png"
+# Requests per concurrency level: a few rounds at each level in full runs.
+SIZES = {1: 8, 4: 24, 16: 48}
+QUICK_SIZES = {1: 3, 4: 8, 16: 16}
+
+# --dynamic: none vs static K vs the profiled schedule.
+DYNAMIC_SIZES = {1: 12, 4: 32, 16: 64, 32: 96}  # 3+ rounds at c=32
+DYNAMIC_QUICK_SIZES = {1: 3, 4: 8, 16: 16, 32: 32}
+PROFILED = "eagle3-profiled"
+EAGLE3 = {"method": "eagle3", "model": HEAD}  # no K: the profile's schedule gives it
+DEFAULT_PROFILE = RESULTS_DIR / "eagle3.profile.json"
+DEFAULT_DYNAMIC_PLOT = ROOT / "docs" / "images" / "spec_dynamic.png"
+FLOOR = 0.97  # profiled >= FLOOR x the better of none and static K
+PROFILE_BATCH_SIZES = "1,2,4,8,16,32"
+PROFILE_MAX_K = 3
+PROFILE_OUTPUT_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -81,8 +119,8 @@ class Point:
     server_cpu_ms_per_token: float
 
 
-def scenarios(prompts: Path, quick: bool) -> list[Scenario]:
-    sizes = {1: 3, 4: 8, 16: 16} if quick else {1: 8, 4: 24, 16: 48}
+def scenarios(prompts: Path, sizes: dict[int, int]) -> list[Scenario]:
+    """One run per concurrency level, `sizes` mapping each level to its request count."""
     return [
         Scenario(f"c{c}", c, n, seed=c, output_len=OUTPUT_LEN, prompts_file=prompts)
         for c, n in sizes.items()
@@ -106,13 +144,20 @@ def measure_setup(
     served: str,
     logs: Path,
     timeout: float,
+    *,
+    worker_args: Sequence[str] = (),
+    engine_flags: Sequence[str] = CPU_ENGINE_FLAGS,
 ) -> list[Point]:
+    """Start one stack for `spec` (None: no speculation), the worker with `engine_flags`
+    then `worker_args`, and measure every run of `runs` against it."""
     extra = [] if spec is None else ["--speculative-config", json.dumps(spec)]
-    print(f"{label}: {json.dumps(spec) if spec else 'no speculation'}", flush=True)
+    extra += worker_args
+    shown_spec = json.dumps(spec) if spec else "no speculation"
+    print(f"{label}: {' '.join([shown_spec, *worker_args])}", flush=True)
     points = []
     with dynamo_stack(
         model_dir, served, {"worker": extra},
-        engine_flags=CPU_ENGINE_FLAGS, namespace="specbench" + uuid.uuid4().hex[:6],
+        engine_flags=engine_flags, namespace="specbench" + uuid.uuid4().hex[:6],
         log_dir=logs, timeout=timeout,
     ) as stack:  # fmt: skip
         for scenario in runs:
@@ -196,24 +241,295 @@ def plot(points: list[Point], path: Path) -> None:
     print(f"plot written to {path}")
 
 
+# --------------------------------------------------------------------------- --dynamic
+
+
+def with_max_num_seqs(flags: Sequence[str], count: int) -> list[str]:
+    """`flags` with `--max-num-seqs` raised to at least `count` (added when absent)."""
+    out = list(flags)
+    if "--max-num-seqs" in out:
+        i = out.index("--max-num-seqs")
+        out[i + 1] = str(max(int(out[i + 1]), count))
+    else:
+        out += ["--max-num-seqs", str(count)]
+    return out
+
+
+def profiler_argv(model: str, path: Path) -> list[str]:
+    """The command line that profiles the Eagle3 head on `model` and writes `path`."""
+    return [
+        sys.executable, "-m", "dynamo.vllm.profile_spec",
+        "--model", model,
+        "--speculative-config", json.dumps(EAGLE3),
+        "--batch-sizes", PROFILE_BATCH_SIZES,
+        "--max-k", str(PROFILE_MAX_K),
+        "--output-tokens", str(PROFILE_OUTPUT_TOKENS),
+        "--max-batch-size", str(max(DYNAMIC_SIZES)),
+        "--out", str(path),
+    ]  # fmt: skip
+
+
+def make_profile(model: str, path: Path) -> None:
+    """Run the profiler with its output streamed to ours; raise `BenchError` if it fails."""
+    argv = profiler_argv(model, path)
+    print(f"profiling the speculation schedule into {path}:\n  {' '.join(argv)}", flush=True)
+    started = time.monotonic()
+    before = path.stat().st_mtime_ns if path.exists() else None
+    proc = subprocess.run(argv, env=child_env(), cwd=ROOT, check=False)
+    if proc.returncode != 0:
+        raise BenchError(f"the profiler exited with {proc.returncode} (its output is above)")
+    if not path.exists() or path.stat().st_mtime_ns == before:
+        raise BenchError(f"the profiler exited with 0 but did not write {path}")
+    print(f"profile written in {time.monotonic() - started:.0f}s", flush=True)
+
+
+def read_schedule(path: Path) -> tuple[list[list[int]], list[float] | None]:
+    """The profile's `schedule` ([[first batch, last batch, K], ...]) and its
+    `acceptance_per_position` (None when absent)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"cannot read the speculation profile {path}: {exc}") from exc
+    schedule = data.get("schedule") if isinstance(data, dict) else None
+    if (
+        not isinstance(schedule, list)
+        or not schedule
+        or not all(
+            isinstance(r, list) and len(r) == 3 and all(isinstance(v, int) for v in r)
+            for r in schedule
+        )
+    ):
+        raise BenchError(f"{path} has no schedule of [first, last, K] ranges: {schedule!r}")
+    return schedule, data.get("acceptance_per_position")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The target at one concurrency: the profiled schedule against the better of no
+    speculation and static K, and against static K where static K loses to none."""
+
+    concurrency: int
+    schedule_k: int | None  # the K the schedule runs at this batch size
+    none: float  # output tokens/s
+    static: float
+    profiled: float
+    ratio: float  # profiled / max(none, static)
+    meets_floor: bool  # ratio >= FLOOR
+    static_loses: bool  # static < none
+    beats_static: bool | None  # profiled > static, asked only where static loses
+    passed: bool
+
+
+def verdicts(
+    points: Sequence[Point],
+    static_label: str,
+    schedule: list[list[int]] | None = None,
+    floor: float = FLOOR,
+) -> list[Verdict]:
+    """One verdict per concurrency measured for all of none, `static_label` and PROFILED."""
+    by = {(p.setup, p.concurrency): p.output_tokens_per_s for p in points}
+    levels = sorted({p.concurrency for p in points})
+    out = []
+    for c in levels:
+        missing = [s for s in ("none", static_label, PROFILED) if (s, c) not in by]
+        if missing:
+            raise BenchError(f"c={c}: no numbers for {missing}; every verdict needs all three")
+        none, static, profiled = by["none", c], by[static_label, c], by[PROFILED, c]
+        best = max(none, static)
+        ratio = profiled / best if best > 0 else 0.0
+        meets = ratio >= floor
+        loses = static < none
+        beats = profiled > static if loses else None
+        out.append(
+            Verdict(
+                c, None if schedule is None else k_for_batch(schedule, c), none, static,
+                profiled, round(ratio, 3), meets, loses, beats, meets and beats is not False,
+            )
+        )  # fmt: skip
+    return out
+
+
+def verdict_lines(results: Sequence[Verdict], static_label: str, floor: float = FLOOR) -> str:
+    """A line per concurrency and the overall PASS/MISS line."""
+    yes = {True: "yes", False: "NO"}
+    lines = []
+    for v in results:
+        k = "" if v.schedule_k is None else f" (schedule K={v.schedule_k})"
+        better = "none" if v.none >= v.static else static_label
+        line = (
+            f"c={v.concurrency}{k}: profiled {v.profiled:.1f} tok/s = {v.ratio:.3f}x the better "
+            f"({better}) of none {v.none:.1f} and {static_label} {v.static:.1f}, "
+            f">= {floor}: {yes[v.meets_floor]}; "
+        )
+        if v.static_loses:
+            line += f"{static_label} loses to none, profiled beats it: {yes[bool(v.beats_static)]}"
+        else:
+            line += f"{static_label} does not lose to none"
+        lines.append(f"{line} -> {'ok' if v.passed else 'MISS'}")
+    missed = [str(v.concurrency) for v in results if not v.passed]
+    levels = ",".join(str(v.concurrency) for v in results)
+    if results and not missed:
+        lines.append(
+            f"overall: PASS (profiled >= {floor}x the better of none and {static_label} at "
+            f"c={levels}, and beats {static_label} wherever it loses to none)"
+        )
+    else:
+        lines.append(f"overall: MISS at c={','.join(missed) or '(nothing measured)'}")
+    return "\n".join(lines)
+
+
+def plot_dynamic(
+    points: Sequence[Point], schedule: list[list[int]], static_label: str, path: Path
+) -> None:
+    """Output tokens/s (left) and median TPOT (right) by concurrency, one curve per setup,
+    the profiled points labelled with the K the schedule runs there."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted({p.concurrency for p in points})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    styles = {"none": "--", static_label: "-.", PROFILED: "-"}
+    for setup in ("none", static_label, PROFILED):
+        mine = {p.concurrency: p for p in points if p.setup == setup}
+        xs = [c for c in levels if c in mine]
+        for axis, value in ((left, "output_tokens_per_s"), (right, "median_tpot_ms")):
+            ys = [getattr(mine[c], value) for c in xs]
+            axis.plot(xs, ys, marker="o", linestyle=styles[setup], label=setup)
+            if setup == PROFILED:
+                for x, y in zip(xs, ys, strict=True):
+                    axis.annotate(f"K={k_for_batch(schedule, x)}", (x, y),
+                                  textcoords="offset points", xytext=(0, -13), ha="center",
+                                  fontsize=8)  # fmt: skip
+    for axis, ylabel, title in (
+        (left, "output tokens/s", "Throughput"),
+        (right, "median TPOT (ms)", "Time per output token"),
+    ):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(levels, [str(c) for c in levels])
+        axis.set_xlabel("concurrency")
+        axis.set_ylabel(ylabel)
+        axis.set_title(f"{title}: none vs {static_label} vs profiled schedule", fontsize=10)
+        axis.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
+
+
+def dynamic_body(args: argparse.Namespace, model_dir: Path, served: str) -> int:
+    """--dynamic: profile if needed, measure the three setups, print table and verdicts."""
+    profile = Path(args.profile).resolve()
+    if args.reprofile or not profile.exists():
+        make_profile(args.model, profile)
+    schedule, acceptance = read_schedule(profile)
+    sizes = DYNAMIC_QUICK_SIZES if args.quick else DYNAMIC_SIZES
+    print(f"speculation profile {profile}: schedule {schedule}, acceptance per position "
+          f"{acceptance}")  # fmt: skip
+    print("schedule K by concurrency: "
+          + ", ".join(f"c={c}: K={k_for_batch(schedule, c)}" for c in sizes))  # fmt: skip
+    static_label = f"eagle3-k{args.static_k}"
+    setups: list[tuple[str, dict | None, list[str]]] = [
+        ("none", None, []),
+        (static_label, {**EAGLE3, "num_speculative_tokens": args.static_k}, []),
+        (PROFILED, EAGLE3, ["--speculation-profile", str(profile.resolve())]),
+    ]
+    flags = with_max_num_seqs(CPU_ENGINE_FLAGS, max(sizes))
+    points: list[Point] = []
+    with log_dir("spec-dynamic", keep=args.keep_logs) as logs:
+        runs = scenarios(write_prompts(logs / "prompts.jsonl", max(64, *sizes.values())), sizes)
+        print(f"model {served}; held-out prompts, {OUTPUT_LEN} tokens out; engine flags "
+              f"{' '.join(flags)}; logs in {logs}")  # fmt: skip
+        warn_if_busy()
+        for label, spec, worker_args in setups:
+            points += measure_setup(
+                label, spec, runs, model_dir, served, logs, args.start_timeout,
+                worker_args=worker_args, engine_flags=flags,
+            )  # fmt: skip
+    results = verdicts(points, static_label, schedule)
+    print(f"dynamic speculation: none vs {static_label} vs the profiled schedule "
+          "(output tokens/s ratios vs none, same prompts, one run)")  # fmt: skip
+    print(report(points))
+    print(verdict_lines(results, static_label))
+    if args.quick:
+        print("(quick run: too few requests per level to judge a 3% margin; run without --quick)")
+    save_report(
+        results_path(args, "spec_dynamic.json"),
+        {
+            "points": [asdict(p) for p in points],
+            "static_k": args.static_k,
+            "profile": str(profile),
+            "schedule": schedule,
+            "acceptance_per_position": acceptance,
+            "schedule_k": {str(c): k_for_batch(schedule, c) for c in sizes},
+            "floor": FLOOR,
+            "verdicts": [asdict(v) for v in results],
+            "passed": all(v.passed for v in results),
+            "host": host_info(),
+        },
+    )
+    target = args.plot or (None if args.quick else DEFAULT_DYNAMIC_PLOT)
+    if target is not None:
+        plot_dynamic(points, schedule, static_label, target)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_serving_args(parser, "spec_decode.json")
     parser.add_argument(
-        "--setups", default=",".join(SETUPS), help=f"comma-separated subset of {list(SETUPS)}"
+        "--setups",
+        default=None,
+        help=f"comma-separated subset of {list(SETUPS)} (default: all; not with --dynamic)",
     )
-    parser.add_argument("--plot", type=Path, help=f"PNG path (full runs: {DEFAULT_PLOT})")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        help=f"PNG path (full runs: {DEFAULT_PLOT}; with --dynamic {DEFAULT_DYNAMIC_PLOT})",
+    )
+    dynamic = parser.add_argument_group("--dynamic: none vs static K vs the profiled schedule")
+    dynamic.add_argument(
+        "--dynamic",
+        action="store_true",
+        help="measure no speculation, Eagle3 with --static-k and Eagle3 with the profile's "
+        f"K schedule at concurrency {', '.join(map(str, DYNAMIC_SIZES))} (full runs write "
+        "benchmarks/results/spec_dynamic.json unless --json says otherwise)",
+    )
+    dynamic.add_argument(
+        "--static-k", type=int, default=2, help="K of the static Eagle3 setup (default 2)"
+    )
+    dynamic.add_argument(
+        "--profile",
+        type=Path,
+        default=DEFAULT_PROFILE,
+        help="speculation profile the profiled setup runs; made with dynamo.vllm.profile_spec "
+        f"when missing (default: {DEFAULT_PROFILE.relative_to(ROOT)})",
+    )
+    dynamic.add_argument(
+        "--reprofile", action="store_true", help="re-run the profiler even if --profile exists"
+    )
     args = parser.parse_args()
-    chosen = [s.strip() for s in args.setups.split(",") if s.strip()]
+    if args.dynamic:
+        if args.setups is not None:
+            parser.error("--setups does not apply to --dynamic (it runs none, static K, profiled)")
+        if args.static_k < 1:
+            parser.error(f"--static-k must be at least 1, got {args.static_k}")
+    elif args.reprofile:
+        parser.error("--reprofile only applies to --dynamic")
+    chosen = [s.strip() for s in (args.setups or ",".join(SETUPS)).split(",") if s.strip()]
     unknown = [s for s in chosen if s not in SETUPS]
     if unknown:
         parser.error(f"unknown setups {unknown}; choose from {list(SETUPS)}")
     model_dir, served = resolve_model_arg(args.model)
+    if args.dynamic:
+        return guarded(lambda: dynamic_body(args, model_dir, served))
 
     def body() -> int:
         points: list[Point] = []
         with log_dir("spec-bench", keep=args.keep_logs) as logs:
-            runs = scenarios(write_prompts(logs / "prompts.jsonl", 64), args.quick)
+            sizes = QUICK_SIZES if args.quick else SIZES
+            runs = scenarios(write_prompts(logs / "prompts.jsonl", 64), sizes)
             print(f"model {served}; held-out prompts, {OUTPUT_LEN} tokens out; logs in {logs}")
             warn_if_busy()
             for label in chosen:

@@ -182,5 +182,9 @@ def test_speculative_depth_follows_the_dynamic_schedule() -> None:
     )
     assert speculative_depth(info, 1) == 4
     assert speculative_depth(info, 8) == 2
-    assert speculative_depth(info, 64) == 4  # outside the schedule: the static K
+    assert speculative_depth(info, 64) == 2  # beyond the last range: its K carries on
+    gappy = SpeculativeInfo(
+        method="ngram", num_speculative_tokens=3, schedule=[[1, 2, 5], [9, 9, 0]]
+    )
+    assert [speculative_depth(gappy, b) for b in (1, 4, 9, 20)] == [3, 3, 0, 0]  # capped at 3
     assert speculative_depth(None, 3) == 0

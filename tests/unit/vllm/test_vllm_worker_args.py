@@ -4,7 +4,9 @@ Claims: runtime defaults and environment fallbacks; disaggregation aliases and t
 conflicts; precedence YAML < --speculative-config JSON < explicit CLI flags for both engine
 and speculative keys; speculators checkpoints become verifier target + draft; engine flags
 apply to the draft; one warning for ignored keys; CPU block-size rule; KV events and KV
-transfer defaults; the resolved-config report.
+transfer defaults; the resolved-config report; --speculation-profile sets only the
+schedule, on top, and refuses to meet no speculation, another method, another schedule or
+a K cap below its largest K.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dynamo.vllm.args import (
     resolved_config_lines,
     resolved_config_yaml,
 )
+from dynamo.vllm.speculation_profile import SpeculationProfile, StepTimes, save_profile
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
@@ -376,6 +379,159 @@ def test_embedded_model_name_as_draft_is_resolved(parse) -> None:
     assert cfg.speculative_config["model"] == str(model_dir("smollm2-135m-instruct"))
 
 
+# --------------------------------------------------------------------------- --speculation-profile
+
+PROFILE_SCHEDULE = [[1, 2, 3], [3, 6, 2], [7, 8, 0]]
+
+
+@pytest.fixture
+def profile_file(tmp_path: Path):
+    """Write a profile with synthetic numbers (n-gram unless told) and return its path."""
+
+    def write(method: str = "ngram", schedule: list[list[int]] | None = None) -> Path:
+        profile = SpeculationProfile(
+            model="tiny-llama",
+            method=method,
+            speculative_config={"method": method},
+            batch_sizes=[1, 4, 8],
+            acceptance_per_position=[0.6, 0.4, 0.2],
+            step_times=[
+                StepTimes(k=k, step_ms=[10.0 + k, 12.0 + 2 * k, 15.0 + 4 * k]) for k in range(4)
+            ],
+            schedule=schedule or PROFILE_SCHEDULE,
+            max_batch_size=8,
+        )
+        path = tmp_path / f"{method}-profile.json"
+        save_profile(profile, path)
+        return path
+
+    return write
+
+
+def test_profile_sets_the_schedule_on_top(parse, profile_file) -> None:
+    path = profile_file()
+    cfg = parse(
+        "--spec-method",
+        "ngram",
+        "--speculative-config",
+        '{"prompt_lookup_max": 3}',
+        "--speculation-profile",
+        str(path),
+    )
+    spec = cfg.speculative_config
+    assert spec["num_speculative_tokens_per_batch_size"] == PROFILE_SCHEDULE
+    assert spec["num_speculative_tokens"] == 3  # unset: filled with the schedule's largest K
+    assert spec["prompt_lookup_max"] == 3
+    assert cfg.speculation_profile is not None
+    assert cfg.speculation_profile.schedule == PROFILE_SCHEDULE
+    src = cfg.sources
+    assert (
+        src["speculative_config.num_speculative_tokens_per_batch_size"] == "--speculation-profile"
+    )
+    assert src["speculative_config.method"].startswith("--spec-method")
+    assert src["speculative_config.num_speculative_tokens"].endswith("(--speculation-profile)")
+    # An explicit K at least the schedule's largest stays; --dry-run shows the profile as source.
+    cfg = parse(
+        "--speculative-config",
+        json.dumps({**NGRAM, "num_speculative_tokens": 4}),
+        "--speculation-profile",
+        str(path),
+    )
+    assert cfg.speculative_config["num_speculative_tokens"] == 4
+    import yaml
+
+    document = yaml.safe_load(resolved_config_yaml(cfg))
+    assert document["engine"]["speculative_config"]["num_speculative_tokens_per_batch_size"] == (
+        PROFILE_SCHEDULE
+    )
+    assert document["sources"]["speculative_config.num_speculative_tokens_per_batch_size"] == (
+        "--speculation-profile"
+    )
+    assert parse().speculation_profile is None
+
+
+def test_profile_without_speculation_is_refused(parse, profile_file, eagle3_draft: Path) -> None:
+    path = profile_file()
+    with pytest.raises(
+        ConfigError,
+        match=r"--speculation-profile needs a speculative method: no speculation is "
+        r"configured, .*--spec-method ngram",
+    ):
+        parse("--speculation-profile", str(path))
+    # A draft model alone leaves the method to vLLM's detection: nothing to check it against.
+    spec = {"model": str(eagle3_draft), "num_speculative_tokens": 3}
+    with pytest.raises(ConfigError, match=r"needs a speculative method: no method is named"):
+        parse("--speculative-config", json.dumps(spec), "--speculation-profile", str(path))
+
+
+def test_profile_of_another_method_is_refused(parse, profile_file, eagle3_draft: Path) -> None:
+    spec = {"method": "eagle3", "model": str(eagle3_draft), "num_speculative_tokens": 3}
+    with pytest.raises(
+        ConfigError,
+        match=r"measured with method ngram, but the worker runs eagle3 \(from --speculative-config\)",
+    ):
+        parse(
+            "--speculative-config", json.dumps(spec), "--speculation-profile", str(profile_file())
+        )
+
+
+def test_profile_meeting_another_schedule_is_refused(parse, profile_file, write_yaml) -> None:
+    path = profile_file()
+    own = {**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 8, 1]]}
+    with pytest.raises(ConfigError, match=r"already has a schedule from --speculative-config"):
+        parse("--speculative-config", json.dumps(own), "--speculation-profile", str(path))
+    trtllm = write_yaml(
+        "speculative_config:\n"
+        "  decoding_type: NGram\n"
+        "  max_draft_len: 3\n"
+        "  draft_len_schedule: {1: 3, 4: 1}\n"
+    )
+    with pytest.raises(
+        ConfigError, match=r"from extra-engine-args \(TensorRT-LLM draft_len_schedule"
+    ):
+        parse("--extra-engine-args", str(trtllm), "--speculation-profile", str(path))
+
+
+def test_profile_schedule_above_the_k_cap_is_refused(parse, profile_file) -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"schedule uses K=3 but num_speculative_tokens=2 caps it; raise num_speculative_tokens to 3",
+    ) as err:
+        parse(
+            "--spec-method",
+            "ngram",
+            "--spec-tokens",
+            "2",
+            "--speculative-config",
+            '{"prompt_lookup_max": 3}',
+            "--speculation-profile",
+            str(profile_file()),
+        )
+    assert "num_speculative_tokens from --spec-method" in str(err.value)
+
+
+def test_missing_or_garbled_profile_is_a_clear_error(parse, tmp_path: Path, profile_file) -> None:
+    missing = tmp_path / "nowhere.json"
+    with pytest.raises(
+        ConfigError, match=rf"--speculation-profile: cannot read speculation profile {missing}"
+    ):
+        parse("--spec-method", "ngram", "--spec-tokens", "3", "--speculation-profile", str(missing))
+    garbled = tmp_path / "garbled.json"
+    garbled.write_text('{"method": "ngram", ')
+    with pytest.raises(ConfigError, match=rf"{garbled} is not a speculation profile"):
+        parse("--spec-method", "ngram", "--spec-tokens", "3", "--speculation-profile", str(garbled))
+    inconsistent = profile_file(schedule=[[1, 8, 7]])  # K=7, but measured up to K=3
+    with pytest.raises(ConfigError, match=r"uses K outside 0\.\.3"):
+        parse(
+            "--spec-method",
+            "ngram",
+            "--spec-tokens",
+            "3",
+            "--speculation-profile",
+            str(inconsistent),
+        )
+
+
 # --------------------------------------------------------------------------- speculators checkpoints
 
 
@@ -498,3 +654,9 @@ def test_resolved_config_yaml_round_trips(parse) -> None:
     assert document["engine"]["kv_events_config"]["publisher"] == "zmq"
     assert document["sources"]["speculative_config.method"] == "--speculative-config"
     assert "seed" not in document["engine"]
+
+
+def test_profile_where_speculation_never_pays_says_to_serve_without_it(parse, profile_file) -> None:
+    path = profile_file(schedule=[[1, 8, 0]])
+    with pytest.raises(ConfigError, match=r"speculation never paid.*without speculation"):
+        parse("--spec-method", "ngram", "--speculation-profile", str(path))

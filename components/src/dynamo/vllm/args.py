@@ -9,8 +9,9 @@ into one `VllmWorkerConfig` (see `--help` and docs/speculative_decoding.md).
 * `model_resolution`: `--model` (or a speculators checkpoint's verifier) as a local directory,
   and the served model name;
 * `speculative_resolution`: speculators checkpoint < `--extra-engine-args` <
-  `--speculative-config` < `--spec-method/--spec-model/--spec-tokens`, engine-level flags
-  applying to target and draft;
+  `--speculative-config` < `--spec-method/--spec-model/--spec-tokens` <
+  `--speculation-profile` (the schedule only), engine-level flags applying to target and
+  draft;
 * `kv_defaults`: KV events, KV transfer and CPU block-size rules;
 * `config_report`: the resolved configuration as log lines or `--dry-run` YAML.
 """
@@ -37,7 +38,8 @@ from dynamo.vllm.config_report import resolved_config_lines, resolved_config_yam
 from dynamo.vllm.kv_defaults import check_block_size, configure_kv_events, configure_kv_transfer
 from dynamo.vllm.model_resolution import resolve_target, served_name
 from dynamo.vllm.sampling_defaults import check_generation_config
-from dynamo.vllm.speculative_resolution import resolve_speculative
+from dynamo.vllm.speculation_profile import SpeculationProfile
+from dynamo.vllm.speculative_resolution import load_speculation_profile, resolve_speculative
 from dynamo.vllm.worker_parser import (
     DEFAULT_COMPONENT,
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -95,6 +97,9 @@ class VllmWorkerConfig:
     extra_engine_args: Path | None = None
     speculators_checkpoint: Path | None = None
     """The speculators checkpoint given as --model, now the draft `model`."""
+    speculation_profile: SpeculationProfile | None = None
+    """--speculation-profile, kept for the worker's drift monitor (the schedule is already
+    in `speculative_config`)."""
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
     """Engine key (and `speculative_config.<key>`) -> where its value came from."""
     ignored_keys: list[str] = dataclasses.field(default_factory=list)
@@ -140,7 +145,8 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> VllmWorkerConfig:
     target_dir, checkpoint = resolve_target(values, sources, dry_run=dry_run)
     served = served_name(values, sources)
     check_generation_config(values.get("generation_config"))
-    resolve_speculative(values, sources, layers, checkpoint, dry_run=dry_run)
+    profile = load_speculation_profile(full["speculation_profile"])
+    resolve_speculative(values, sources, layers, checkpoint, dry_run=dry_run, profile=profile)
     check_block_size(values, sources)
     kv_events_port = configure_kv_events(values, sources, full["kv_events_port"])
     nats_server = full["nats_server"] or os.environ.get("NATS_SERVER") or DEFAULT_NATS
@@ -171,6 +177,7 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> VllmWorkerConfig:
         max_inflight_requests=max_inflight_or_env(full["max_inflight_requests"]),
         extra_engine_args=Path(full["extra_engine_args"]) if full["extra_engine_args"] else None,
         speculators_checkpoint=checkpoint.path if checkpoint else None,
+        speculation_profile=profile,
         sources=sources,
         ignored_keys=list(layers.file.ignored) if layers.file else [],
     )

@@ -26,6 +26,7 @@ from dynamo.vllm.handlers import GenerateHandler, RequestCounters
 from dynamo.vllm.kv_transfer import KvTransferJanitor, default_ttl, example_connector_storage
 from dynamo.vllm.publishers import engine_load, relay_kv_events
 from dynamo.vllm.sampling_defaults import sampling_defaults_from
+from dynamo.vllm.speculation_monitor import SpeculationMonitor
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,9 @@ class VllmBackend:
         self._janitor: KvTransferJanitor | None = None
         self._loading: asyncio.Future[EngineFacts] | None = None
         self._dead: str | None = None
+        self.spec_monitor: SpeculationMonitor | None = None
+        """K in force and acceptance against --speculation-profile; set once the engine
+        runs (its resolved speculative config decides K)."""
 
     # ------------------------------------------------------------------ EngineBackend
 
@@ -59,6 +63,9 @@ class VllmBackend:
         self._loading = asyncio.ensure_future(asyncio.to_thread(self.engine.start))
         facts = await asyncio.shield(self._loading)
         self.engine.attach_to_running_loop()
+        self.spec_monitor = SpeculationMonitor.for_engine(
+            self.cfg.speculation_profile, facts.speculative
+        )
         self._janitor = self._start_kv_janitor(facts)
         self._handler = GenerateHandler(
             self.engine,
@@ -104,7 +111,17 @@ class VllmBackend:
 
     def load_metrics(self, worker_id: int) -> LoadMetrics:
         facts = self.engine.facts
+        self.observe_speculation()
         return engine_load(worker_id, self.engine.stats, facts.num_gpu_blocks if facts else 0)
+
+    def observe_speculation(self) -> SpeculationMonitor | None:
+        """Feed the engine's latest batch size and counters to the monitor (at every load
+        report and scrape, so its K and windows follow the engine without a timer)."""
+        monitor = self.spec_monitor
+        if monitor is not None:
+            stats = self.engine.stats
+            monitor.observe(stats.snapshot.running, stats.spec)
+        return monitor
 
     async def start_kv_events(self, publisher: KvEventPublisher) -> KvEventRelay | None:
         endpoint = self.cfg.kv_events_endpoint

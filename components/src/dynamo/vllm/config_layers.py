@@ -32,6 +32,7 @@ SRC_FILE = "extra-engine-args"
 SRC_JSON = "--speculative-config"
 SRC_SPEC_FLAGS = "--spec-method/--spec-model/--spec-tokens"
 SRC_SPECULATORS = "speculators checkpoint"
+SRC_PROFILE = "--speculation-profile"
 
 _SPEC_FLAGS = {
     "spec_method": "method",

@@ -56,7 +56,14 @@ def build_process(cfg: VllmWorkerConfig) -> WorkerProcess:
     if cfg.system_port is not None:
         # vLLM's own series live in the process-global registry; ours join them there.
         labels = {"model": cfg.served_model_name, "worker_type": backend.worker_type.value}
-        REGISTRY.register(VllmWorkerCollector(backend.engine.stats, backend.counters, labels))
+        REGISTRY.register(
+            VllmWorkerCollector(
+                backend.engine.stats,
+                backend.counters,
+                labels,
+                monitor=backend.observe_speculation,
+            )
+        )
     return WorkerProcess(
         [ServedWorker(backend, registration, name="vllm-worker")],
         name="vllm worker",

@@ -3,19 +3,26 @@
 
 `/metrics` re-exposes vLLM's own Prometheus metrics (they live in the process-global
 registry, including `vllm:spec_decode_*`) and adds `dynamo_worker_*` series derived from
-the engine's stat logger, read at scrape time so nothing is updated on the hot path.
+the engine's stat logger, read at scrape time so nothing is updated on the hot path. The
+speculation monitor (K in force, windowed acceptance, drift from `--speculation-profile`)
+is observed at scrape time too, so its K follows the batch the scrape sees.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from dynamo.vllm.engine_stats import EngineStats
 from dynamo.vllm.handlers import RequestCounters
+from dynamo.vllm.speculation_monitor import SpeculationMonitor
+
+MonitorSource = Callable[[], SpeculationMonitor | None]
+"""Returns the worker's monitor, observed with the latest stats (None before the engine
+runs): the collector is registered before the engine starts, the monitor only after."""
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +31,16 @@ class VllmWorkerCollector(Collector):
     """Worker-level series; `labels` identify the worker (model, worker type, instance)."""
 
     def __init__(
-        self, stats: EngineStats, counters: RequestCounters, labels: dict[str, str]
+        self,
+        stats: EngineStats,
+        counters: RequestCounters,
+        labels: dict[str, str],
+        monitor: MonitorSource | None = None,
     ) -> None:
         self.stats = stats
         self.counters = counters
         self.labels = labels
+        self.monitor = monitor
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(name, doc, labels=list(self.labels))
@@ -93,3 +105,36 @@ class VllmWorkerCollector(Collector):
         for i, rate in enumerate(spec.per_position_rate()):
             per_pos.add_metric([*lv, str(i)], rate)
         yield per_pos
+        yield from self._monitor_series()
+
+    def _monitor_series(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """The speculation monitor's series, once the engine runs (none before)."""
+        monitor = self.monitor() if self.monitor is not None else None
+        if monitor is None:
+            return
+        yield self._gauge(
+            "dynamo_worker_spec_decode_k",
+            "Draft tokens per step (K) in force for the current running batch",
+            monitor.k_in_force,
+        )
+        window = monitor.window_acceptance_length
+        yield self._gauge(
+            "dynamo_worker_spec_decode_window_acceptance_length",
+            f"Tokens per verification step over the last complete {monitor.window_s:g}s "
+            "window (the current one before any ended); NaN without drafts",
+            float("nan") if window is None else window,
+        )
+        expected = monitor.profile_acceptance_length
+        if expected is not None:
+            yield self._gauge(
+                "dynamo_worker_spec_decode_profile_acceptance_length",
+                "Tokens per verification step --speculation-profile expects at the K in force",
+                expected,
+            )
+        drift = CounterMetricFamily(
+            "dynamo_worker_spec_decode_profile_drift_warnings",
+            "Windows whose first-position acceptance strayed from --speculation-profile's",
+            labels=list(self.labels),
+        )
+        drift.add_metric(list(self.labels.values()), monitor.drift_warnings)
+        yield drift

@@ -1,9 +1,11 @@
 """Merges the speculative-decoding sources into the one `speculative_config` vLLM gets.
 
 Precedence, lowest first: speculators checkpoint (`--model`) < `--extra-engine-args` <
-`--speculative-config` < `--spec-method/--spec-model/--spec-tokens`. Engine-level flags
-(`--max-model-len`, `--tensor-parallel-size`, ...) apply to target and draft: vLLM derives the
-draft's from the target's, so an explicit flag removes a draft-level copy of itself.
+`--speculative-config` < `--spec-method/--spec-model/--spec-tokens` < `--speculation-profile`
+(which sets only the batch-size -> K schedule, and only where no other source set one).
+Engine-level flags (`--max-model-len`, `--tensor-parallel-size`, ...) apply to target and
+draft: vLLM derives the draft's from the target's, so an explicit flag removes a draft-level
+copy of itself.
 """
 
 from __future__ import annotations
@@ -20,12 +22,19 @@ from dynamo.vllm import spec_config as sc
 from dynamo.vllm.config_layers import (
     SRC_FILE,
     SRC_JSON,
+    SRC_PROFILE,
     SRC_SPEC_FLAGS,
     SRC_SPECULATORS,
     ConfigLayers,
     speculative_fields,
 )
 from dynamo.vllm.model_resolution import resolve_model_dir
+from dynamo.vllm.speculation_profile import (
+    ProfileError,
+    SpeculationProfile,
+    check_schedule_fits,
+    load_profile,
+)
 
 log = logging.getLogger("dynamo.vllm")
 
@@ -35,6 +44,8 @@ _DRAFT_TWINS = {
     "tensor_parallel_size": "draft_tensor_parallel_size",
 }
 """Engine flag -> the speculative-config key that would set it for the draft only."""
+
+SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
 
 _NO_DRAFT_MODEL_METHODS = frozenset({"ngram", "ngram_gpu", "suffix", "extract_hidden_states"})
 _K_REQUIRED_METHODS = frozenset({"ngram", "draft_model", "eagle", "eagle3"})
@@ -54,9 +65,10 @@ def resolve_speculative(
     checkpoint: sc.SpeculatorsCheckpoint | None,
     *,
     dry_run: bool,
+    profile: SpeculationProfile | None = None,
 ) -> None:
-    """Merge the speculative layers (lowest first) into `values["speculative_config"]` and
-    record a source per key."""
+    """Merge the speculative layers (lowest first) into `values["speculative_config"]`, put
+    the profile's schedule on top, and record a source per key."""
     merged = sc.merge_speculative_layers(
         [
             (SRC_SPECULATORS, checkpoint.speculative if checkpoint else None),
@@ -65,12 +77,98 @@ def resolve_speculative(
             (SRC_SPEC_FLAGS, layers.cli_spec_flags),
         ]
     )
+    if profile is not None:
+        apply_profile(merged, profile, file_form=layers.file.form if layers.file else None)
     spec = _finish_speculative(merged, layers.cli_values, speculative_fields(), dry_run=dry_run)
     values["speculative_config"] = spec
     sources.pop("speculative_config", None)  # reported per key instead
+    if spec is None:
+        return
     for key, source in merged.sources.items():
-        if spec is not None and key in spec:
+        if key in spec:
             sources[f"speculative_config.{key}"] = source
+    if "num_speculative_tokens" not in merged.sources and SCHEDULE_KEY in merged.sources:
+        # `fill_k_from_schedule` derived K: say so, rather than leaving it without a source.
+        sources["speculative_config.num_speculative_tokens"] = (
+            f"largest K of the schedule ({merged.sources[SCHEDULE_KEY]})"
+        )
+
+
+# --------------------------------------------------------------------------- --speculation-profile
+
+
+def load_speculation_profile(path: str | Path | None) -> SpeculationProfile | None:
+    """Read `--speculation-profile`; a missing, garbled or inconsistent file is a
+    ConfigError (exit 2 before anything loads), never a worker running some other K."""
+    if not path:
+        return None
+    try:
+        return load_profile(Path(path).expanduser())
+    except ProfileError as exc:
+        raise ConfigError(f"--speculation-profile: {exc}") from exc
+
+
+def apply_profile(
+    merged: sc.MergedSpeculative, profile: SpeculationProfile, *, file_form: str | None
+) -> None:
+    """Make the profile's schedule the top speculative layer. It sets only the schedule:
+    the method, draft and K come from the other sources, and must be what was profiled,
+    or the measured best K per batch size would describe some other engine."""
+    spec = merged.values
+    if spec is None or spec.get("method") is None:
+        missing = "no speculation is configured" if spec is None else "no method is named"
+        raise ConfigError(
+            f"--speculation-profile needs a speculative method: {missing}, and the profile "
+            f"was measured with method {profile.method}; configure it with --spec-method "
+            f"{profile.method} (plus --spec-model for a draft model), --speculative-config "
+            "or --extra-engine-args"
+        )
+    _refuse_second_schedule(merged, file_form)
+    if all(k == 0 for _, _, k in profile.schedule):
+        raise ConfigError(
+            f"--speculation-profile: speculation never paid in this profile ({profile.method}"
+            f" at batch sizes {profile.batch_sizes}, acceptance "
+            f"{profile.acceptance_per_position}); its schedule is K=0 everywhere, so run the "
+            "worker without speculation (or profile another drafter)"
+        )
+    if spec["method"] != profile.method:
+        raise ConfigError(
+            f"--speculation-profile was measured with method {profile.method}, but the "
+            f"worker runs {spec['method']} (from {merged.sources.get('method', '?')}); "
+            f"configure {profile.method} or profile {spec['method']} with "
+            "`python -m dynamo.vllm.profile_spec`"
+        )
+    k_source = merged.sources.get("num_speculative_tokens", "?")
+    try:
+        check_schedule_fits(
+            profile.schedule,
+            spec.get("num_speculative_tokens"),
+            f"--speculation-profile (num_speculative_tokens from {k_source})",
+        )
+    except ProfileError as exc:
+        raise ConfigError(str(exc)) from exc
+    spec[SCHEDULE_KEY] = [list(entry) for entry in profile.schedule]
+    merged.sources[SCHEDULE_KEY] = SRC_PROFILE
+    log.info(
+        "speculative config: %s %s from --speculation-profile (%s, max batch size %d)",
+        SCHEDULE_KEY,
+        spec[SCHEDULE_KEY],
+        profile.method,
+        profile.max_batch_size,
+    )
+
+
+def _refuse_second_schedule(merged: sc.MergedSpeculative, file_form: str | None) -> None:
+    """Two schedules cannot both win: overriding one silently would hide which K runs."""
+    if merged.values is None or SCHEDULE_KEY not in merged.values:
+        return
+    source = merged.sources.get(SCHEDULE_KEY, "?")
+    if source == SRC_FILE and file_form == "tensorrt-llm":
+        source += " (TensorRT-LLM draft_len_schedule or max_concurrency, or the native key)"
+    raise ConfigError(
+        f"--speculation-profile sets {SCHEDULE_KEY}, but the speculative config already has "
+        f"a schedule from {source}; remove one of the two"
+    )
 
 
 def _finish_speculative(

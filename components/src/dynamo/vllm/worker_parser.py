@@ -52,7 +52,8 @@ Speculative decoding settings, lowest precedence first:
   2. `speculative_config` in --extra-engine-args (native vLLM keys, or TensorRT-LLM form
      with `decoding_type`, translated: see docs/speculative_decoding.md);
   3. --speculative-config JSON;
-  4. --spec-method / --spec-model / --spec-tokens.
+  4. --spec-method / --spec-model / --spec-tokens;
+  5. --speculation-profile PROFILE.json: only the batch-size -> K schedule.
   Keys merge one by one; a higher source naming a different `method` replaces the lower ones.
 Engine-level flags (--max-model-len, --tensor-parallel-size, --seed, --enforce-eager, ...)
 apply to target and draft alike. Contradicting keys inside one file are an error; a file
@@ -187,6 +188,17 @@ def _add_worker_flags(parser: FlexibleArgumentParser) -> None:
         help="Engine config file: native vLLM keys (AsyncEngineArgs field names, "
         "`speculative_config` a mapping) or TensorRT-LLM form (`speculative_config.decoding_type`, "
         "`max_batch_size`, `kv_cache_config`, ...). Command-line flags override it.",
+    )
+    group.add_argument(
+        "--speculation-profile",
+        metavar="PROFILE.json",
+        default=None,
+        help="Speculation profile measured by `python -m dynamo.vllm.profile_spec`: sets "
+        "the batch-size -> K schedule (vLLM's num_speculative_tokens_per_batch_size) chosen "
+        "from it, over every other source. Needs speculation configured with the profiled "
+        "method (--spec-method/--spec-model, --speculative-config or --extra-engine-args) and "
+        "no schedule of its own; an explicit num_speculative_tokens must be at least the "
+        "schedule's largest K (unset, it becomes that K)." + _OWN_DEFAULT,
     )
     group.add_argument(
         "--migration-limit",

@@ -35,16 +35,23 @@ from dynamo.llm.protocols import SpeculativeInfo
 def speculative_depth(info: SpeculativeInfo | None, batch_size: int = 1) -> int:
     """The number of draft tokens K a worker proposes per step at `batch_size`.
 
-    With dynamic speculation the worker advertises ``[[bs_lo, bs_hi, K], ...]``; the
-    K of the range containing `batch_size` applies, and outside every range the worker
-    falls back to its static K. Without speculation K is 0.
+    With dynamic speculation the worker advertises ``[[bs_lo, bs_hi, K], ...]`` and vLLM's
+    scheduler runs the K of the last range starting at or below `batch_size`: gaps and
+    the tail beyond the last range carry the previous K on, and every K is capped at the
+    static `num_speculative_tokens`. Without a schedule K is that static K; without
+    speculation, 0.
     """
     if info is None:
         return 0
-    for entry in info.schedule or ():
-        if len(entry) >= 3 and entry[0] <= batch_size <= entry[1]:
-            return max(0, int(entry[2]))
-    return max(0, info.num_speculative_tokens)
+    static = max(0, info.num_speculative_tokens)
+    scheduled = [entry for entry in info.schedule or () if len(entry) >= 3]
+    if not scheduled:
+        return static
+    k = int(scheduled[0][2])
+    for entry in sorted(scheduled):
+        if entry[0] <= batch_size:
+            k = int(entry[2])
+    return max(0, min(k, static))
 
 
 @dataclass(slots=True)
