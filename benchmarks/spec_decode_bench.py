@@ -97,10 +97,25 @@ QUICK_SIZES = {1: 3, 4: 8, 16: 16}
 # --dynamic: none vs static K vs the profiled schedule.
 DYNAMIC_SIZES = {1: 12, 4: 32, 16: 64, 32: 96}  # 3+ rounds at c=32
 DYNAMIC_QUICK_SIZES = {1: 3, 4: 8, 16: 16, 32: 32}
+DRAFTERS: dict[str, dict] = {  # no K: the profile's schedule gives it
+    "eagle3": {"method": "eagle3", "model": HEAD},
+    "ngram": {k: v for k, v in NGRAM.items() if k != "num_speculative_tokens"},
+}
 PROFILED = "eagle3-profiled"
-EAGLE3 = {"method": "eagle3", "model": HEAD}  # no K: the profile's schedule gives it
 DEFAULT_PROFILE = RESULTS_DIR / "eagle3.profile.json"
 DEFAULT_DYNAMIC_PLOT = ROOT / "docs" / "images" / "spec_dynamic.png"
+
+
+def dynamic_paths(drafter: str) -> tuple[str, Path, str, Path]:
+    """Profiled label, default profile, results file name and default plot for a drafter
+    (Eagle3 keeps the plain names)."""
+    if drafter == "eagle3":
+        return PROFILED, DEFAULT_PROFILE, "spec_dynamic.json", DEFAULT_DYNAMIC_PLOT
+    return (f"{drafter}-profiled", RESULTS_DIR / f"{drafter}.profile.json",
+            f"spec_dynamic_{drafter}.json",
+            DEFAULT_DYNAMIC_PLOT.with_name(f"spec_dynamic_{drafter}.png"))  # fmt: skip
+
+
 FLOOR = 0.97  # profiled >= FLOOR x the better of none and static K
 PROFILE_BATCH_SIZES = "1,2,4,8,16,32"
 PROFILE_MAX_K = 3
@@ -255,12 +270,13 @@ def with_max_num_seqs(flags: Sequence[str], count: int) -> list[str]:
     return out
 
 
-def profiler_argv(model: str, path: Path) -> list[str]:
-    """The command line that profiles the Eagle3 head on `model` and writes `path`."""
+def profiler_argv(model: str, path: Path, spec: dict | None = None) -> list[str]:
+    """The command line that profiles `spec` (default: the Eagle3 head) on `model` and
+    writes `path`."""
     return [
         sys.executable, "-m", "dynamo.vllm.profile_spec",
         "--model", model,
-        "--speculative-config", json.dumps(EAGLE3),
+        "--speculative-config", json.dumps(spec or DRAFTERS["eagle3"]),
         "--batch-sizes", PROFILE_BATCH_SIZES,
         "--max-k", str(PROFILE_MAX_K),
         "--output-tokens", str(PROFILE_OUTPUT_TOKENS),
@@ -269,9 +285,9 @@ def profiler_argv(model: str, path: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def make_profile(model: str, path: Path) -> None:
+def make_profile(model: str, path: Path, spec: dict | None = None) -> None:
     """Run the profiler with its output streamed to ours; raise `BenchError` if it fails."""
-    argv = profiler_argv(model, path)
+    argv = profiler_argv(model, path, spec)
     print(f"profiling the speculation schedule into {path}:\n  {' '.join(argv)}", flush=True)
     started = time.monotonic()
     before = path.stat().st_mtime_ns if path.exists() else None
@@ -325,16 +341,18 @@ def verdicts(
     static_label: str,
     schedule: list[list[int]] | None = None,
     floor: float = FLOOR,
+    profiled_label: str = PROFILED,
 ) -> list[Verdict]:
-    """One verdict per concurrency measured for all of none, `static_label` and PROFILED."""
+    """One verdict per concurrency measured for all of none, `static_label` and the
+    profiled setup."""
     by = {(p.setup, p.concurrency): p.output_tokens_per_s for p in points}
     levels = sorted({p.concurrency for p in points})
     out = []
     for c in levels:
-        missing = [s for s in ("none", static_label, PROFILED) if (s, c) not in by]
+        missing = [s for s in ("none", static_label, profiled_label) if (s, c) not in by]
         if missing:
             raise BenchError(f"c={c}: no numbers for {missing}; every verdict needs all three")
-        none, static, profiled = by["none", c], by[static_label, c], by[PROFILED, c]
+        none, static, profiled = by["none", c], by[static_label, c], by[profiled_label, c]
         best = max(none, static)
         ratio = profiled / best if best > 0 else 0.0
         meets = ratio >= floor
@@ -379,7 +397,11 @@ def verdict_lines(results: Sequence[Verdict], static_label: str, floor: float = 
 
 
 def plot_dynamic(
-    points: Sequence[Point], schedule: list[list[int]], static_label: str, path: Path
+    points: Sequence[Point],
+    schedule: list[list[int]],
+    static_label: str,
+    path: Path,
+    profiled_label: str = PROFILED,
 ) -> None:
     """Output tokens/s (left) and median TPOT (right) by concurrency, one curve per setup,
     the profiled points labelled with the K the schedule runs there."""
@@ -390,14 +412,14 @@ def plot_dynamic(
 
     levels = sorted({p.concurrency for p in points})
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    styles = {"none": "--", static_label: "-.", PROFILED: "-"}
-    for setup in ("none", static_label, PROFILED):
+    styles = {"none": "--", static_label: "-.", profiled_label: "-"}
+    for setup in ("none", static_label, profiled_label):
         mine = {p.concurrency: p for p in points if p.setup == setup}
         xs = [c for c in levels if c in mine]
         for axis, value in ((left, "output_tokens_per_s"), (right, "median_tpot_ms")):
             ys = [getattr(mine[c], value) for c in xs]
             axis.plot(xs, ys, marker="o", linestyle=styles[setup], label=setup)
-            if setup == PROFILED:
+            if setup == profiled_label:
                 for x, y in zip(xs, ys, strict=True):
                     axis.annotate(f"K={k_for_batch(schedule, x)}", (x, y),
                                   textcoords="offset points", xytext=(0, -13), ha="center",
@@ -420,20 +442,22 @@ def plot_dynamic(
 
 def dynamic_body(args: argparse.Namespace, model_dir: Path, served: str) -> int:
     """--dynamic: profile if needed, measure the three setups, print table and verdicts."""
-    profile = Path(args.profile).resolve()
+    drafter = DRAFTERS[args.drafter]
+    profiled_label, default_profile, results_file, default_plot = dynamic_paths(args.drafter)
+    profile = Path(args.profile or default_profile).resolve()
     if args.reprofile or not profile.exists():
-        make_profile(args.model, profile)
+        make_profile(args.model, profile, drafter)
     schedule, acceptance = read_schedule(profile)
     sizes = DYNAMIC_QUICK_SIZES if args.quick else DYNAMIC_SIZES
     print(f"speculation profile {profile}: schedule {schedule}, acceptance per position "
           f"{acceptance}")  # fmt: skip
     print("schedule K by concurrency: "
           + ", ".join(f"c={c}: K={k_for_batch(schedule, c)}" for c in sizes))  # fmt: skip
-    static_label = f"eagle3-k{args.static_k}"
+    static_label = f"{args.drafter}-k{args.static_k}"
     setups: list[tuple[str, dict | None, list[str]]] = [
         ("none", None, []),
-        (static_label, {**EAGLE3, "num_speculative_tokens": args.static_k}, []),
-        (PROFILED, EAGLE3, ["--speculation-profile", str(profile.resolve())]),
+        (static_label, {**drafter, "num_speculative_tokens": args.static_k}, []),
+        (profiled_label, drafter, ["--speculation-profile", str(profile)]),
     ]
     flags = with_max_num_seqs(CPU_ENGINE_FLAGS, max(sizes))
     points: list[Point] = []
@@ -447,7 +471,7 @@ def dynamic_body(args: argparse.Namespace, model_dir: Path, served: str) -> int:
                 label, spec, runs, model_dir, served, logs, args.start_timeout,
                 worker_args=worker_args, engine_flags=flags,
             )  # fmt: skip
-    results = verdicts(points, static_label, schedule)
+    results = verdicts(points, static_label, schedule, profiled_label=profiled_label)
     print(f"dynamic speculation: none vs {static_label} vs the profiled schedule "
           "(output tokens/s ratios vs none, same prompts, one run)")  # fmt: skip
     print(report(points))
@@ -455,8 +479,9 @@ def dynamic_body(args: argparse.Namespace, model_dir: Path, served: str) -> int:
     if args.quick:
         print("(quick run: too few requests per level to judge a 3% margin; run without --quick)")
     save_report(
-        results_path(args, "spec_dynamic.json"),
+        results_path(args, results_file),
         {
+            "drafter": drafter,
             "points": [asdict(p) for p in points],
             "static_k": args.static_k,
             "profile": str(profile),
@@ -469,9 +494,9 @@ def dynamic_body(args: argparse.Namespace, model_dir: Path, served: str) -> int:
             "host": host_info(),
         },
     )
-    target = args.plot or (None if args.quick else DEFAULT_DYNAMIC_PLOT)
+    target = args.plot or (None if args.quick else default_plot)
     if target is not None:
-        plot_dynamic(points, schedule, static_label, target)
+        plot_dynamic(points, schedule, static_label, target, profiled_label)
     return 0
 
 
@@ -492,19 +517,28 @@ def main() -> int:
     dynamic.add_argument(
         "--dynamic",
         action="store_true",
-        help="measure no speculation, Eagle3 with --static-k and Eagle3 with the profile's "
+        help="measure no speculation, the drafter with --static-k and with the profile's "
         f"K schedule at concurrency {', '.join(map(str, DYNAMIC_SIZES))} (full runs write "
         "benchmarks/results/spec_dynamic.json unless --json says otherwise)",
     )
     dynamic.add_argument(
-        "--static-k", type=int, default=2, help="K of the static Eagle3 setup (default 2)"
+        "--drafter",
+        choices=sorted(DRAFTERS),
+        default="eagle3",
+        help="what drafts in the static and profiled setups: the shipped Eagle3 head, or "
+        "n-gram prompt lookup (whose K=0 costs nothing; results and plot get a _ngram "
+        "suffix) (default eagle3)",
+    )
+    dynamic.add_argument(
+        "--static-k", type=int, default=2, help="K of the static setup (default 2)"
     )
     dynamic.add_argument(
         "--profile",
         type=Path,
-        default=DEFAULT_PROFILE,
+        default=None,
         help="speculation profile the profiled setup runs; made with dynamo.vllm.profile_spec "
-        f"when missing (default: {DEFAULT_PROFILE.relative_to(ROOT)})",
+        f"when missing (default: {DEFAULT_PROFILE.relative_to(ROOT)}, "
+        "benchmarks/results/ngram.profile.json with --drafter ngram)",
     )
     dynamic.add_argument(
         "--reprofile", action="store_true", help="re-run the profiler even if --profile exists"

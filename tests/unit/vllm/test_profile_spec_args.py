@@ -77,10 +77,8 @@ def test_k_zero_is_the_speculating_engine_drafting_nothing() -> None:
     }  # fmt: skip
 
 
-def test_a_plain_engine_is_measured_only_for_drafters_that_keep_kv() -> None:
-    assert profile_spec.planned_runs({"method": "ngram"}, 2) == [0, 1, 2]
-    assert profile_spec.planned_runs({"method": "eagle3"}, 2) == [None, 0, 1, 2]
-    assert profile_spec.planned_runs({"method": "mtp"}, 1) == [None, 0, 1]
+def test_a_plain_engine_is_measured_first_for_every_method() -> None:
+    assert profile_spec.planned_runs(2) == [None, 0, 1, 2]
 
 
 def test_bundled_prompts_are_cycled_to_the_number_needed() -> None:

@@ -56,6 +56,17 @@ def test_tokens_per_step_adds_the_bonus_token_and_the_rates_of_reached_positions
     assert tokens_per_step([0.7, 0.5, 0.2], 2) == pytest.approx(2.2)
     with pytest.raises(ProfileError, match="K=4"):
         tokens_per_step([0.7, 0.5, 0.2], 4)
+    # n-gram drafts only where the context matches: a third of the steps carry a draft.
+    assert tokens_per_step([0.6, 0.3], 2, drafted=1 / 3) == pytest.approx(1.3)
+
+
+def test_steps_without_drafts_make_speculation_worth_less() -> None:
+    sparse = msgspec.structs.replace(CPU_LIKE, drafted_fraction=0.25)
+    assert goodput(sparse, 1, 4) == pytest.approx(4 * (1 + 0.25 * 0.7) * 1000 / 15.0)
+    assert goodput(sparse, 0, 4) == goodput(CPU_LIKE, 0, 4)
+    # Speculation stops paying at a smaller batch.
+    assert choose_schedule(sparse)[-1][0] < CPU_LIKE.schedule[-1][0]
+    assert choose_schedule(sparse)[-1][2] == 0
 
 
 def test_step_time_interpolates_between_points_flat_below_and_extends_beyond() -> None:
@@ -143,6 +154,7 @@ def test_profile_round_trips_through_json(tmp_path: Path) -> None:
         ({"schedule": [[1, 32, 5]]}, "outside 0..2"),
         ({"schedule": []}, "no schedule"),
         ({"version": 99}, "profile version 99"),
+        ({"drafted_fraction": 0.0}, "drafted_fraction must be in"),
         ({"no_speculation_step_ms": [10.0]}, "no_speculation_step_ms: need one positive"),
     ],
 )

@@ -6,9 +6,10 @@
 
 It starts the real vLLM engine once per K from 0 to `--max-k`, each in a child process of
 its own (a clean Prometheus registry and memory each time). K = 0 is the speculating
-engine with a schedule of K = 0, which is what a worker runs in a K = 0 range; where the
-drafter keeps a KV cache of its own (Eagle, Eagle3, MTP, draft models) a plain engine is
-measured as well, since such a drafter still runs at K = 0. At every batch size each engine
+engine with a schedule of K = 0, which is what a worker runs in a K = 0 range, and a plain
+engine (no speculation) is measured as well, since K = 0 is not free: a drafter with a KV
+cache of its own (Eagle, Eagle3, MTP, draft models) still runs its forward pass, and
+n-gram still runs its match search. At every batch size each engine
 runs that many prompts twice: once for the prefill alone (one output token) and once for
 `--output-tokens` tokens, greedy, end-of-sequence ignored, prefix caching
 off. The decode step time is the difference of the two wall times divided by the
@@ -169,10 +170,6 @@ def load_prompts(path: Path | None, needed: int) -> tuple[list[Messages], str]:
     return [prompts[i % len(prompts)] for i in range(needed)], source
 
 
-DRAFTERS_WITHOUT_KV = frozenset({"ngram", "ngram_gpu", "suffix"})
-"""Methods whose drafter runs no model: at K = 0 their engine does what a plain one does."""
-
-
 def spec_for_k(spec: dict[str, Any], k: int, max_batch: int) -> dict[str, Any]:
     """The speculating engine at K. K = 0 is that same engine with a schedule of K = 0 at
     every batch size, which is what a worker runs in a K = 0 range: a drafter with its
@@ -184,11 +181,12 @@ def spec_for_k(spec: dict[str, Any], k: int, max_batch: int) -> dict[str, Any]:
             "num_speculative_tokens_per_batch_size": [[1, max_batch, 0]]}  # fmt: skip
 
 
-def planned_runs(spec: dict[str, Any], max_k: int) -> list[int | None]:
-    """The engines to start, in order: None is a plain engine (no speculation), measured
-    only where the drafter keeps KV (elsewhere K = 0 costs the same); then K = 0..max."""
-    plain: list[int | None] = [] if spec["method"] in DRAFTERS_WITHOUT_KV else [None]
-    return [*plain, *range(max_k + 1)]
+def planned_runs(max_k: int) -> list[int | None]:
+    """The engines to start, in order: None is a plain engine (no speculation), then the
+    speculating engine at K = 0..max. The plain engine is measured for every method: even
+    n-gram's K = 0 is not free (vLLM runs its match search every step and drops the
+    result), and a drafter with its own KV runs its forward pass."""
+    return [None, *range(max_k + 1)]
 
 
 def resolve_paths(spec: dict[str, Any]) -> dict[str, Any]:
@@ -268,11 +266,17 @@ def measure(request: ProfileRequest) -> Iterator[dict[str, Any]]:
         yield {"batch": batch, "step_ms": step_ms, "decode_steps": decode_steps}
     _, drafts, accepted = _counters(llm)
     done = drafts - drafts0
-    rates = [
-        (a - (accepted0[i] if i < len(accepted0) else 0)) / done if done else 0.0
-        for i, a in enumerate(accepted)
-    ]
-    yield {"drafts": done, "acceptance_per_position": rates}
+    per_pos = [a - (accepted0[i] if i < len(accepted0) else 0) for i, a in enumerate(accepted)]
+    rates = [a / done if done else 0.0 for a in per_pos]
+    # Every sequence-step yields one token plus its accepted drafts; the prefill yields
+    # each request's first token.
+    decode_tokens = sum(b * (request.output_tokens - 1) for b in request.batch_sizes)
+    sequence_steps = max(decode_tokens - sum(per_pos), 1)
+    yield {
+        "drafts": done,
+        "acceptance_per_position": rates,
+        "drafted_fraction": min(done / sequence_steps, 1.0),
+    }
 
 
 def child_main(request_path: Path) -> int:
@@ -330,9 +334,10 @@ def profile(args: argparse.Namespace) -> SpeculationProfile:
     times: list[StepTimes] = []
     plain_ms: list[float] = []
     acceptance: list[float] = []
-    runs = planned_runs(spec, args.max_k)
-    print(f"profiling K=0..{args.max_k}{' and no speculation' if None in runs else ''} at "
-          f"batch sizes {args.batch_sizes}; engine logs in {log_path}", flush=True)  # fmt: skip
+    drafted = 1.0
+    runs = planned_runs(args.max_k)
+    print(f"profiling no speculation and K=0..{args.max_k} at batch sizes "
+          f"{args.batch_sizes}; engine logs in {log_path}", flush=True)  # fmt: skip
     total = len(runs) * len(args.batch_sizes)
     with tqdm(total=total, desc="profile", unit="point", dynamic_ncols=True) as bar:
         for k in runs:
@@ -358,10 +363,9 @@ def profile(args: argparse.Namespace) -> SpeculationProfile:
                 continue
             times.append(StepTimes(k=k, step_ms=step_ms))
             if k == args.max_k:
-                acceptance = next(r for r in records if "drafts" in r)["acceptance_per_position"]
-    if not plain_ms:
-        plain_ms = list(times[0].step_ms)
-    return finish_profile(args, spec, times, plain_ms, acceptance, source)
+                final = next(r for r in records if "drafts" in r)
+                acceptance, drafted = final["acceptance_per_position"], final["drafted_fraction"]
+    return finish_profile(args, spec, times, plain_ms, (acceptance, drafted), source)
 
 
 def finish_profile(
@@ -369,12 +373,14 @@ def finish_profile(
     spec: dict[str, Any],
     times: list[StepTimes],
     plain_ms: list[float],
-    acceptance: list[float],
+    measured: tuple[list[float], float],
     source: str,
 ) -> SpeculationProfile:
+    """The profile of these measurements (`measured`: acceptance per position and the
+    fraction of sequence-steps that carried a draft) with its schedule chosen."""
     from vllm import __version__ as vllm_version
 
-    acceptance = [round(a, 4) for a in acceptance[: args.max_k]]
+    acceptance = [round(a, 4) for a in measured[0][: args.max_k]]
     acceptance += [0.0] * (args.max_k - len(acceptance))
     draft: SpeculationProfile = SpeculationProfile(
         model=args.model,
@@ -382,6 +388,7 @@ def finish_profile(
         speculative_config=dict(args.speculative_config),
         batch_sizes=list(args.batch_sizes),
         acceptance_per_position=acceptance,
+        drafted_fraction=round(max(measured[1], 1e-4), 4),
         step_times=times,
         no_speculation_step_ms=plain_ms,
         schedule=[[1, 1, 0]],
@@ -402,8 +409,9 @@ def summary(profile: SpeculationProfile) -> str:
     schedule; a note where even K = 0 of the speculating engine trails a plain one."""
     ks = [t.k for t in profile.step_times]
     lines = [
-        "acceptance per position: "
-        + ", ".join(f"{a:.3f}" for a in profile.acceptance_per_position),
+        "acceptance per position (per draft): "
+        + ", ".join(f"{a:.3f}" for a in profile.acceptance_per_position)
+        + f"; steps with a draft: {profile.drafted_fraction:.3f}",
         "goodput (tokens/s; * = chosen; none = an engine without speculation)",
         "batch  " + "".join(f"{'K=' + str(k):>11}" for k in ks) + f"{'none':>11}",
     ]

@@ -8,10 +8,12 @@ can check the choice on synthetic numbers.
 
 The model behind the choice, for a batch of `b` running sequences and K drafts each:
 
-* tokens per sequence per step: `1 + sum(acceptance[:K])`. `acceptance[i]` is vLLM's
-  per-position rate, the fraction of drafts whose token `i` was accepted; a token counts
-  only if every earlier one was, so the rates already are the probabilities of reaching
-  each position, and the bonus token is always produced.
+* tokens per sequence per step: `1 + drafted * sum(acceptance[:K])`. `acceptance[i]` is
+  vLLM's per-position rate, the fraction of drafts whose token `i` was accepted; a token
+  counts only if every earlier one was, so the rates already are the probabilities of
+  reaching each position, and the bonus token is always produced. `drafted` is the
+  fraction of sequence-steps that carried a draft at all: 1 for model drafters, less for
+  n-gram, which proposes nothing where the context has no match.
 * goodput: `b * tokens_per_step(K) / step_time(K, b)` tokens per second.
 
 For each batch size the K with the highest goodput wins (ties go to the smaller K: fewer
@@ -53,7 +55,7 @@ class SpeculationProfile(msgspec.Struct, frozen=True, kw_only=True):
     method: str
     speculative_config: dict[str, object]  # as profiled, without K
     batch_sizes: list[int]
-    acceptance_per_position: list[float]  # measured at the largest K
+    acceptance_per_position: list[float]  # per draft (vLLM's rates), at the largest K
     step_times: list[StepTimes]  # K = 0 .. max K, all on the speculating engine
     # A plain engine (no speculation) at the same batch sizes. K = 0 above is the
     # speculating engine told to draft nothing, which still pays for a drafter that keeps
@@ -61,6 +63,7 @@ class SpeculationProfile(msgspec.Struct, frozen=True, kw_only=True):
     no_speculation_step_ms: list[float] = []
     schedule: Schedule
     max_batch_size: int  # the schedule's last range ends here
+    drafted_fraction: float = 1.0  # sequence-steps that carried a draft
     prompts: str = ""  # where the prompts came from
     output_tokens: int = 0
     num_prompts: int = 0
@@ -79,11 +82,13 @@ class SpeculationProfile(msgspec.Struct, frozen=True, kw_only=True):
         raise ProfileError(f"the profile has no step times for K={k}")
 
 
-def tokens_per_step(acceptance: Sequence[float], k: int) -> float:
-    """Expected tokens one sequence gains per verification step with K drafts."""
+def tokens_per_step(acceptance: Sequence[float], k: int, drafted: float = 1.0) -> float:
+    """Expected tokens one sequence gains per step with K drafts, where a fraction
+    `drafted` of the steps carries a draft (1: per verification step, vLLM's mean
+    acceptance length)."""
     if k > len(acceptance):
         raise ProfileError(f"K={k} but acceptance was measured for {len(acceptance)} positions")
-    return 1.0 + sum(acceptance[:k])
+    return 1.0 + drafted * sum(acceptance[:k])
 
 
 def step_time(batch_sizes: Sequence[int], step_ms: Sequence[float], batch: float) -> float:
@@ -105,7 +110,8 @@ def goodput(profile: SpeculationProfile, k: int, batch: int) -> float:
     """Expected generated tokens per second for the whole batch at this K."""
     times = profile.times_for(k)
     ms = step_time(profile.batch_sizes, times.step_ms, batch)
-    return batch * tokens_per_step(profile.acceptance_per_position, k) * 1000.0 / ms
+    gained = tokens_per_step(profile.acceptance_per_position, k, profile.drafted_fraction)
+    return batch * gained * 1000.0 / ms
 
 
 def goodput_without_speculation(profile: SpeculationProfile, batch: int) -> float:
@@ -158,6 +164,8 @@ def validate(profile: SpeculationProfile) -> None:
             raise ProfileError(
                 f"K={times.k}: need one positive step time per batch size, got {times.step_ms}"
             )
+    if not 0.0 < profile.drafted_fraction <= 1.0:
+        raise ProfileError(f"drafted_fraction must be in (0, 1], got {profile.drafted_fraction}")
     plain = profile.no_speculation_step_ms
     if plain and (len(plain) != len(sizes) or min(plain) <= 0):
         raise ProfileError(
