@@ -226,12 +226,15 @@ def _counters(llm: Any) -> tuple[int, int, list[int]]:
 def measure(request: ProfileRequest) -> Iterator[dict[str, Any]]:
     """Start the engine and yield one record per batch size, then the acceptance."""
     from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
 
+    # The worker's CPU rules (eager mode, 32-token blocks); elsewhere vLLM's defaults, so
+    # a GPU profile measures CUDA-graph steps as a GPU worker runs them.
+    cpu = {"enforce_eager": True, "block_size": 32} if current_platform.is_cpu() else {}
     llm = LLM(
         model=request.model,
         speculative_config=request.speculative_config,
-        enforce_eager=True,
-        block_size=32,
+        **cpu,
         max_model_len=request.max_model_len,
         max_num_seqs=max(request.batch_sizes),
         enable_prefix_caching=False,
