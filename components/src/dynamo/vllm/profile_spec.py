@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from dynamo.runtime.cli import ConfigError
 from dynamo.vllm.eagle3_training.prompts import Messages, as_messages, held_out, read_jsonl
 from dynamo.vllm.speculation_profile import (
@@ -402,8 +404,6 @@ def finish_profile(
         vllm_version=vllm_version,
         measured_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
-    import msgspec
-
     return msgspec.structs.replace(draft, schedule=choose_schedule(draft))
 
 
@@ -424,15 +424,12 @@ def summary(profile: SpeculationProfile) -> str:
         plain = goodput_without_speculation(profile, batch)
         lines.append(f"{batch:>5}  " + "".join(cells) + f"{plain:10.1f}")
     lines.append(f"schedule (num_speculative_tokens_per_batch_size): {profile.schedule}")
-    worst = min(
-        profile.batch_sizes,
-        key=lambda b: (
-            goodput(profile, best_k(profile, b), b) / goodput_without_speculation(profile, b)
-        ),
-    )
-    ratio = goodput(profile, best_k(profile, worst), worst) / goodput_without_speculation(
-        profile, worst
-    )
+    reached = {
+        b: goodput(profile, best_k(profile, b), b) / goodput_without_speculation(profile, b)
+        for b in profile.batch_sizes
+    }
+    worst = min(reached, key=reached.__getitem__)
+    ratio = reached[worst]
     if ratio < 0.97:
         lines.append(
             f"note: at batch {worst} the schedule reaches {ratio:.2f}x an engine without "
@@ -463,8 +460,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_plot:
         from dynamo.vllm.profile_plot import plot_profile
 
-        plot_profile(result, args.out.with_suffix(".png"))
-        print(f"plot written to {args.out.with_suffix('.png')}")
+        if plot_profile(result, args.out.with_suffix(".png")):
+            print(f"plot written to {args.out.with_suffix('.png')}")
     return 0
 
 
