@@ -31,6 +31,8 @@ from pathlib import Path
 
 import msgspec
 
+from dynamo.llm.kv_router.active_sequences import scheduled_k
+
 PROFILE_VERSION = 1
 
 Schedule = list[list[int]]
@@ -143,12 +145,9 @@ def choose_schedule(profile: SpeculationProfile, max_batch_size: int | None = No
 
 
 def k_for_batch(schedule: Schedule, batch: int) -> int:
-    """The K vLLM runs for `batch` scheduled sequences (the last range carries on)."""
-    k = schedule[0][2]
-    for first, _last, range_k in schedule:
-        if batch >= first:
-            k = range_k
-    return k
+    """The K vLLM runs for `batch` scheduled sequences (the last range carries on); the
+    same lookup the KV router books speculative slots with."""
+    return scheduled_k(schedule, batch)
 
 
 def validate(profile: SpeculationProfile) -> None:

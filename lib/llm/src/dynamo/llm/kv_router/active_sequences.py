@@ -32,26 +32,29 @@ from dynamo.llm.kv_router.hashing import compute_block_hashes, hash_block, num_b
 from dynamo.llm.protocols import SpeculativeInfo
 
 
-def speculative_depth(info: SpeculativeInfo | None, batch_size: int = 1) -> int:
-    """The number of draft tokens K a worker proposes per step at `batch_size`.
+def scheduled_k(schedule: Sequence[Sequence[int]], batch_size: int) -> int:
+    """The K a dynamic schedule ``[[bs_lo, bs_hi, K], ...]`` gives `batch_size`, looked up
+    as vLLM's scheduler does: the K of the last range starting at or below `batch_size`,
+    so gaps and the tail beyond the last range carry the previous K on (an empty batch
+    takes the first range's K). Uncapped: vLLM caps it at `num_speculative_tokens`."""
+    ranges = sorted(entry for entry in schedule if len(entry) >= 3)
+    k = int(ranges[0][2])
+    for first, _last, range_k, *_ in ranges:
+        if first <= batch_size:
+            k = int(range_k)
+    return k
 
-    With dynamic speculation the worker advertises ``[[bs_lo, bs_hi, K], ...]`` and vLLM's
-    scheduler runs the K of the last range starting at or below `batch_size`: gaps and
-    the tail beyond the last range carry the previous K on, and every K is capped at the
-    static `num_speculative_tokens`. Without a schedule K is that static K; without
-    speculation, 0.
-    """
+
+def speculative_depth(info: SpeculativeInfo | None, batch_size: int = 1) -> int:
+    """The number of draft tokens K a worker proposes per step at `batch_size`: its
+    dynamic schedule's K (`scheduled_k`) capped at the static `num_speculative_tokens`, or
+    that static K without a schedule; 0 without speculation."""
     if info is None:
         return 0
     static = max(0, info.num_speculative_tokens)
-    scheduled = [entry for entry in info.schedule or () if len(entry) >= 3]
-    if not scheduled:
+    if not any(len(entry) >= 3 for entry in info.schedule or ()):
         return static
-    k = int(scheduled[0][2])
-    for entry in sorted(scheduled):
-        if entry[0] <= batch_size:
-            k = int(entry[2])
-    return max(0, min(k, static))
+    return max(0, min(scheduled_k(info.schedule or [], batch_size), static))
 
 
 @dataclass(slots=True)
