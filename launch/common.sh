@@ -123,7 +123,7 @@ print_usage_hint() {
   cat >&2 <<HINT
 
 Ready. Try:
-  curl localhost:$HTTP_PORT/v1/chat/completions -H 'Content-Type: application/json' -d '{"model": "$model", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32}'
+  curl localhost:$HTTP_PORT/v1/chat/completions -H 'Content-Type: application/json' -d '{"model": "$model", "messages": [{"role": "user", "content": "What is the capital of Japan?"}], "max_tokens": 32}'
 
 Logs: $LOG_DIR   (Ctrl-C stops everything)
 HINT

@@ -9,10 +9,17 @@ Three engines on the real embedded model, each behind its own frontend:
   verifier, an embedded model's name, becomes the target).
 
 Claims: on the tool's held-out prompts (topics the training prompts never use) the shipped
-head's greedy output is identical to the target alone, and its mean acceptance length at K=3,
-from the worker's `vllm:spec_decode_*` counters, is at least 1.8 (per-position acceptance
-printed); the smoke run finishes, its loss falls, and vLLM serves its checkpoint, with the
-same greedy text as the target alone.
+head's greedy output is the target's own, and its mean acceptance length at K=3, from the
+worker's `vllm:spec_decode_*` counters, is at least 1.8 (per-position acceptance printed);
+the smoke run finishes, its loss falls, and vLLM serves its checkpoint, with the same greedy
+text as the target alone.
+
+"The target's own" is checked as bf16 allows (`dynamo.testing.greedy`): every answer equals
+the target's, or parts from it only at a token where the speculating engine took one of the
+target's listed alternatives that the target itself put within rounding (0.5 nats) of its own
+choice. Verification runs
+the target over K + 1 positions at once, and on CPUs whose vLLM kernels use AMX that rounds
+differently from one-token steps; the number of answers that part so is printed.
 """
 
 from __future__ import annotations
@@ -28,6 +35,13 @@ from pathlib import Path
 import pytest
 
 from dynamo.llm.models import model_dir
+from dynamo.testing.greedy import (
+    ReferenceToken,
+    first_divergence,
+    mismatch,
+    reference_from_chat_logprobs,
+    reference_text,
+)
 from dynamo.testing.http import http_post_json
 from dynamo.testing.processes import FrontendProcess, WorkerProcess, cpu_engine_flags, stop_all
 from dynamo.testing.spec_counters import SpecCounters
@@ -108,27 +122,52 @@ def stacks(smoke_run: Path, nats_url: str, e2e_log_dir: Path) -> Iterator[Stacks
         stop_all(reversed(started))
 
 
-def chat(served: Served, prompt: str) -> str:
+def chat(served: Served, prompt: str, top_logprobs: int | None = None) -> dict:
+    """The response's first choice; with `top_logprobs`, its token log-probabilities too."""
     body = {
         "model": served.model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": MAX_TOKENS,
         "temperature": 0.0,
     }
+    if top_logprobs is not None:
+        body |= {"logprobs": True, "top_logprobs": top_logprobs}
     status, text = http_post_json(f"{served.frontend.base_url}/v1/chat/completions", body, 300)
     assert status == 200, text
-    return json.loads(text)["choices"][0]["message"]["content"]
+    return json.loads(text)["choices"][0]
 
 
 def answers(served: Served, prompts: list[str]) -> list[str]:
     """Up to a full engine batch at a time, answers in prompt order."""
     with ThreadPoolExecutor(min(CONCURRENCY, len(prompts))) as pool:
-        return list(pool.map(lambda p: chat(served, p), prompts))
+        return list(pool.map(lambda p: chat(served, p)["message"]["content"], prompts))
 
 
 @pytest.fixture(scope="module")
-def reference(stacks: Stacks) -> list[str]:
-    return answers(stacks.plain, PROMPTS)
+def reference(stacks: Stacks) -> list[list[ReferenceToken]]:
+    """The target's greedy answers, each token with its best 20 alternatives."""
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        choices = list(pool.map(lambda p: chat(stacks.plain, p, top_logprobs=20), PROMPTS))
+    tokens = [reference_from_chat_logprobs(c["logprobs"]["content"]) for c in choices]
+    for choice, answer in zip(choices, tokens, strict=True):
+        assert reference_text(answer) == choice["message"]["content"]
+    return tokens
+
+
+def assert_same_greedy(
+    prompts: list[str], texts: list[str], reference: list[list[ReferenceToken]]
+) -> None:
+    """Every text is the reference's, or parts from it only at a bf16 tie (printed)."""
+    margins = []
+    for prompt, text, expected in zip(prompts, texts, reference, strict=True):
+        problem = mismatch(expected, text)
+        assert problem is None, f"{prompt!r}: {problem}"
+        if (divergence := first_divergence(expected, text)) is not None:
+            margins.append(f"{divergence.lead:.3f}")
+    print(
+        f"{len(texts) - len(margins)} of {len(texts)} answers equal the target's; "
+        f"{len(margins)} part at a tie (the target's lead there, nats: {', '.join(margins)})"
+    )
 
 
 def test_the_shipped_head_keeps_greedy_output_and_accepts_enough(
@@ -143,8 +182,7 @@ def test_the_shipped_head_keeps_greedy_output_and_accepts_enough(
         f"{grown.drafts:.0f} drafts, {grown.accepted:.0f} accepted, mean acceptance length "
         f"{grown.mean_acceptance_length:.3f}, accepted per position [{per_position}]"
     )
-    for prompt, text, expected in zip(PROMPTS, texts, reference, strict=True):
-        assert text == expected, prompt
+    assert_same_greedy(PROMPTS, texts, reference)
     assert grown.mean_acceptance_length >= MIN_ACCEPTANCE_LENGTH
 
 
@@ -164,5 +202,5 @@ def test_a_smoke_training_run_learns_and_vllm_serves_its_head(
     assert recipe["target"] == "smollm2-135m-instruct"
     before = SpecCounters.read(stacks.smoke.worker, K)
     texts = answers(stacks.smoke, PROMPTS[:4])
-    assert texts == reference[:4]  # lossless, however weak the head
+    assert_same_greedy(PROMPTS[:4], texts, reference[:4])  # lossless, however weak the head
     assert (SpecCounters.read(stacks.smoke.worker, K) - before).drafts > 0

@@ -2,7 +2,7 @@
 `openai` client.
 
 Claims: completions and chat work streaming and non-streaming with correct usage
-(`stream_options.include_usage` included) and greedy output is sensible ("Paris"); a
+(`stream_options.include_usage` included) and greedy output is sensible ("Tokyo"); a
 stream is the same text as the non-streamed response; stop strings end the response
 without leaking and cancel the work on the worker; a client that goes away mid-request
 cancels it on the worker; bad input gets OpenAI-shaped 4xx JSON; `/metrics` is free of
@@ -76,7 +76,7 @@ def test_models_and_health(frontend: FrontendProcess, client: openai.OpenAI) -> 
 
 
 def test_chat_greedy_answer_and_usage(client: openai.OpenAI, tokenizer) -> None:
-    question = "What is the capital of France?"
+    question = "What is the capital of Japan?"
     resp = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": question}],
@@ -88,7 +88,7 @@ def test_chat_greedy_answer_and_usage(client: openai.OpenAI, tokenizer) -> None:
     assert resp.model == MODEL
     choice = resp.choices[0]
     assert choice.message.role == "assistant"
-    assert "Paris" in choice.message.content
+    assert "Tokyo" in choice.message.content
     assert choice.finish_reason == "stop"  # the model ends its answer with EOS
     assert "<|im_end|>" not in choice.message.content  # the EOS text is not part of it
     usage = resp.usage

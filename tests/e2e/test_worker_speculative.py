@@ -25,7 +25,7 @@ from dynamo.testing.waiting import wait_until_async
 # Prompts that invite repetition, so the n-gram proposer finds matches in the context.
 PROMPTS = [
     "Repeat this list exactly three times: apple, banana, cherry, apple, banana, cherry.",
-    "What is the capital of France?",
+    "What is the capital of Japan?",
     "Count from one to twenty in words, separated by commas.",
     "Write the sentence 'the cat sat on the mat' four times.",
 ]
@@ -63,12 +63,12 @@ async def test_ngram_greedy_output_equals_no_speculation(
     assert multi_token_steps > 0
 
 
-async def test_paris_through_the_worker(runtime, ngram_worker, tokenizer):
+async def test_tokyo_through_the_worker(runtime, ngram_worker, tokenizer):
     outputs = await generate(
-        runtime, "spec", chat_ids(tokenizer, "What is the capital of France?"), 32
+        runtime, "spec", chat_ids(tokenizer, "What is the capital of Japan?"), 32
     )
     text = tokenizer.decode([t for o in outputs for t in o.token_ids])
-    assert "Paris" in text
+    assert "Tokyo" in text
 
 
 # The lowest raw log-probability a token sampled at temperature 0.2 / top_p 0.9 can

@@ -1,0 +1,133 @@
+"""Greedy outputs compared the way bf16 arithmetic allows: equal, or apart only at a tie.
+
+Speculative decoding is lossless in exact arithmetic: the target checks every draft, so
+greedy text with speculation equals the target's own. In bf16 it is lossless up to
+rounding. A verification step runs the target over K + 1 positions of each sequence and a
+plain step over one; matrix products of other shapes add in another order and round
+differently (vLLM-CPU's AMX bf16 kernels, picked on CPUs that have them, show it within a
+few hundred tokens). Where the target's two best tokens are within rounding of each
+other, either may win, and from there the texts part for good.
+
+So a reference is taken with the top log-probabilities of every token, and another text
+matches it when the two are equal, or when they agree up to a token where the other text
+went on with one of the reference's alternatives that the reference itself found within
+`tolerance` nats of its choice. Anything else (a confident token replaced, a token the
+reference did not list near the top) is a real difference and fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# The logits leave the model in bf16: near the logit magnitudes of a small model (16 to
+# 32) neighbouring bf16 values are 0.125 apart, so a few such steps is all rounding can move
+# a difference of two logits.
+BF16_TIE_NATS = 0.5
+
+
+@dataclass(frozen=True)
+class ReferenceToken:
+    """One generated token of the reference: its bytes and log-probability, and the other
+    candidates the response listed at that position (bytes, log-probability)."""
+
+    data: bytes
+    logprob: float
+    alternatives: tuple[tuple[bytes, float], ...]
+
+    def lead_over(self, continuation: bytes) -> float | None:
+        """How far (nats) this token led the best listed alternative that `continuation`
+        starts with; None where no listed alternative fits it."""
+        fits = [lp for alt, lp in self.alternatives if alt and continuation.startswith(alt)]
+        return self.logprob - max(fits) if fits else None
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where another text first leaves the reference."""
+
+    token_index: int
+    """Index of the reference token at which the texts part (len(reference) past its end)."""
+    lead: float | None
+    """How far the reference's token led the alternative the other text went on with, in
+    nats; None where the other text's continuation is none of the listed alternatives."""
+    context: str
+    """A few words before and after, for a readable failure."""
+
+    def is_tie(self, tolerance: float) -> bool:
+        """A part that rounding explains: onto an alternative within `tolerance`."""
+        return self.lead is not None and self.lead <= tolerance
+
+
+def _token_bytes(entry: Mapping[str, Any]) -> bytes:
+    raw = entry.get("bytes")
+    return bytes(raw) if raw is not None else str(entry["token"]).encode()
+
+
+def reference_from_chat_logprobs(content: Sequence[Mapping[str, Any]]) -> list[ReferenceToken]:
+    """Reference tokens from an OpenAI chat response's `choices[i].logprobs.content`,
+    requested with a generous `top_logprobs` (20, OpenAI's most): bf16 logits come in
+    steps of 0.125 nats near a small model's magnitudes, so exact ties happen, five tokens
+    wide at times, and the one the other text took must be among those listed."""
+    tokens = []
+    for entry in content:
+        chosen = _token_bytes(entry)
+        alternatives = tuple(
+            (_token_bytes(alt), float(alt["logprob"]))
+            for alt in entry.get("top_logprobs", [])
+            if _token_bytes(alt) != chosen
+        )
+        tokens.append(ReferenceToken(chosen, float(entry["logprob"]), alternatives))
+    return tokens
+
+
+def reference_text(reference: Sequence[ReferenceToken]) -> str:
+    """The reference's text (its tokens' bytes, joined and decoded)."""
+    return b"".join(t.data for t in reference).decode(errors="replace")
+
+
+def first_divergence(reference: Sequence[ReferenceToken], text: str) -> Divergence | None:
+    """Where `text` first leaves the reference, or None where the two are the same."""
+    ours = text.encode()
+    theirs = b"".join(t.data for t in reference)
+    if ours == theirs:
+        return None
+    offset = next(
+        (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
+        min(len(ours), len(theirs)),
+    )
+    start = 0
+    for index, token in enumerate(reference):
+        if offset < start + len(token.data) or (not token.data and offset == start):
+            lead = token.lead_over(ours[start:])
+            return Divergence(index, lead, _context(ours, theirs, start))
+        start += len(token.data)
+    # The other text goes on where the reference ended: nothing to compare it with.
+    return Divergence(len(reference), None, _context(ours, theirs, start))
+
+
+def _context(ours: bytes, theirs: bytes, at: int, width: int = 60) -> str:
+    before = theirs[max(0, at - width) : at].decode(errors="replace")
+    return (
+        f"...{before}[reference: {theirs[at : at + width].decode(errors='replace')!r} | "
+        f"other: {ours[at : at + width].decode(errors='replace')!r}]"
+    )
+
+
+def mismatch(
+    reference: Sequence[ReferenceToken], text: str, tolerance: float = BF16_TIE_NATS
+) -> str | None:
+    """None where `text` matches the reference (equal, or apart only at a tie); otherwise
+    why not, for an assertion message."""
+    divergence = first_divergence(reference, text)
+    if divergence is None or divergence.is_tie(tolerance):
+        return None
+    if divergence.lead is None:
+        why = "the other text went on with none of the alternatives the reference listed"
+    else:
+        why = f"the reference's token led the other text's by {divergence.lead:.3f} nats"
+    return (
+        f"parts from the reference at token {divergence.token_index}, where {why} "
+        f"(a tie is <= {tolerance}): {divergence.context}"
+    )

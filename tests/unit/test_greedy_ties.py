@@ -1,0 +1,98 @@
+"""`dynamo.testing.greedy`: a text matches a greedy reference when equal, or when it parts
+from it only onto an alternative the reference found within rounding of its choice."""
+
+from __future__ import annotations
+
+from dynamo.testing.greedy import (
+    BF16_TIE_NATS,
+    first_divergence,
+    mismatch,
+    reference_from_chat_logprobs,
+    reference_text,
+)
+
+
+def entry(token: str, logprob: float, *alternatives: tuple[str, float]) -> dict:
+    """One `logprobs.content` entry as the chat API sends it (the chosen token listed
+    among the top ones, as vLLM does)."""
+    top = [(token, logprob), *alternatives]
+    return {
+        "token": token,
+        "logprob": logprob,
+        "bytes": list(token.encode()),
+        "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top],
+    }
+
+
+# "The capital is Tokyo." with a near-tie at " capital" (" city" 0.125 behind, " town"
+# 0.375 behind, " seat" 2 behind) and a confident " Tokyo" (" Kyoto" 4 behind).
+REFERENCE = reference_from_chat_logprobs(
+    [
+        entry("The", -0.1, ("A", -2.5)),
+        entry(" capital", -0.6, (" city", -0.725), (" town", -0.975), (" seat", -2.6)),
+        entry(" is", -0.01, (" was", -5.0)),
+        entry(" Tokyo", -0.02, (" Kyoto", -4.02)),
+        entry(".", -0.3, ("!", -3.0)),
+    ]
+)
+
+
+def test_the_reference_text_is_its_tokens_joined() -> None:
+    assert reference_text(REFERENCE) == "The capital is Tokyo."
+    assert REFERENCE[1].alternatives == ((b" city", -0.725), (b" town", -0.975), (b" seat", -2.6))
+
+
+def test_an_equal_text_matches() -> None:
+    assert first_divergence(REFERENCE, "The capital is Tokyo.") is None
+    assert mismatch(REFERENCE, "The capital is Tokyo.") is None
+
+
+def test_parting_at_a_tie_onto_a_close_alternative_matches() -> None:
+    for text, lead in (("The city of Japan is Tokyo.", 0.125), ("The town is Tokyo.", 0.375)):
+        divergence = first_divergence(REFERENCE, text)
+        assert divergence is not None and divergence.token_index == 1
+        assert divergence.lead is not None and abs(divergence.lead - lead) < 1e-9
+        assert divergence.is_tie(BF16_TIE_NATS)
+        assert mismatch(REFERENCE, text) is None
+
+
+def test_parting_at_a_confident_token_fails_with_where_and_why() -> None:
+    problem = mismatch(REFERENCE, "The capital is Kyoto.")
+    assert problem is not None
+    assert "token 3" in problem and "led the other text's by 4.000 nats" in problem
+
+
+def test_a_listed_but_distant_alternative_fails() -> None:
+    assert mismatch(REFERENCE, "The seat of power is Tokyo.") is not None
+
+
+def test_an_unlisted_continuation_fails() -> None:
+    divergence = first_divergence(REFERENCE, "The metropolis is Tokyo.")
+    assert divergence is not None and divergence.token_index == 1 and divergence.lead is None
+    problem = mismatch(REFERENCE, "The metropolis is Tokyo.")
+    assert problem is not None and "none of the alternatives" in problem
+
+
+def test_the_tolerance_decides_what_counts_as_a_tie() -> None:
+    assert mismatch(REFERENCE, "The town is Tokyo.", tolerance=0.375) is None
+    assert mismatch(REFERENCE, "The town is Tokyo.", tolerance=0.3) is not None
+
+
+def test_a_text_that_stops_early_or_runs_on_fails() -> None:
+    assert mismatch(REFERENCE, "The capital is") is not None  # stopped where " Tokyo" led by 4
+    run_on = first_divergence(REFERENCE, "The capital is Tokyo. It is big.")
+    assert run_on is not None and run_on.token_index == len(REFERENCE)
+    assert mismatch(REFERENCE, "The capital is Tokyo. It is big.") is not None
+
+
+def test_multibyte_characters_split_over_tokens_compare_by_bytes() -> None:
+    cafe = "café".encode()  # the "é" is two bytes, split over two tokens
+    tokens = [
+        {"token": "caf", "logprob": -0.1, "bytes": list(cafe[:3]), "top_logprobs": []},
+        {"token": "bytes:\\xc3", "logprob": -0.1, "bytes": list(cafe[3:4]), "top_logprobs": []},
+        {"token": "bytes:\\xa9", "logprob": -0.1, "bytes": list(cafe[4:]), "top_logprobs": []},
+    ]
+    reference = reference_from_chat_logprobs(tokens)
+    assert reference_text(reference) == "café"
+    assert mismatch(reference, "café") is None
+    assert first_divergence(reference, "cafe") is not None
