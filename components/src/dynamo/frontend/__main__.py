@@ -99,6 +99,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="kv mode: softmax temperature over worker costs; 0 always picks the cheapest.",
     )
     parser.add_argument(
+        "--no-kv-events",
+        action="store_true",
+        help="kv mode: read no KV events (for engines or deployments that publish none); "
+        "the router assumes a worker caches the prompts it sent there for --router-ttl "
+        "seconds (approximate mode). With events, a prompt routed to a worker also counts "
+        "as cached there until its events confirm it.",
+    )
+    parser.add_argument(
+        "--router-ttl",
+        type=positive_float,
+        default=None,
+        help="kv mode: seconds a routed prompt's blocks count as cached on the worker "
+        "without an event confirming them (default: 10 with events, 120 with "
+        "--no-kv-events).",
+    )
+    parser.add_argument(
         "--busy-kv-usage",
         type=fraction,
         default=os.environ.get("DYN_BUSY_KV_USAGE") or None,
@@ -266,6 +282,8 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         router_temperature=args.router_temperature,
         busy_kv_usage=args.busy_kv_usage,
         busy_waiting_requests=args.busy_waiting_requests,
+        kv_events=not args.no_kv_events,
+        router_ttl_s=args.router_ttl,
         max_request_bytes=args.max_request_bytes,
         tokenizer_cache=args.tokenizer_cache,
         prefill_timeout_s=args.prefill_timeout,

@@ -48,6 +48,7 @@ from dynamo.frontend.metrics import FrontendMetrics
 from dynamo.frontend.model_registry import ModelManager, endpoint_key
 from dynamo.frontend.preprocessor import Preprocessor
 from dynamo.frontend.routing import RouterFactory, RouterMode, make_router_factory
+from dynamo.llm.kv_router.anticipation import CachePrediction
 from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.model_card import (
     CardAdded,
@@ -81,6 +82,8 @@ class FrontendConfig:
     router_temperature: float = 0.0
     busy_kv_usage: float | None = None  # kv mode: a worker this full is skipped (None: off)
     busy_waiting_requests: int | None = None  # kv mode: a worker with this queue is skipped
+    kv_events: bool = True  # kv mode: False routes without KV events (approximate mode)
+    router_ttl_s: float | None = None  # kv mode: how long routed blocks count unconfirmed
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     tokenizer_cache: Path | None = None
     prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT_S
@@ -247,6 +250,7 @@ async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None
             kv_overlap_score_weight=config.kv_overlap_score_weight,
             router_temperature=config.router_temperature,
             busy=BusyThresholds(config.busy_kv_usage, config.busy_waiting_requests),
+            prediction=CachePrediction(config.kv_events, config.router_ttl_s),
         )
         sync = ModelCardSync(
             runtime,

@@ -14,6 +14,7 @@ import enum
 import logging
 from collections.abc import Awaitable, Callable
 
+from dynamo.llm.kv_router.anticipation import CachePrediction
 from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.nats_feed import create_kv_router
 from dynamo.llm.protocols import ModelCard
@@ -40,13 +41,17 @@ def make_router_factory(
     kv_overlap_score_weight: float = 1.0,
     router_temperature: float = 0.0,
     busy: BusyThresholds | None = None,
+    prediction: CachePrediction | None = None,
 ) -> RouterFactory:
     """The factory for `--router-mode`. The KV router is fed by the workers' KV-event
-    stream and load reports over `runtime`; there is deliberately no fallback without
-    events: a "kv" router that cannot see caches would route by load alone while
-    claiming to chase cache hits. `busy`: when a worker is skipped as busy (kv mode)."""
+    stream and load reports over `runtime`, and predicts caches from its own decisions
+    until events confirm them; with `prediction.kv_events` False (`--no-kv-events`) it
+    reads no events and its own decisions are the whole index, kept for the TTL.
+    `busy`: when a worker is skipped as busy (kv mode)."""
     if busy is not None and busy.enabled and mode is not RouterMode.KV:
         log.warning("busy thresholds need --router-mode kv (worker load reports); ignored")
+    if prediction is not None and prediction != CachePrediction() and mode is not RouterMode.KV:
+        log.warning("--no-kv-events and --router-ttl apply to --router-mode kv; ignored")
 
     async def round_robin(card: ModelCard, client: Client) -> Router:
         return RoundRobinRouter()
@@ -62,6 +67,7 @@ def make_router_factory(
             overlap_score_weight=kv_overlap_score_weight,
             temperature=router_temperature,
             busy=busy,
+            prediction=prediction,
         )
 
     factories: dict[RouterMode, RouterFactory] = {

@@ -318,6 +318,10 @@ class ActiveSequences:
         own = num_blocks_spanned(prompt_len + num_speculative_tokens, self.block_size)
         return self.active_blocks + own - self.pinned_prefix_blocks(block_hashes)
 
+    def pins(self, block_hash: int) -> bool:
+        """Whether a request in flight here holds this prompt block."""
+        return block_hash in self._shared_refs
+
     def pinned_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
         """How many leading `block_hashes` are prompt blocks of requests in flight here."""
         refs = self._shared_refs

@@ -9,6 +9,9 @@ A `KvRouter` (NATS-free, `scheduler.py`) is fed by three subscriptions, owned he
 * the endpoint client's set of ready instances: a worker that leaves it has its blocks
   dropped, and `WorkerMembership` keeps its late or replayed events from resurrecting it.
 
+In approximate mode (`CachePrediction(kv_events=False)`, the frontend's `--no-kv-events`)
+there is no event subscription: the router predicts caches from its own decisions alone.
+
 A broker restarted without its store comes back with an empty stream whose sequence
 numbers start again at 1. The subscription notices (`StreamSubscription`, `on_reset`):
 the feed then forgets every cached block it learnt (the events that would have told it
@@ -31,6 +34,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
 
+from dynamo.llm.kv_router.anticipation import CachePrediction
 from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.membership import DEFAULT_GRACE_S, WorkerMembership
 from dynamo.llm.kv_router.publisher import kv_events_stream
@@ -84,8 +88,10 @@ class KvRouterFeed:
         *,
         stream: EventStream | None = None,
         grace_s: float = DEFAULT_GRACE_S,
+        kv_events: bool = True,
     ) -> None:
         self._runtime = runtime
+        self._kv_events = kv_events
         self._router = router
         self._client = client
         self._stream = stream or kv_events_stream()
@@ -107,6 +113,12 @@ class KvRouterFeed:
         has been applied, so the first routing decisions already see cached prefixes."""
         self._client.add_listener(self._on_instances)
         self._on_instances(self._client.instance_ids())  # live workers' events apply at once
+        self._load_sub = await self._runtime.subscribe(self._load_filter, self._on_load)
+        self._sweeper = asyncio.create_task(self._sweep(), name="kv-feed-sweep")
+        if not self._kv_events:
+            self.stats.replay_complete = True
+            log.info("kv router: approximate mode, no KV events read (%s)", self._events_filter)
+            return
         await self._stream.ensure(self._runtime)
         self.stats.replay_target_seq = await self._last_sequence()
         if self.stats.replay_target_seq == 0:
@@ -120,8 +132,6 @@ class KvRouterFeed:
             self._on_event,
             on_reset=self._on_stream_reset,
         ).start()
-        self._load_sub = await self._runtime.subscribe(self._load_filter, self._on_load)
-        self._sweeper = asyncio.create_task(self._sweep(), name="kv-feed-sweep")
         try:
             await asyncio.wait_for(self._replayed.wait(), replay_timeout_s)
         except TimeoutError:
@@ -158,6 +168,7 @@ class KvRouterFeed:
 
     def debug_state(self) -> dict[str, Any]:
         state = asdict(self.stats)
+        state["kv_events"] = self._kv_events
         state["events_filter"] = self._events_filter
         state["last_sequence"] = self._events.last_sequence if self._events else None
         state["live_workers"] = [f"{w:016x}" for w in sorted(self.membership.live)]
@@ -253,13 +264,28 @@ async def create_kv_router(
     replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
     grace_s: float = DEFAULT_GRACE_S,
     busy: BusyThresholds | None = None,
+    prediction: CachePrediction | None = None,
 ) -> KvRouter:
     """A `KvRouter` for the model of `card`, fed from NATS, with the stream's history of
-    the card's namespace/component already applied. `router.close()` unsubscribes."""
+    the card's namespace/component already applied (none read in approximate mode).
+    `router.close()` unsubscribes."""
+    prediction = prediction if prediction is not None else CachePrediction()
     router = build_kv_router(
-        card, overlap_score_weight=overlap_score_weight, temperature=temperature, busy=busy
+        card,
+        overlap_score_weight=overlap_score_weight,
+        temperature=temperature,
+        busy=busy,
+        prediction=prediction,
     )
-    feed = KvRouterFeed(runtime, router, card.namespace, card.component, client, grace_s=grace_s)
+    feed = KvRouterFeed(
+        runtime,
+        router,
+        card.namespace,
+        card.component,
+        client,
+        grace_s=grace_s,
+        kv_events=prediction.kv_events,
+    )
     router.attach(feed)
     try:
         await feed.start(replay_timeout_s)

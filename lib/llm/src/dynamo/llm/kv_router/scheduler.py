@@ -40,10 +40,12 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from dynamo.llm.kv_router.active_sequences import MultiWorkerSequences, speculative_depth
+from dynamo.llm.kv_router.anticipation import AnticipatedBlocks, CachePrediction
 from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.hashing import compute_block_hashes, num_blocks_spanned
 from dynamo.llm.kv_router.indexer import KvIndexer
 from dynamo.llm.protocols import (
+    KvBlockStored,
     LLMEngineOutput,
     LoadMetrics,
     ModelCard,
@@ -95,6 +97,7 @@ class WorkerScore:
     active_blocks: int  # with the request added, speculative slots included
     num_speculative_tokens: int
     cost: float
+    cached_blocks: int = 0  # of overlap_blocks, those the worker's events reported stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +183,7 @@ class KvScheduler:
         load_report_hold_off_s: float = DEFAULT_LOAD_REPORT_HOLD_OFF_S,
         clock: Callable[[], float] = time.monotonic,
         busy: BusyThresholds | None = None,
+        prediction: CachePrediction | None = None,
     ) -> None:
         if overlap_score_weight < 0:
             raise ValueError("overlap_score_weight must be >= 0")
@@ -202,6 +206,8 @@ class KvScheduler:
         self.routed: dict[int, RoutingTally] = {}
         self.busy = busy if busy is not None else BusyThresholds()
         self.busy_refusals = 0  # requests refused because every candidate was busy
+        self.prediction = prediction if prediction is not None else CachePrediction()
+        self.anticipated = AnticipatedBlocks(self.prediction.resolved_ttl_s, clock)
 
     # ------------------------------------------------------------------ inputs
 
@@ -223,10 +229,14 @@ class KvScheduler:
         self._released_at.pop(worker_id, None)
         self.indexer.remove_worker(worker_id)
         self.sequences.remove_worker(worker_id)
+        self.anticipated.remove_worker(worker_id)
 
     def apply_event(self, event: RouterEvent) -> None:
-        """A worker's KV cache event (from its relay)."""
+        """A worker's KV cache event (from its relay). Stored blocks the router was
+        anticipating there are confirmed: the index holds them from now on."""
         self.indexer.apply(event)
+        if isinstance(event.data, KvBlockStored):
+            self.anticipated.confirm(event.worker_id, event.data.block_hashes)
 
     def update_load(self, metrics: LoadMetrics) -> None:
         """A worker's own load report; used while younger than the TTL."""
@@ -250,7 +260,7 @@ class KvScheduler:
             raise ValueError("no worker to choose from")
         if not token_ids:
             raise ValueError("a request needs at least one token")
-        self.sequences.free(request_id)  # a retried request is re-booked, not counted twice
+        self.free(request_id)  # a retried request is re-booked, not counted twice
         worker_ids = self.not_busy(worker_ids)
         hashes = compute_block_hashes(token_ids, self.block_size)
         scores = self._score_all(token_ids, hashes, worker_ids)
@@ -292,11 +302,21 @@ class KvScheduler:
         self.sequences.append_tokens(request_id, num_new_tokens)
 
     def free(self, request_id: str) -> bool:
-        """The request ended (finished, failed or cancelled): release its blocks."""
+        """The request ended (finished, failed or cancelled): release its blocks. One
+        that ended before its first output may never have computed its prompt, so the
+        blocks it brought stop counting as coming (unless a request still in flight
+        there holds them)."""
         worker_id = self.sequences.worker_of(request_id)
-        if worker_id is not None:
-            self._released_at[worker_id] = self._clock()
-        return self.sequences.free(request_id)
+        if worker_id is None:
+            return False
+        self._released_at[worker_id] = self._clock()
+        seqs = self.sequences.get(worker_id)
+        state = seqs.get(request_id) if seqs is not None else None
+        freed = self.sequences.free(request_id)
+        if seqs is not None and state is not None and state.prefill_pending:
+            brought = state.shared_hashes[state.overlap_blocks :]
+            self.anticipated.drop(worker_id, [h for h in brought if not seqs.pins(h)])
+        return freed
 
     def worker_spec(self, worker_id: int) -> KvWorkerSpec:
         """The worker's config; an unknown worker (no card yet) has no speculation."""
@@ -322,6 +342,8 @@ class KvScheduler:
             "busy_refusals": self.busy_refusals,
             "unique_blocks": self.indexer.num_unique_blocks(),
             "indexer": asdict(self.indexer.stats),
+            "kv_events": self.prediction.kv_events,
+            "anticipated": self.anticipated.stats(),
             "routing": total.as_dict(),
             "workers": {
                 f"{worker_id:016x}": self._worker_view(worker_id)
@@ -335,6 +357,7 @@ class KvScheduler:
             | set(self.indexer.workers())
             | set(self.sequences.workers())
             | set(self._metrics)
+            | set(self.anticipated.workers())
         )
 
     def _worker_view(self, worker_id: int) -> dict[str, Any]:
@@ -343,6 +366,7 @@ class KvScheduler:
         return {
             "worker_id": worker_id,
             "cached_blocks": self.indexer.block_count(worker_id),
+            "anticipated_blocks": self.anticipated.block_count(worker_id),
             "active_blocks": seqs.active_blocks if seqs is not None else 0,
             "active_requests": seqs.active_requests if seqs is not None else 0,
             "num_speculative_tokens": speculative_depth(self.worker_spec(worker_id).speculative),
@@ -387,16 +411,20 @@ class KvScheduler:
         if config.block_size != self.block_size:
             overlap = 0
             hashes = compute_block_hashes(token_ids, config.block_size)
+        cached = overlap
         # A prefix that a request in flight here is computing will be cached by the time
-        # this request is scheduled behind it: count it as overlap, or concurrent
-        # requests of one prefix would split over workers before its first event lands.
+        # this request is scheduled behind it, and one that a request routed here lately
+        # brought is probably cached though no event said so yet (or, without events,
+        # ever): count both as overlap, or requests of one prefix would split over
+        # workers in the window before its events land.
         overlap = max(overlap, seqs.pinned_prefix_blocks(hashes))
+        overlap = self.anticipated.extend_prefix(worker_id, hashes, overlap)
         request_blocks = num_blocks_spanned(len(token_ids), config.block_size)
         prefill_blocks = request_blocks - overlap
         active = seqs.potential_blocks(hashes, len(token_ids), k)
         active += self._unbooked_load(worker_id, seqs.active_blocks)
         cost = self.overlap_score_weight * prefill_blocks + active
-        return WorkerScore(worker_id, overlap, prefill_blocks, active, k, cost)
+        return WorkerScore(worker_id, overlap, prefill_blocks, active, k, cost, cached)
 
     def _recent_load(self, worker_id: int) -> LoadMetrics | None:
         """The worker's own last load report, unless it is older than the TTL."""
@@ -434,6 +462,9 @@ class KvScheduler:
             overlap_blocks=best.overlap_blocks,
             num_speculative_tokens=best.num_speculative_tokens,
         )
+        # Everything the events have not reported there yet will be (or stays) cached:
+        # refreshed on every use, so without events a prefix in use does not expire.
+        self.anticipated.add(best.worker_id, hashes[best.cached_blocks :])
 
 
 RouterInput = RouterEvent | LoadMetrics | ModelCard
@@ -574,6 +605,7 @@ def build_kv_router(
     sources: Sequence[AsyncIterable[RouterInput]] = (),
     rng: random.Random | None = None,
     busy: BusyThresholds | None = None,
+    prediction: CachePrediction | None = None,
 ) -> KvRouter:
     """A `KvRouter` for the model of `card` (its block size; the card's worker is known
     at once). Must run inside an event loop when `sources` are given."""
@@ -585,6 +617,7 @@ def build_kv_router(
         temperature=temperature,
         rng=rng,
         busy=busy,
+        prediction=prediction,
     )
     router = KvRouter(scheduler)
     router.update_card(card)
