@@ -17,7 +17,7 @@ from dynamo.llm.kv_router.anticipation import (
 )
 from dynamo.llm.kv_router.hashing import compute_block_hashes
 from dynamo.llm.kv_router.scheduler import KvScheduler
-from dynamo.llm.protocols import KvBlockStored, RouterEvent
+from dynamo.llm.protocols import KvAllCleared, KvBlockStored, RouterEvent
 from dynamo.testing.clocks import FakeClock
 
 B = BLOCK_SIZE
@@ -148,6 +148,14 @@ def test_confirmed_blocks_are_not_written_down_again() -> None:
     s.apply_event(RouterEvent(1, 0, KvBlockStored(block_hashes=hashes)))
     assert s.schedule("a", prompt(2), [1, 2]).worker_id == 1
     assert s.anticipated.block_count(1) == 0
+
+
+def test_a_cleared_cache_keeps_nothing_anticipated() -> None:
+    clock = FakeClock()
+    s = scheduler(clock)
+    worker = s.schedule("a", prompt(1), [1, 2]).worker_id
+    s.apply_event(RouterEvent(worker, 0, KvAllCleared()))
+    assert s.anticipated.block_count(worker) == 0
 
 
 def test_remove_worker_forgets_its_anticipation() -> None:

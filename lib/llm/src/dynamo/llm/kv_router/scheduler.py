@@ -45,6 +45,7 @@ from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.hashing import compute_block_hashes, num_blocks_spanned
 from dynamo.llm.kv_router.indexer import KvIndexer
 from dynamo.llm.protocols import (
+    KvAllCleared,
     KvBlockStored,
     LLMEngineOutput,
     LoadMetrics,
@@ -233,10 +234,13 @@ class KvScheduler:
 
     def apply_event(self, event: RouterEvent) -> None:
         """A worker's KV cache event (from its relay). Stored blocks the router was
-        anticipating there are confirmed: the index holds them from now on."""
+        anticipating there are confirmed: the index holds them from now on; a cleared
+        cache keeps nothing that was anticipated either."""
         self.indexer.apply(event)
         if isinstance(event.data, KvBlockStored):
             self.anticipated.confirm(event.worker_id, event.data.block_hashes)
+        elif isinstance(event.data, KvAllCleared):
+            self.anticipated.remove_worker(event.worker_id)
 
     def update_load(self, metrics: LoadMetrics) -> None:
         """A worker's own load report; used while younger than the TTL."""
