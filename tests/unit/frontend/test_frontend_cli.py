@@ -16,7 +16,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (config.http_host, config.http_port, config.namespace) == ("0.0.0.0", 8000, "dynamo")
     assert config.nats_server == "nats://127.0.0.1:4222"
     assert config.router_mode is RouterMode.ROUND_ROBIN
-    assert (config.kv_overlap_score_weight, config.router_temperature) == (1.0, 0.0)
+    assert (config.kv_overlap_score_weight, config.router_temperature) == (2.0, 0.0)
 
 
 def test_nats_server_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,6 +36,7 @@ from dynamo.frontend.http_server import (
 from dynamo.frontend.reasoning import UnknownReasoningParser, check_reasoning_parser_name
 from dynamo.frontend.routing import RouterMode
 from dynamo.frontend.tool_calls import tool_parser_class
+from dynamo.llm.kv_router.scheduler import DEFAULT_OVERLAP_SCORE_WEIGHT
 from dynamo.runtime.cli import (
     ConfigError,
     fraction,
@@ -85,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--kv-overlap-score-weight",
         type=non_negative_float,
-        default=1.0,
+        default=DEFAULT_OVERLAP_SCORE_WEIGHT,
         help=(
             "kv mode: weight of the prompt blocks a worker would still have to prefill, "
             "against its active blocks, in the routing cost (higher favours cache hits, "

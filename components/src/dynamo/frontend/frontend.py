@@ -50,6 +50,7 @@ from dynamo.frontend.preprocessor import Preprocessor
 from dynamo.frontend.routing import RouterFactory, RouterMode, make_router_factory
 from dynamo.llm.kv_router.anticipation import CachePrediction
 from dynamo.llm.kv_router.busy import BusyThresholds
+from dynamo.llm.kv_router.scheduler import DEFAULT_OVERLAP_SCORE_WEIGHT
 from dynamo.llm.model_card import (
     CardAdded,
     CardEvent,
@@ -78,7 +79,7 @@ class FrontendConfig:
     nats_server: str = "nats://127.0.0.1:4222"
     nats_options: NatsConnectOptions | None = None  # None: the NATS_* variables
     router_mode: RouterMode = RouterMode.ROUND_ROBIN
-    kv_overlap_score_weight: float = 1.0
+    kv_overlap_score_weight: float = DEFAULT_OVERLAP_SCORE_WEIGHT
     router_temperature: float = 0.0
     busy_kv_usage: float | None = None  # kv mode: a worker this full is skipped (None: off)
     busy_waiting_requests: int | None = None  # kv mode: a worker with this queue is skipped

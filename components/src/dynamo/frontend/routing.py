@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from dynamo.llm.kv_router.anticipation import CachePrediction
 from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.nats_feed import create_kv_router
+from dynamo.llm.kv_router.scheduler import DEFAULT_OVERLAP_SCORE_WEIGHT
 from dynamo.llm.protocols import ModelCard
 from dynamo.llm.router import RandomRouter, RoundRobinRouter, Router
 from dynamo.runtime import Client, DistributedRuntime
@@ -38,7 +39,7 @@ def make_router_factory(
     mode: RouterMode,
     runtime: DistributedRuntime,
     *,
-    kv_overlap_score_weight: float = 1.0,
+    kv_overlap_score_weight: float = DEFAULT_OVERLAP_SCORE_WEIGHT,
     router_temperature: float = 0.0,
     busy: BusyThresholds | None = None,
     prediction: CachePrediction | None = None,

@@ -38,7 +38,11 @@ from dynamo.llm.kv_router.anticipation import CachePrediction
 from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.membership import DEFAULT_GRACE_S, WorkerMembership
 from dynamo.llm.kv_router.publisher import kv_events_stream
-from dynamo.llm.kv_router.scheduler import KvRouter, build_kv_router
+from dynamo.llm.kv_router.scheduler import (
+    DEFAULT_OVERLAP_SCORE_WEIGHT,
+    KvRouter,
+    build_kv_router,
+)
 from dynamo.llm.kv_router.subjects import (
     instance_of_subject,
     kv_events_filter,
@@ -259,7 +263,7 @@ async def create_kv_router(
     card: ModelCard,
     client: Client,
     *,
-    overlap_score_weight: float = 1.0,
+    overlap_score_weight: float = DEFAULT_OVERLAP_SCORE_WEIGHT,
     temperature: float = 0.0,
     replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
     grace_s: float = DEFAULT_GRACE_S,
