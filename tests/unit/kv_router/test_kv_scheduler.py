@@ -13,6 +13,7 @@ from kv_cards import BLOCK_SIZE, worker_card
 
 from dynamo.llm.kv_router.hashing import compute_block_hashes
 from dynamo.llm.kv_router.scheduler import (
+    DEFAULT_OVERLAP_SCORE_WEIGHT,
     KvScheduler,
     KvWorkerSpec,
     WorkerScore,
@@ -123,6 +124,23 @@ def test_overlap_weight_trades_cache_hits_for_balance() -> None:
     scheduler.free("x")
     scheduler.overlap_score_weight = 5.0  # worker 1: 16, worker 2: 24 -> cache wins
     assert scheduler.schedule("y", PROMPT, [1, 2]).worker_id == 1
+
+
+def test_the_default_weight_keeps_a_tenant_on_its_home_worker_busy_with_another() -> None:
+    """The case behind the default of 2.0: a tenant's home worker runs one request of
+    another tenant, a second worker is idle. Home: 1 block to prefill, 18 active (9 of
+    the other request, 9 of this one): w + 18. Idle: 9 blocks to prefill, 9 active:
+    9w + 9. At w = 1 the idle worker wins (18 < 19) and the prefix is computed a second
+    time, evicting some other tenant's; at 2.0 the home wins (20 < 27)."""
+    home = [70_000 + t for t in range(8 * B)]
+    other = [80_000 + t for t in range(8 * B)]
+    for weight, expected in ((1.0, 2), (DEFAULT_OVERLAP_SCORE_WEIGHT, 1)):
+        scheduler = KvScheduler(B, overlap_score_weight=weight, rng=random.Random(0))
+        cache_on(scheduler, 1, home)
+        scheduler.schedule("other", [*other, 5], [1])
+        scores = {s.worker_id: s.cost for s in scheduler.score([*home, 6], [1, 2])}
+        assert scores == {1: 1 * weight + 18, 2: 9 * weight + 9}
+        assert scheduler.schedule("mine", [*home, 6], [1, 2]).worker_id == expected
 
 
 def test_ties_are_broken_at_random() -> None:
