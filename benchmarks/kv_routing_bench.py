@@ -22,7 +22,8 @@ caches. By default each worker's KV cache is capped at 256 blocks (`--kv-blocks`
 no cap): room for about half the tenants' prefixes, as in a shared cluster. Round-robin
 then thrashes while kv keeps each prefix on one worker. With one request in flight
 (`--concurrency 1`, the default) kv can follow every prefix; with two, it also weighs
-load (`--kv-overlap-score-weight`) and gives up some hits to use the idle worker.
+load (`--kv-overlap-score-weight`): at 1.0 it gave up some hits to use the idle worker,
+at the default 2.0 it keeps a prefix's worker while that one runs at most one more.
 
     .venv/bin/python benchmarks/kv_routing_bench.py [--groups 8] [--per-group 12]
         [--prefix-tokens 1000] [--kv-blocks N]
@@ -35,6 +36,44 @@ only when `--out` is given).
 cache too small for every prefix on every worker, round-robin thrashes while kv keeps
 each prefix on one worker. Logs go to a temporary directory that is printed (kept with
 `--keep-logs`, or on failure).
+
+Mocker scale (`--mocker`): the same kind of workload at cluster scale on simulated
+workers. By default 24 tenants, each a distinct shared prefix of 800 tokens (`--groups`,
+`--prefix-tokens`, counted with the model's tokenizer), 12 questions each, in one seeded
+shuffled order, streamed through `/v1/completions` (16 tokens each) with 16 and then 64
+requests in flight (`--concurrency 16,64`), to 16 simulated workers (one `python -m
+dynamo.mocker --num-workers 16` process, `--workers`) whose KV caches hold about 9 of the
+prompts each (`--worker-prefixes`; `--kv-blocks` sets the blocks directly), 32-token blocks,
+real step times (`--speed-up 1`). Each configuration of `--configs` runs at each
+concurrency on a fresh mocker and frontend (cold caches, a fresh router), `--repeats 3`
+times, the runs interleaved (a run takes seconds, so one alone is noisy: +-0.04 in hit
+rate between runs):
+
+    kv              our frontend, --router-mode kv (KV events)
+    kv-no-events    our frontend --router-mode kv --no-kv-events, workers publishing none
+    round-robin     our frontend, --router-mode round-robin (also: random)
+    dynamo          the reference: ai-dynamo 1.6.1's frontend --router-mode kv and its own
+                    mocker with the same shape (benchmarks/dynamo_reference.py installs it
+                    into ~/.cache/dynamo-bench/ on first use; if that fails the run says
+                    why in one line and measures ours only)
+
+A configuration takes extra frontend flags after a colon, e.g. `--configs
+'kv,kv:--kv-overlap-score-weight=2,dynamo:--router-kv-overlap-score-credit=2'`;
+`--frontend-arg=FLAG` (repeatable) goes to all of ours, `--mocker-arg` to our mocker,
+`--reference-arg` to Dynamo's frontend.
+
+Reported per configuration and concurrency: the prefix hit rate the workers saw (cached
+prompt tokens / prompt tokens, from every response's `usage.prompt_tokens_details`;
+ours is cross-checked against the mocker's `/metrics`), the best possible hit rate (as
+above), their ratio, the ratio to Dynamo's at the same concurrency, TTFT p50 / p90 (the
+two mockers' step-time models differ: compare TTFT within a stack), and the router's
+predicted hit rate (ours: `GET /debug/kv`; Dynamo: each response's
+`nvext.timing.kv_hit_rate`): the mean over the runs, with the hit rate's range. Full
+runs write benchmarks/results/kv_routing_mocker.json (per run, without the requests'
+numbers unless `--samples`).
+
+    .venv/bin/python benchmarks/kv_routing_bench.py --mocker       # about 3 minutes
+    .venv/bin/python benchmarks/kv_routing_bench.py --mocker --quick  # under a minute
 """
 
 from __future__ import annotations
@@ -43,21 +82,26 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
+import re
+import shlex
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from dynamo.llm.kv_router.scheduler import DEFAULT_OVERLAP_SCORE_WEIGHT
 from dynamo.llm.models import resolve_model
 from dynamo.runtime import DistributedRuntime
-from dynamo.testing.http import fetch_json
+from dynamo.runtime.nats_server import free_port
+from dynamo.testing.http import fetch_json, http_get, metric_values
 from dynamo.testing.processes import (
     FrontendProcess,
     ManagedProcess,
@@ -65,7 +109,16 @@ from dynamo.testing.processes import (
     wait_for_instances,
     worker_argv,
 )
+from dynamo_reference import (
+    DEFAULT_VENV,
+    MockerShape,
+    Reference,
+    ReferenceUnavailable,
+    ensure_reference,
+    reference_stack,
+)
 from harness import (
+    FAILURES,
     RESULTS_DIR,
     ROOT,
     BenchError,
@@ -328,7 +381,7 @@ async def router_view(base: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- measure
 
 
-def summarise(samples: list[Sample]) -> dict[str, float]:
+def summarise(samples: Sequence[Sample | CompletionSample]) -> dict[str, float]:
     """TTFT and latency percentiles and the hit rate the workers reported."""
     ttfts = [s.ttft_s for s in samples]
     prompt = sum(s.prompt_tokens for s in samples)
@@ -438,39 +491,860 @@ def render_summary(report: dict[str, Any]) -> str:
     return format_table(["metric", "kv", "round-robin", "target", "met"], rows, "<>><<")
 
 
+# --------------------------------------------------------------------------- mocker scale
+
+
+MOCKER_RESULTS = RESULTS_DIR / "kv_routing_mocker.json"
+MOCKER_CONFIGS = "kv,kv-no-events,round-robin,dynamo"
+# (tenants, questions each, workers, prompts one worker's cache holds, concurrencies,
+# runs of each configuration)
+MOCKER_FULL = (24, 12, 16, 9.0, (16, 64), 3)
+MOCKER_QUICK = (8, 6, 4, 3.0, (4, 16), 1)
+MOCKER_PREFIX_TOKENS = 800
+MOCKER_MAX_MODEL_LEN = 2048
+MOCKER_START_TIMEOUT_S = 120.0
+# The options of the mocker mode only: refused without --mocker.
+MOCKER_ONLY = (
+    "configs",
+    "workers",
+    "worker_prefixes",
+    "speed_up",
+    "frontend_arg",
+    "mocker_arg",
+    "reference_arg",
+    "reference_venv",
+    "repeats",
+    "samples",
+)
+
+REFERENCE = "dynamo"
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+# Per preset: the frontend's flags and our mocker's flags (the reference's mocker has none).
+PRESETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "kv": (("--router-mode", "kv"), ()),
+    "kv-no-events": (("--router-mode", "kv", "--no-kv-events"), ("--no-kv-events",)),
+    "round-robin": (("--router-mode", "round-robin"), ()),
+    "random": (("--router-mode", "random"), ()),
+    REFERENCE: (("--router-mode", "kv"), ()),
+}
+
+HIT_RATE_SOURCES = {
+    "ours": "usage.prompt_tokens_details.cached_tokens of each response: the prefix-cache "
+    "hit our mocker found when it first admitted the request (cross-checked: "
+    "dynamo_worker_cached_prompt_tokens / dynamo_worker_prompt_tokens on its /metrics)",
+    REFERENCE: "usage.prompt_tokens_details.cached_tokens of each response, which Dynamo's "
+    "frontend passes on from its mocker (a worker-side count: with --router-mode round-robin "
+    "a prompt's first request reports 0, a repeat on the same worker its full blocks)",
+}
+PREDICTED_SOURCES = {
+    "ours": "GET /debug/kv routing: overlap blocks / prompt blocks of the requests routed",
+    REFERENCE: "nvext.timing.kv_hit_rate of each response (the KV router's overlap / prompt "
+    "blocks for that request), weighted by prompt tokens",
+}
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """One configuration of `--configs`: a preset and extra frontend flags."""
+
+    label: str
+    preset: str
+    flags: tuple[str, ...] = ()
+
+    @property
+    def reference(self) -> bool:
+        return self.preset == REFERENCE
+
+
+def parse_configs(text: str) -> list[StackConfig]:
+    """`PRESET[:FLAGS]` items separated by commas (FLAGS split like a shell would)."""
+    configs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        preset, _, flags = item.partition(":")
+        if preset not in PRESETS:
+            raise ValueError(f"--configs: unknown preset {preset!r} (known: {', '.join(PRESETS)})")
+        configs.append(StackConfig(item, preset, tuple(shlex.split(flags))))
+    if not configs:
+        raise ValueError("--configs: no configuration")
+    if len({c.label for c in configs}) != len(configs):
+        raise ValueError("--configs: a configuration is named twice")
+    return configs
+
+
+def mocker_defaults(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> argparse.Namespace:
+    """Fill the mocker mode's defaults (full or quick shape) and parse its lists."""
+    tenants, per_tenant, workers, prefixes, concurrency, repeats = (
+        MOCKER_QUICK if args.quick else MOCKER_FULL
+    )
+    defaults = {
+        "groups": tenants,
+        "per_group": per_tenant,
+        "prefix_tokens": MOCKER_PREFIX_TOKENS,
+        "workers": workers,
+        "worker_prefixes": prefixes,
+        "speed_up": 1.0,
+        "max_model_len": MOCKER_MAX_MODEL_LEN,
+        "reference_venv": DEFAULT_VENV,
+        "frontend_arg": [],
+        "mocker_arg": [],
+        "reference_arg": [],
+        "repeats": repeats,
+        "samples": False,
+    }
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    try:
+        args.concurrency = (
+            [int(c) for c in args.concurrency.split(",") if c.strip()]
+            if args.concurrency
+            else list(concurrency)
+        )
+        args.configs = parse_configs(args.configs or MOCKER_CONFIGS)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not args.concurrency or min(args.concurrency) < 1:
+        parser.error("--concurrency: positive numbers, e.g. 16,64")
+    if args.repeats < 1:
+        parser.error("--repeats: at least 1")
+    if args.out is None and not args.quick:
+        args.out = MOCKER_RESULTS
+    return args
+
+
+# ------------------------------------------------------------------ mocker: workload
+
+
+def fitted_system_prompt(group: int, tokens: int, count: Callable[[str], int]) -> str:
+    """`system_prompt(group, ...)` with as many records as fit in `tokens` tokens by
+    `count` (the model's tokenizer): a first guess in proportion, then one record fewer
+    at a time."""
+    text = system_prompt(group, tokens)
+    budget = max(14, tokens * tokens // max(1, count(text)) + 28)
+    text = system_prompt(group, budget)
+    while count(text) > tokens and budget > 14:
+        budget -= 14  # system_prompt puts one record per 14 tokens of its budget
+        text = system_prompt(group, budget)
+    return text
+
+
+def completion_prompt(request: Request) -> str:
+    """A request's `/v1/completions` prompt: the tenant's prefix, then its question."""
+    return f"{request.system}\n\n{request.question}\nAnswer:"
+
+
+@dataclass(frozen=True)
+class MockerWorkload:
+    """The requests in sending order, their prompts, and the prompts' token ids."""
+
+    requests: list[Request]
+    prompts: list[str]
+    token_ids: list[list[int]]
+    prefix_tokens: list[int]  # per tenant
+
+
+def build_mocker_workload(args: argparse.Namespace) -> MockerWorkload:
+    """`--groups` tenants of `--prefix-tokens` shared tokens, `--per-group` questions each,
+    shuffled with `--seed`; tokenized as the frontends do for `/v1/completions`."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(MODEL)), local_files_only=True)
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=True))
+
+    systems = [fitted_system_prompt(g, args.prefix_tokens, count) for g in range(args.groups)]
+    requests = [
+        Request(g, question(g, q), systems[g])
+        for g in range(args.groups)
+        for q in range(args.per_group)
+    ]
+    random.Random(args.seed).shuffle(requests)
+    prompts = [completion_prompt(r) for r in requests]
+    ids = [list(tokenizer.encode(p, add_special_tokens=True)) for p in prompts]
+    return MockerWorkload(requests, prompts, ids, [count(s) for s in systems])
+
+
+def mocker_shape(args: argparse.Namespace, workload: MockerWorkload) -> MockerShape:
+    """Both mockers' shape; the KV cache holds `--worker-prefixes` average prompts unless
+    `--kv-blocks` says otherwise."""
+    mean_len = statistics.fmean(len(ids) for ids in workload.token_ids)
+    kv_blocks = args.kv_blocks or math.ceil(args.worker_prefixes * math.ceil(mean_len / BLOCK_SIZE))
+    longest = max(len(ids) for ids in workload.token_ids) + args.max_tokens
+    if longest > args.max_model_len:
+        raise BenchError(f"a prompt + --max-tokens is {longest} tokens, > --max-model-len")
+    if kv_blocks * BLOCK_SIZE < args.max_model_len:
+        raise BenchError(
+            f"{kv_blocks} KV blocks of {BLOCK_SIZE} cannot hold one --max-model-len "
+            f"({args.max_model_len}) request, which our mocker requires: lower --max-model-len"
+        )
+    return MockerShape(args.workers, BLOCK_SIZE, kv_blocks, args.max_model_len, args.speed_up)
+
+
+# ------------------------------------------------------------------ mocker: requests
+
+
+@dataclass
+class CompletionSample:
+    """What one streamed `/v1/completions` request measured."""
+
+    group: int
+    ttft_s: float
+    latency_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    predicted_hit_rate: float | None = None  # Dynamo's nvext.timing.kv_hit_rate
+
+
+async def run_completion(
+    session: aiohttp.ClientSession,
+    base: str,
+    group: int,
+    prompt: str,
+    max_tokens: int,
+    timing: bool,
+) -> CompletionSample:
+    """One streamed completion; TTFT is the arrival of the first chunk with text.
+    `timing` asks Dynamo's frontend for its routing figures (`nvext`)."""
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if timing:
+        body["nvext"] = {"extra_fields": ["timing"]}
+    start = time.perf_counter()
+    ttft = None
+    usage: dict[str, Any] = {}
+    predicted = None
+    async with session.post(f"{base}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise BenchError(
+                f"POST {base}/v1/completions: {resp.status} {(await resp.text())[:300]}"
+            )
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise BenchError(f"{base}: error in the stream: {str(chunk['error'])[:300]}")
+            if ttft is None and any(c.get("text") for c in chunk.get("choices") or []):
+                ttft = time.perf_counter() - start
+            usage = chunk.get("usage") or usage
+            hit = ((chunk.get("nvext") or {}).get("timing") or {}).get("kv_hit_rate")
+            predicted = float(hit) if hit is not None else predicted
+    latency = time.perf_counter() - start
+    details = usage.get("prompt_tokens_details") or {}
+    return CompletionSample(
+        group=group,
+        ttft_s=ttft if ttft is not None else latency,
+        latency_s=latency,
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        cached_tokens=int(details.get("cached_tokens") or 0),
+        predicted_hit_rate=predicted,
+    )
+
+
+async def run_completions(
+    base: str,
+    requests: Sequence[tuple[int, str]],
+    concurrency: int,
+    max_tokens: int,
+    timing: bool,
+) -> list[CompletionSample]:
+    """`(group, prompt)` requests in order, `concurrency` in flight."""
+    gate = asyncio.Semaphore(concurrency)
+    connector = aiohttp.TCPConnector(limit=max(100, concurrency))
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=600), connector=connector
+    ) as session:
+
+        async def one(group: int, prompt: str) -> CompletionSample:
+            async with gate:
+                return await run_completion(session, base, group, prompt, max_tokens, timing)
+
+        return list(await asyncio.gather(*(one(g, p) for g, p in requests)))
+
+
+def mocker_token_counts(metrics_url: str) -> tuple[float, float]:
+    """(prompt tokens, cached prompt tokens) our mocker's workers counted so far."""
+    _, text = http_get(metrics_url)
+
+    def total(name: str) -> float:
+        return sum(metric_values(text, f"{name}_total") or metric_values(text, name))
+
+    return total("dynamo_worker_prompt_tokens"), total("dynamo_worker_cached_prompt_tokens")
+
+
+async def our_routing(base: str, key: str) -> dict[str, int] | None:
+    """Our kv router's tally for the workers' endpoint (None: not a kv router)."""
+    try:
+        view = (await fetch_json(f"{base}/debug/kv"))["models"][MODEL][key]
+    except (KeyError, TypeError, aiohttp.ClientError):
+        return None
+    return view.get("routing")
+
+
+@dataclass
+class PhaseProbe:
+    """Where a phase reads its extra figures: our mocker's metrics, our router's state."""
+
+    metrics_url: str | None = None
+    router_key: str | None = None
+    timing: bool = False  # ask for Dynamo's nvext timing
+
+
+async def measure_phase(
+    base: str,
+    workload: MockerWorkload,
+    concurrency: int,
+    max_tokens: int,
+    probe: PhaseProbe,
+) -> dict[str, Any]:
+    """Warm the frontend up (two short prompts), then the workload; its summary with the
+    metrics' and the router's hit rates over the workload alone."""
+    warmup = [(-1, f"Warm-up {i}.") for i in range(2)]
+    await run_completions(base, warmup, 2, 2, probe.timing)
+    metrics_before = mocker_token_counts(probe.metrics_url) if probe.metrics_url else None
+    routing_before = await our_routing(base, probe.router_key) if probe.router_key else None
+    began = time.perf_counter()
+    requests = [(r.group, p) for r, p in zip(workload.requests, workload.prompts, strict=True)]
+    samples = await run_completions(base, requests, concurrency, max_tokens, probe.timing)
+    wall = time.perf_counter() - began
+    result: dict[str, Any] = summarise(samples) | {"wall_s": round(wall, 2)}
+    result["metrics_hit_rate"] = None
+    if metrics_before is not None and probe.metrics_url:
+        prompt, cached = (
+            after - before
+            for after, before in zip(
+                mocker_token_counts(probe.metrics_url), metrics_before, strict=True
+            )
+        )
+        result["metrics_hit_rate"] = round(cached / prompt, 4) if prompt else None
+    result["router_predicted_hit_rate"] = None
+    routing_after = await our_routing(base, probe.router_key) if probe.router_key else None
+    if routing_before is not None and routing_after is not None:
+        blocks = routing_after["request_blocks"] - routing_before["request_blocks"]
+        overlap = routing_after["overlap_blocks"] - routing_before["overlap_blocks"]
+        result["router_predicted_hit_rate"] = round(overlap / blocks, 4) if blocks else None
+    predicted = [(s.predicted_hit_rate, s.prompt_tokens) for s in samples]
+    if probe.timing and all(p is not None for p, _ in predicted):
+        weight = sum(n for _, n in predicted)
+        if weight:
+            value = sum(p * n for p, n in predicted if p is not None) / weight
+            result["router_predicted_hit_rate"] = round(value, 4)
+    seen: set[int] = set()
+    repeat_misses = 0
+    for sample in samples:  # in sending order
+        repeat_misses += sample.group in seen and sample.cached_tokens == 0
+        seen.add(sample.group)
+    result["repeat_misses"] = repeat_misses
+    result["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
+    result["samples"] = [asdict(s) for s in samples]
+    return result
+
+
+# ------------------------------------------------------------------ mocker: stacks
+
+
+@contextlib.contextmanager
+def our_stack(
+    args: argparse.Namespace,
+    config: StackConfig,
+    shape: MockerShape,
+    *,
+    nats_url: str,
+    namespace: str,
+    logs: Path,
+) -> Iterator[tuple[str, PhaseProbe, list[str], list[str]]]:
+    """One `python -m dynamo.mocker --num-workers N` process and one frontend of ours, in
+    `namespace`, until the frontend lists every worker; yields its base URL, the phase's
+    probes, and the frontend's and mocker's extra flags."""
+    frontend_flags, mocker_flags = (list(f) for f in PRESETS[config.preset])
+    if args.kv_overlap_score_weight is not None and config.preset.startswith("kv"):
+        frontend_flags += ["--kv-overlap-score-weight", str(args.kv_overlap_score_weight)]
+    frontend_flags += [*args.frontend_arg, *config.flags]
+    mocker_flags += args.mocker_arg
+    metrics_port = free_port()
+    argv = [
+        sys.executable, "-m", "dynamo.mocker",
+        "--model", MODEL,
+        "--namespace", namespace,
+        "--nats-server", nats_url,
+        "--num-workers", str(shape.workers),
+        "--block-size", str(shape.block_size),
+        "--num-gpu-blocks", str(shape.kv_blocks),
+        "--max-model-len", str(shape.max_model_len),
+        "--speed-up", str(shape.speed_up),
+        "--system-port", str(metrics_port),
+        *mocker_flags,
+    ]  # fmt: skip
+    with running([]) as procs:
+        procs.append(ManagedProcess(f"{namespace}-mocker", argv, logs, cwd=ROOT))
+        frontend = FrontendProcess(
+            f"{namespace}-frontend",
+            nats_url,
+            logs,
+            namespace=namespace,
+            extra=frontend_flags,
+            cwd=ROOT,
+        )
+        procs.append(frontend)
+        wait_for_instances(
+            frontend.base_url, MODEL, shape.workers, procs, timeout=MOCKER_START_TIMEOUT_S
+        )
+        probe = PhaseProbe(
+            metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+            router_key=f"{namespace}/{COMPONENT}/generate",  # None from a router without state
+        )
+        yield frontend.base_url, probe, frontend_flags, mocker_flags
+
+
+def run_mocker_phase(
+    args: argparse.Namespace,
+    config: StackConfig,
+    concurrency: int,
+    shape: MockerShape,
+    workload: MockerWorkload,
+    *,
+    index: int,
+    logs: Path,
+    nats_url: str | None,
+    reference: Reference | None,
+) -> dict[str, Any]:
+    """One configuration at one concurrency on a fresh stack (cold caches)."""
+    namespace = f"kvm{index}"
+    began = time.perf_counter()
+    record: dict[str, Any] = {
+        "config": config.label,
+        "stack": REFERENCE if config.reference else "ours",
+        "concurrency": concurrency,
+    }
+    if config.reference:
+        assert reference is not None
+        frontend_flags = [*PRESETS[REFERENCE][0], *args.reference_arg, *config.flags]
+        record |= {"frontend_flags": frontend_flags, "mocker_flags": []}
+        with reference_stack(
+            reference,
+            Path(resolve_model(MODEL)),
+            MODEL,
+            shape,
+            namespace=namespace,
+            log_dir=logs,
+            frontend_args=frontend_flags,
+            timeout=MOCKER_START_TIMEOUT_S,
+        ) as base:
+            record["start_s"] = round(time.perf_counter() - began, 1)
+            probe = PhaseProbe(timing=True)
+            record |= asyncio.run(
+                measure_phase(base, workload, concurrency, args.max_tokens, probe)
+            )
+        return record
+    assert nats_url is not None
+    with our_stack(args, config, shape, nats_url=nats_url, namespace=namespace, logs=logs) as (
+        base,
+        probe,
+        frontend_flags,
+        mocker_flags,
+    ):
+        record |= {"frontend_flags": frontend_flags, "mocker_flags": mocker_flags}
+        record["start_s"] = round(time.perf_counter() - began, 1)
+        record |= asyncio.run(measure_phase(base, workload, concurrency, args.max_tokens, probe))
+    return record
+
+
+def phase_line(phase: dict[str, Any], best: float) -> str:
+    """One progress line per phase."""
+    head = f"{phase['config']:>28} C={phase['concurrency']:<3} run {phase['repeat'] + 1}"
+    if "error" in phase:
+        return f"{head} FAILED: {phase['error']}"
+    predicted = phase["router_predicted_hit_rate"]
+    return (
+        f"{head} hit rate {phase['prefix_cache_hit_rate']:.3f} "
+        f"({phase['prefix_cache_hit_rate'] / best:.2f} of best), router predicted "
+        f"{'-' if predicted is None else f'{predicted:.3f}'}, TTFT p50 "
+        f"{phase['ttft_p50_ms']:.0f} ms p90 {phase['ttft_p90_ms']:.0f} ms; "
+        f"{phase['wall_s']:.1f}s (+{phase['start_s']:.0f}s start)"
+    )
+
+
+def summarise_runs(phases: Sequence[dict[str, Any]], best: float) -> list[dict[str, Any]]:
+    """Per configuration and concurrency, over its runs: mean hit rate (and range), its
+    ratio to the best possible and to Dynamo's at the same concurrency, mean router
+    prediction, TTFT percentiles over every request of every run, mean wall time."""
+    grouped: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for phase in phases:
+        grouped.setdefault((phase["config"], phase["concurrency"]), []).append(phase)
+    summary = []
+    for (label, concurrency), runs in grouped.items():
+        ok = [p for p in runs if "error" not in p]
+        entry: dict[str, Any] = {
+            "config": label,
+            "stack": runs[0]["stack"],
+            "concurrency": concurrency,
+            "runs": len(ok),
+            "failed_runs": len(runs) - len(ok),
+        }
+        if ok:
+            hits = [p["prefix_cache_hit_rate"] for p in ok]
+            predicted = [
+                p["router_predicted_hit_rate"]
+                for p in ok
+                if p["router_predicted_hit_rate"] is not None
+            ]
+            ttfts = [s["ttft_s"] for p in ok for s in p["samples"]]
+            entry |= {
+                "hit_rate": round(statistics.fmean(hits), 4),
+                "hit_rate_min": min(hits),
+                "hit_rate_max": max(hits),
+                "hit_rate_over_best": round(statistics.fmean(hits) / best, 4),
+                "router_predicted_hit_rate": (
+                    round(statistics.fmean(predicted), 4) if predicted else None
+                ),
+                "repeat_misses": round(statistics.fmean(p["repeat_misses"] for p in ok), 1),
+                "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1),
+                "ttft_p90_ms": round(percentile(ttfts, 0.9) * 1000, 1),
+                "wall_s": round(statistics.fmean(p["wall_s"] for p in ok), 2),
+            }
+        summary.append(entry)
+    reference = {
+        e["concurrency"]: e["hit_rate"] for e in summary if e["stack"] == REFERENCE and e["runs"]
+    }
+    for entry in summary:
+        ref = reference.get(entry["concurrency"])
+        hit = entry.get("hit_rate")
+        entry["hit_rate_over_dynamo"] = round(hit / ref, 4) if hit is not None and ref else None
+    return summary
+
+
+def render_mocker_table(summary: Sequence[dict[str, Any]]) -> str:
+    """The summary: hit rate (and its range over the runs), against the best possible and
+    against Dynamo's at the same concurrency, router prediction, TTFT."""
+    rows = []
+    for entry in summary:
+        head = [entry["config"], str(entry["concurrency"])]
+        if not entry["runs"]:
+            rows.append([*head, "failed", *[""] * 7])
+            continue
+        low, high = entry["hit_rate_min"], entry["hit_rate_max"]
+        versus = entry["hit_rate_over_dynamo"]
+        predicted = entry["router_predicted_hit_rate"]
+        rows.append(
+            [
+                *head,
+                f"{entry['hit_rate']:.3f}",
+                f"{low:.3f}-{high:.3f}" if entry["runs"] > 1 else "",
+                f"{entry['hit_rate_over_best']:.3f}",
+                "-" if versus is None else f"{versus:.3f}",
+                "-" if predicted is None else f"{predicted:.3f}",
+                f"{entry['ttft_p50_ms']:.0f}",
+                f"{entry['ttft_p90_ms']:.0f}",
+                f"{entry['wall_s']:.1f}",
+            ]
+        )
+    headers = [
+        "config",
+        "C",
+        "hit rate",
+        "range",
+        "hit/best",
+        "hit/dynamo",
+        "predicted",
+        "TTFT p50 ms",
+        "TTFT p90 ms",
+        "wall s",
+    ]
+    return format_table(headers, rows)
+
+
+def run_mocker(args: argparse.Namespace) -> int:
+    """Build the workload, install the reference if asked for, measure every
+    configuration at every concurrency, print the table and write the report."""
+    run_began = time.perf_counter()
+    workload = build_mocker_workload(args)
+    shape = mocker_shape(args, workload)
+    best = best_possible_hit_rate(workload.token_ids, BLOCK_SIZE)
+    best_rr = best_possible_hit_rate(workload.token_ids, BLOCK_SIZE, workers=shape.workers)
+    mean_len = statistics.fmean(len(ids) for ids in workload.token_ids)
+    print(
+        f"{len(workload.requests)} requests ({args.groups} tenants x {args.per_group}), "
+        f"~{statistics.fmean(workload.prefix_tokens):.0f}-token prefixes, ~{mean_len:.0f} "
+        f"prompt tokens each; {shape.workers} workers of {shape.kv_blocks} blocks of "
+        f"{BLOCK_SIZE} (~{shape.kv_blocks * BLOCK_SIZE / mean_len:.1f} prompts each), "
+        f"speed-up {shape.speed_up:g}; best possible hit rate {best:.3f} (round-robin, "
+        f"unbounded caches: {best_rr:.3f})",
+        file=sys.stderr,
+        flush=True,
+    )
+    configs: list[StackConfig] = args.configs
+    reference: Reference | None = None
+    reference_info: dict[str, Any] = {"requested": any(c.reference for c in configs)}
+    if reference_info["requested"]:
+        try:
+            reference = ensure_reference(args.reference_venv)
+        except ReferenceUnavailable as exc:
+            print(f"reference unavailable, measuring ours only: {exc}", file=sys.stderr)
+            reference_info["unavailable"] = str(exc)
+            configs = [c for c in configs if not c.reference]
+        else:
+            how = f"installed in {reference.install_s:.0f}s" if reference.install_s else "reused"
+            print(
+                f"reference: ai-dynamo {reference.version} in {args.reference_venv} ({how})",
+                file=sys.stderr,
+                flush=True,
+            )
+            reference_info |= {
+                "version": reference.version,
+                "venv": str(args.reference_venv),
+                "install_s": reference.install_s,
+            }
+    phases = []
+    with (
+        log_dir("kv-mocker-bench-", keep=args.keep_logs) as logs,
+        contextlib.ExitStack() as stack,
+    ):
+        print(f"logs in {logs}", file=sys.stderr, flush=True)
+        nats_url = None
+        if any(not c.reference for c in configs):
+            nats_url = stack.enter_context(nats_server(logs)).url
+        runs = [
+            (repeat, config, concurrency)
+            for repeat in range(args.repeats)
+            for config in configs
+            for concurrency in args.concurrency
+        ]
+        reference_failed = False
+        for repeat, config, concurrency in runs:
+            if config.reference and reference_failed:
+                continue  # one failure says enough; do not wait for it again
+            try:
+                phase = run_mocker_phase(
+                    args,
+                    config,
+                    concurrency,
+                    shape,
+                    workload,
+                    index=len(phases),
+                    logs=logs,
+                    nats_url=nats_url,
+                    reference=reference,
+                )
+            except (*FAILURES, aiohttp.ClientError, TimeoutError) as exc:
+                if not config.reference:
+                    raise
+                # The reference failing must not cost us our own numbers.
+                reference_failed = True
+                text = ANSI_ESCAPE.sub("", str(exc))  # Dynamo's logs are coloured
+                lines = [line.strip() for line in text.splitlines() if line.strip()]
+                reason = " ... ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else repr(exc)
+                phase = {
+                    "config": config.label,
+                    "stack": REFERENCE,
+                    "concurrency": concurrency,
+                    "error": reason[:400] + " (its later runs skipped)",
+                    "error_detail": text[-3000:],  # the log directory may be gone
+                }
+            phase["repeat"] = repeat
+            phases.append(phase)
+            print(phase_line(phase, best), file=sys.stderr, flush=True)
+    report = {
+        "mode": "mocker",
+        "config": {
+            key: (
+                str(value)
+                if isinstance(value, Path)
+                else [c.label for c in value]
+                if key == "configs"
+                else value
+            )
+            for key, value in vars(args).items()
+        },
+        **host_info(),
+        "workload": {
+            "requests": len(workload.requests),
+            "tenants": args.groups,
+            "per_tenant": args.per_group,
+            "prefix_tokens_mean": round(statistics.fmean(workload.prefix_tokens), 1),
+            "prompt_tokens_mean": round(mean_len, 1),
+            "expected_prompt_tokens": sum(len(ids) for ids in workload.token_ids),
+            "endpoint": "/v1/completions (streamed)",
+            "shape": asdict(shape),
+            "best_possible_hit_rate": round(best, 4),
+            "best_possible_hit_rate_round_robin": round(best_rr, 4),
+        },
+        "reference": reference_info,
+        "hit_rate_sources": HIT_RATE_SOURCES,
+        "router_predicted_sources": PREDICTED_SOURCES,
+        "summary": summarise_runs(phases, best),
+        "phases": phases,
+        "run_s": round(time.perf_counter() - run_began, 1),
+    }
+    if not args.samples:
+        for phase in phases:
+            phase.pop("samples", None)
+    save_report(args.out, report)
+    print(
+        f"\nmocker scale{' (quick run)' if args.quick else ''}: best possible hit rate "
+        f"{best:.3f}; {args.repeats} run(s) each, mean hit rate and range"
+    )
+    print(render_mocker_table(report["summary"]))
+    print("hit rate: cached prompt tokens / prompt tokens as the workers reported them:")
+    for stack_name in ("ours", REFERENCE):
+        if any(p["stack"] == stack_name for p in phases):
+            print(f"  {stack_name}: {HIT_RATE_SOURCES[stack_name]}")
+    checks = [
+        abs(p["metrics_hit_rate"] - p["prefix_cache_hit_rate"])
+        for p in phases
+        if p.get("metrics_hit_rate") is not None
+    ]
+    if checks:
+        print(f"  ours vs our mocker's /metrics: largest difference {max(checks):.4f}")
+    print("predicted: the router's own expectation:")
+    for stack_name in ("ours", REFERENCE):
+        if any(p["stack"] == stack_name for p in phases):
+            print(f"  {stack_name}: {PREDICTED_SOURCES[stack_name]}")
+    expected = report["workload"]["expected_prompt_tokens"]
+    for phase in phases:
+        if "error" not in phase and phase["prompt_tokens"] != expected:
+            print(
+                f"note: {phase['config']} C={phase['concurrency']} counted "
+                f"{phase['prompt_tokens']} prompt tokens, this script {expected}",
+                file=sys.stderr,
+            )
+    print(f"run time {report['run_s']:.0f}s", file=sys.stderr)
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line (see the module docstring); fills the quick or full shape."""
+    """The command line (see the module docstring); fills the quick or full shape of the
+    chosen mode. Options of the mocker mode are refused without `--mocker` (and absent from
+    the vLLM mode's report)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="4 groups x 6: a smoke run")
-    parser.add_argument("--groups", type=int, default=None, help="distinct shared prefixes (8)")
-    parser.add_argument("--per-group", type=int, default=None, help="requests per prefix (12)")
-    parser.add_argument("--prefix-tokens", type=int, default=1000, help="approx. prefix length")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 4 groups x 6")
     parser.add_argument(
-        "--concurrency", type=int, default=1, help="requests in flight (1; 2 loads both workers)"
+        "--groups", type=int, default=None, help="distinct shared prefixes (8; --mocker: 24)"
+    )
+    parser.add_argument("--per-group", type=int, default=None, help="requests per prefix (12)")
+    parser.add_argument(
+        "--prefix-tokens",
+        type=int,
+        default=None,
+        help="approx. prefix length (1000; --mocker: 800, tokenizer-counted)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        default=None,
+        help="requests in flight (1; 2 loads both workers; --mocker: a list, 16,64)",
     )
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
     parser.add_argument(
         "--kv-blocks",
         type=int,
-        default=DEFAULT_KV_BLOCKS,
-        help=f"cap each worker's KV cache in blocks (default {DEFAULT_KV_BLOCKS}; 0: no cap)",
+        default=None,
+        help=f"cap each worker's KV cache in blocks (default {DEFAULT_KV_BLOCKS}; 0: no cap; "
+        "--mocker: from --worker-prefixes)",
     )
     parser.add_argument(
-        "--kv-overlap-score-weight", type=float, default=1.0, help="the kv frontend's weight"
+        "--kv-overlap-score-weight",
+        type=float,
+        default=None,
+        help="the kv frontend's weight (the frontend's default, 2.0; --mocker: passed to our "
+        "kv configs when given)",
     )
-    parser.add_argument("--max-model-len", type=int, default=4096, help="per worker")
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="per worker (4096; --mocker: 2048)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="shuffle of the request order")
     parser.add_argument(
-        "--out", type=Path, default=None, help=f"the JSON report (default: {RESULTS})"
+        "--out",
+        type=Path,
+        default=None,
+        help=f"the JSON report (default: {RESULTS}; --mocker: {MOCKER_RESULTS})",
     )
     parser.add_argument("--keep-logs", action="store_true", help="keep the log directory")
+    mocker = parser.add_argument_group("mocker scale (--mocker)")
+    mocker.add_argument(
+        "--mocker", action="store_true", help="simulated workers at scale (see above)"
+    )
+    mocker.add_argument(
+        "--configs",
+        default=None,
+        help=f"comma-separated PRESET[:FLAGS] (default {MOCKER_CONFIGS}); presets: "
+        + ", ".join(PRESETS),
+    )
+    mocker.add_argument("--workers", type=int, default=None, help="simulated workers (16)")
+    mocker.add_argument(
+        "--worker-prefixes",
+        type=float,
+        default=None,
+        help="prompts one worker's KV cache holds (9): sets the cache's blocks",
+    )
+    mocker.add_argument("--speed-up", type=float, default=None, help="both mockers' speed-up (1)")
+    mocker.add_argument(
+        "--frontend-arg",
+        action="append",
+        default=None,
+        metavar="FLAG",
+        help="extra flag for each of our frontends (repeat; use --frontend-arg=--flag=value)",
+    )
+    mocker.add_argument(
+        "--mocker-arg", action="append", default=None, metavar="FLAG", help="for our mocker"
+    )
+    mocker.add_argument(
+        "--reference-arg",
+        action="append",
+        default=None,
+        metavar="FLAG",
+        help="extra flag for Dynamo's frontend (repeat)",
+    )
+    mocker.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="runs of each configuration and concurrency, interleaved, averaged (3; quick 1)",
+    )
+    mocker.add_argument(
+        "--samples",
+        action="store_const",
+        const=True,
+        default=None,
+        help="keep every request's numbers in the JSON report (large)",
+    )
+    mocker.add_argument(
+        "--reference-venv",
+        type=Path,
+        default=None,
+        help=f"virtualenv of the reference (default {DEFAULT_VENV})",
+    )
     args = parser.parse_args(argv)
+    if args.mocker:
+        return mocker_defaults(parser, args)
+    given = [name for name in MOCKER_ONLY if getattr(args, name) is not None]
+    if given:
+        parser.error(f"--{given[0].replace('_', '-')} needs --mocker")
+    for name in ("mocker", *MOCKER_ONLY):
+        delattr(args, name)
     groups, per_group = QUICK_SHAPE if args.quick else FULL_SHAPE
     args.groups = groups if args.groups is None else args.groups
     args.per_group = per_group if args.per_group is None else args.per_group
+    args.prefix_tokens = 1000 if args.prefix_tokens is None else args.prefix_tokens
+    try:
+        args.concurrency = 1 if args.concurrency is None else int(args.concurrency)
+    except ValueError:
+        parser.error(f"--concurrency {args.concurrency}: one number without --mocker")
+    args.kv_blocks = DEFAULT_KV_BLOCKS if args.kv_blocks is None else args.kv_blocks
+    if args.kv_overlap_score_weight is None:
+        args.kv_overlap_score_weight = DEFAULT_OVERLAP_SCORE_WEIGHT
+    args.max_model_len = 4096 if args.max_model_len is None else args.max_model_len
     if args.out is None and not args.quick:
         args.out = RESULTS
     return args
@@ -515,7 +1389,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return guarded(lambda: run(parse_args(argv)))
+    args = parse_args(argv)
+    return guarded(lambda: run_mocker(args) if getattr(args, "mocker", False) else run(args))
 
 
 if __name__ == "__main__":
