@@ -60,21 +60,11 @@ class AnticipatedBlocks:
 
     def confirm(self, worker_id: int, block_hashes: Iterable[int]) -> None:
         """The worker's events stored these blocks: the index has them now."""
-        book = self._expiry.get(worker_id)
-        if not book:
-            return
-        for block_hash in block_hashes:
-            if book.pop(block_hash, None) is not None:
-                self.confirmed += 1
+        self.confirmed += self._remove(worker_id, block_hashes)
 
     def drop(self, worker_id: int, block_hashes: Iterable[int]) -> None:
         """The request that brought these blocks ended before computing them."""
-        book = self._expiry.get(worker_id)
-        if not book:
-            return
-        for block_hash in block_hashes:
-            if book.pop(block_hash, None) is not None:
-                self.dropped += 1
+        self.dropped += self._remove(worker_id, block_hashes)
 
     def remove_worker(self, worker_id: int) -> None:
         self._expiry.pop(worker_id, None)
@@ -106,6 +96,13 @@ class AnticipatedBlocks:
             "dropped": self.dropped,
             "expired": self.expired,
         }
+
+    def _remove(self, worker_id: int, block_hashes: Iterable[int]) -> int:
+        """Forget these blocks on the worker; how many were written down."""
+        book = self._expiry.get(worker_id)
+        if not book:
+            return 0
+        return sum(book.pop(block_hash, None) is not None for block_hash in block_hashes)
 
     def _live(self, worker_id: int) -> OrderedDict[int, float] | None:
         """The worker's book with expired entries dropped from its front."""
