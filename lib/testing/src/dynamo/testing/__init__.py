@@ -14,6 +14,9 @@ error event, `[DONE]`, usage.
 `clocks` has a `FakeClock` that only moves when the test moves it, for the time-based
 bookkeeping that takes its clock as a callable.
 
+`greedy` compares greedy outputs as bf16 arithmetic allows: equal, or parting only at a
+token the reference itself found within rounding of its choice.
+
 `raw_http` speaks HTTP/1.1 over a plain socket, for tests of what a server does to a
 connection (slowloris heads, clients that stop reading).
 """
