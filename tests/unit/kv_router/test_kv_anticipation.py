@@ -136,6 +136,7 @@ def test_anticipation_expires_without_confirmation() -> None:
     clock.now += 1.9
     assert overlaps(s, prompt(2), [worker])[worker] == 4
     clock.now += 0.2
+    assert s.anticipated.stats()["blocks"] == 0  # expired blocks are not reported
     assert overlaps(s, prompt(2), [worker])[worker] == 0
 
 

@@ -90,7 +90,7 @@ class AnticipatedBlocks:
     def stats(self) -> dict[str, float]:
         return {
             "ttl_s": self.ttl_s,
-            "blocks": sum(len(book) for book in self._expiry.values()),
+            "blocks": sum(self.block_count(worker_id) for worker_id in list(self._expiry)),
             "added": self.added,
             "confirmed": self.confirmed,
             "dropped": self.dropped,
