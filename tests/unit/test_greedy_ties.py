@@ -96,3 +96,13 @@ def test_multibyte_characters_split_over_tokens_compare_by_bytes() -> None:
     assert reference_text(reference) == "café"
     assert mismatch(reference, "café") is None
     assert first_divergence(reference, "cafe") is not None
+
+
+def test_stopping_where_the_reference_went_on_is_a_tie_only_onto_a_close_end_token() -> None:
+    reference = reference_from_chat_logprobs(
+        [entry("Yes", -0.1, ("No", -3.0)), entry(".", -0.7, ("<|im_end|>", -0.8), ("!", -3.0))]
+    )
+    stops = frozenset({b"<|im_end|>"})
+    assert mismatch(reference, "Yes", stops=stops) is None  # end token 0.1 behind "."
+    assert mismatch(reference, "Yes") is not None  # without knowing the end token
+    assert mismatch(reference, "", stops=stops) is not None  # "Yes" led the end by far more

@@ -36,10 +36,14 @@ class ReferenceToken:
     logprob: float
     alternatives: tuple[tuple[bytes, float], ...]
 
-    def lead_over(self, continuation: bytes) -> float | None:
+    def lead_over(self, continuation: bytes, stops: frozenset[bytes] = frozenset()) -> float | None:
         """How far (nats) this token led the best listed alternative that `continuation`
-        starts with; None where no listed alternative fits it."""
-        fits = [lp for alt, lp in self.alternatives if alt and continuation.startswith(alt)]
+        starts with (an empty continuation: the other text stopped, so one of `stops`, the
+        end-of-sequence tokens' texts); None where no listed alternative fits it."""
+        if not continuation:
+            fits = [lp for alt, lp in self.alternatives if alt in stops]
+        else:
+            fits = [lp for alt, lp in self.alternatives if alt and continuation.startswith(alt)]
         return self.logprob - max(fits) if fits else None
 
 
@@ -87,8 +91,12 @@ def reference_text(reference: Sequence[ReferenceToken]) -> str:
     return b"".join(t.data for t in reference).decode(errors="replace")
 
 
-def first_divergence(reference: Sequence[ReferenceToken], text: str) -> Divergence | None:
-    """Where `text` first leaves the reference, or None where the two are the same."""
+def first_divergence(
+    reference: Sequence[ReferenceToken], text: str, stops: frozenset[bytes] = frozenset()
+) -> Divergence | None:
+    """Where `text` first leaves the reference, or None where the two are the same.
+    `stops`: the end-of-sequence tokens' texts, for a text that ended where the reference
+    went on."""
     ours = text.encode()
     theirs = b"".join(t.data for t in reference)
     if ours == theirs:
@@ -100,7 +108,7 @@ def first_divergence(reference: Sequence[ReferenceToken], text: str) -> Divergen
     start = 0
     for index, token in enumerate(reference):
         if offset < start + len(token.data) or (not token.data and offset == start):
-            lead = token.lead_over(ours[start:])
+            lead = token.lead_over(ours[start:], stops)
             return Divergence(index, lead, _context(ours, theirs, start))
         start += len(token.data)
     # The other text goes on where the reference ended: nothing to compare it with.
@@ -116,11 +124,14 @@ def _context(ours: bytes, theirs: bytes, at: int, width: int = 60) -> str:
 
 
 def mismatch(
-    reference: Sequence[ReferenceToken], text: str, tolerance: float = BF16_TIE_NATS
+    reference: Sequence[ReferenceToken],
+    text: str,
+    tolerance: float = BF16_TIE_NATS,
+    stops: frozenset[bytes] = frozenset(),
 ) -> str | None:
     """None where `text` matches the reference (equal, or apart only at a tie); otherwise
     why not, for an assertion message."""
-    divergence = first_divergence(reference, text)
+    divergence = first_divergence(reference, text, stops)
     if divergence is None or divergence.is_tie(tolerance):
         return None
     if divergence.lead is None:
