@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from dynamo.runtime.backoff import Backoff, retry_until_done
+from dynamo.runtime.kv import is_replica_shortage, replica_error, warn_replicas
 from dynamo.runtime.runtime import DistributedRuntime
 
 log = logging.getLogger(__name__)
@@ -46,28 +47,36 @@ class EventStream:
     max_age_s: float = 3600.0
     max_bytes: int = 256 * 1024 * 1024
 
-    def config(self) -> StreamConfig:
+    def config(self, replicas: int = 1) -> StreamConfig:
         return StreamConfig(
             name=self.name,
             subjects=list(self.subjects),
             max_age=self.max_age_s,
             max_bytes=self.max_bytes,
             storage=StorageType.FILE,
+            num_replicas=replicas,
         )
 
     async def ensure(self, runtime: DistributedRuntime) -> bool:
-        """Create the stream if it does not exist (idempotent); True when this call
-        created it (it was missing: first use, or a broker restarted without its store)."""
+        """Create the stream with the runtime's replica count if it does not exist
+        (idempotent); True when this call created it (it was missing: first use, or a
+        broker restarted without its store). ConfigError when the NATS servers cannot
+        hold that many replicas."""
         try:
-            await runtime.js.stream_info(self.name)
-            return False
+            info = await runtime.js.stream_info(self.name)
         except NotFoundError:
             try:
-                await runtime.js.add_stream(self.config())
+                await runtime.js.add_stream(self.config(runtime.replicas))
                 return True
-            except BadRequestError:
+            except APIError as exc:
+                if is_replica_shortage(exc):
+                    raise replica_error(f"stream {self.name}", runtime.replicas, exc) from None
+                if not isinstance(exc, BadRequestError):
+                    raise
                 await runtime.js.stream_info(self.name)  # created concurrently
                 return False
+        warn_replicas(f"stream {self.name}", info.config.num_replicas or 1, runtime.replicas)
+        return False
 
     async def identity(self, runtime: DistributedRuntime) -> StreamIdentity:
         """What tells this incarnation of the stream from a recreated one."""

@@ -7,39 +7,90 @@ delete marker when a key expires (`limit_marker_ttl`), so a watcher sees a crash
 process's key vanish without any timer of our own. Re-putting the key is the heartbeat.
 
 Buckets live in memory: they describe live processes only, and after a broker restart
-every process puts its keys again (`LeaseKeeper.restore`).
+every process puts its keys again (`LeaseKeeper.restore`). On a NATS cluster they are
+replicated (`--nats-replicas`): a memory stream with three replicas survives the loss of
+any one node, which a single in-memory copy would not.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BadRequestError
+from nats.js.errors import APIError, BadRequestError
 from nats.js.kv import KeyValue
+
+from dynamo.runtime.cli import ConfigError
+
+log = logging.getLogger(__name__)
 
 # How long the server keeps the marker of an expired key (watchers read it as a PURGE).
 _MARKER_TTL_S = 2.0
 
 
-def registry_config(bucket: str) -> KeyValueConfig:
+def registry_config(bucket: str, replicas: int = 1) -> KeyValueConfig:
     """The one configuration of a leased registry bucket."""
     return KeyValueConfig(
         bucket=bucket,
         history=1,
         storage=StorageType.MEMORY,
         limit_marker_ttl=_MARKER_TTL_S,
+        replicas=replicas,
     )
 
 
-async def ensure_registry(js: JetStreamContext, bucket: str) -> KeyValue:
-    """Bind to `bucket`, creating it if missing."""
+async def ensure_registry(js: JetStreamContext, bucket: str, replicas: int = 1) -> KeyValue:
+    """Bind to `bucket`, creating it with `replicas` copies if missing; ConfigError when
+    the NATS servers cannot hold that many."""
     try:
-        return await js.create_key_value(registry_config(bucket))
-    except BadRequestError:
-        # Exists with another configuration (created by an older version): use it as is.
-        return await js.key_value(bucket)
+        return await js.create_key_value(registry_config(bucket, replicas))
+    except APIError as exc:
+        if is_replica_shortage(exc):
+            raise replica_error(f"bucket {bucket}", replicas, exc) from None
+        if not isinstance(exc, BadRequestError):
+            raise
+        log.debug("bucket %s not created (%s); binding to the existing one", bucket, exc)
+        # Exists with another configuration (another replica count, or created by an
+        # older version): use it as is.
+        kv = await js.key_value(bucket)
+        status = await kv.status()
+        warn_replicas(f"bucket {bucket}", status.stream_info.config.num_replicas or 1, replicas)
+        return kv
+
+
+# JetStream's error codes for a replica count the servers cannot place: more replicas
+# than JetStream servers in the cluster, or any replication on a single server.
+_INSUFFICIENT_RESOURCES = 10023
+_REPLICAS_WITHOUT_CLUSTER = 10074
+
+
+def is_replica_shortage(exc: APIError) -> bool:
+    """Whether JetStream refused a stream because it cannot place its replicas."""
+    return exc.err_code in (_INSUFFICIENT_RESOURCES, _REPLICAS_WITHOUT_CLUSTER)
+
+
+def replica_error(what: str, replicas: int, exc: APIError) -> ConfigError:
+    """The message a process dies with when `--nats-replicas` exceeds the cluster."""
+    return ConfigError(
+        f"NATS cannot create {what} with {replicas} replicas ({exc.description}): "
+        "--nats-replicas ($DYN_NATS_REPLICAS) must be at most the number of JetStream "
+        "servers in the NATS cluster (1 for a single server)"
+    )
+
+
+def warn_replicas(what: str, actual: int, wanted: int) -> None:
+    """Say so when an existing bucket or stream has another replica count than this
+    process asks for: it is used as is (changing it is an operator's decision)."""
+    if actual != wanted:
+        log.warning(
+            "%s exists with %d replica(s), not the %d asked for (--nats-replicas); using it "
+            "as is (`nats stream edit` changes it)",
+            what,
+            actual,
+            wanted,
+        )
 
 
 def ttl_header(ttl_s: float) -> dict[str, str]:

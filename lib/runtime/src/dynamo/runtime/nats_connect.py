@@ -21,7 +21,7 @@ from typing import Any
 from nats.aio.client import Client as NatsClient
 from nats.errors import AuthorizationError
 
-from dynamo.runtime.nats_options import NatsConnectOptions, redact_url
+from dynamo.runtime.nats_options import NatsConnectOptions, redact_url, split_urls
 
 ErrorCallback = Callable[[Exception], Awaitable[None]]
 
@@ -63,7 +63,8 @@ async def open_nats_connection(
     error_cb: ErrorCallback,
     **connect_kwargs: Any,
 ) -> NatsClient:
-    """A connected client for `server` with `options`' credentials and TLS, plus nats-py
+    """A connected client for `server` (one URL, or a cluster's URLs comma-separated:
+    nats-py connects to one and fails over to the others) with `options`' credentials and TLS, plus nats-py
     `connect_kwargs` (callbacks, reconnect policy). Raises `NatsRefusedError` as soon as
     the server refuses us, `ConnectionError` after `timeout` seconds otherwise."""
     loop = asyncio.get_running_loop()
@@ -81,7 +82,10 @@ async def open_nats_connection(
     nc = NatsClient()
     attempt = asyncio.ensure_future(
         nc.connect(
-            servers=[server], error_cb=on_error, **connect_kwargs, **options.connect_kwargs()
+            servers=split_urls(server),
+            error_cb=on_error,
+            **connect_kwargs,
+            **options.connect_kwargs(),
         )
     )
     try:

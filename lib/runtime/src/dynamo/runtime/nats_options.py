@@ -15,6 +15,11 @@ variable). What nats-py supports is offered, mapped to its own `connect` keyword
 | `--nats-tls-ca` / `--nats-tls-cert` / `--nats-tls-key` | `NATS_TLS_CA` / `_CERT` / `_KEY` | `tls` (an `ssl.SSLContext`) |
 | `--nats-tls-hostname` | `NATS_TLS_HOSTNAME` | `tls_hostname` |
 
+One more setting says how the process uses a cluster, not how it connects:
+`--nats-replicas N` (`$DYN_NATS_REPLICAS`, default 1) is the replica count of every
+JetStream bucket and stream the runtime creates (3 on a three-node cluster, so losing one
+node loses nothing). The server list itself is `--nats-server`, comma-separated.
+
 Secrets never reach a log: `NatsConnectOptions`' repr leaves out the password and the
 token, `describe()` says only which method is in use, and `redact_url` masks the userinfo
 of a URL that carries credentials (`nats://user:pass@host` still works as before).
@@ -36,6 +41,10 @@ from typing import Any, Protocol
 from dynamo.runtime.cli import ConfigError
 
 REDACTED = "***"
+
+ENV_NATS_REPLICAS = "DYN_NATS_REPLICAS"
+MAX_REPLICAS = 5
+"""JetStream's own limit on a stream's replica count."""
 
 NKEYS_HINT = "pip install 'nats-py[nkeys]'"
 
@@ -154,6 +163,8 @@ class NatsConnectOptions:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_hostname: str | None = None
+    replicas: int = 1
+    """Replica count of the JetStream buckets and streams this process creates."""
 
     # ------------------------------------------------------------------ building
 
@@ -169,6 +180,7 @@ class NatsConnectOptions:
             text = given.get(setting.name) or env.get(setting.env, "").strip() or None
             if text is not None:
                 values[setting.name] = Path(text).expanduser() if setting.is_file else text
+        values["replicas"] = _replicas(given.get("replicas"), env)
         options = cls(**values)
         options.validate()
         return options
@@ -310,6 +322,25 @@ class NatsConnectOptions:
         return {name: path for name, path in files.items() if path is not None}
 
 
+def _replicas(given: str | int | None, env: Mapping[str, str]) -> int:
+    """The replica count from the flag, else `$DYN_NATS_REPLICAS`, else 1; ConfigError
+    for anything but a whole number from 1 to JetStream's limit."""
+    source = "--nats-replicas" if given is not None else f"${ENV_NATS_REPLICAS}"
+    text = str(given) if given is not None else env.get(ENV_NATS_REPLICAS, "").strip()
+    if not text:
+        return 1
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_REPLICAS:
+        raise ConfigError(
+            f"{source}: the replica count must be a whole number from 1 to {MAX_REPLICAS} "
+            f"(JetStream's limit), got {text!r}"
+        )
+    return value
+
+
 def _nkeys_available() -> bool:
     try:
         import nkeys  # noqa: F401
@@ -322,7 +353,7 @@ def _nkeys_available() -> bool:
 
 
 def add_nats_arguments(container: ArgumentContainer) -> None:
-    """Add the `--nats-*` authentication and TLS flags (not `--nats-server`, which each
+    """Add the `--nats-*` authentication, TLS and replica flags (not `--nats-server`, which each
     component documents with its own default). A flag not given is absent from the
     parsed namespace (no default), so `--help` never prints a value taken from the
     environment, a secret included; `nats_options_from_args` applies the variables."""
@@ -334,6 +365,17 @@ def add_nats_arguments(container: ArgumentContainer) -> None:
             default=argparse.SUPPRESS,
             help=f"{setting.help} Default: ${setting.env}.",
         )
+    container.add_argument(
+        "--nats-replicas",
+        dest="nats_replicas",
+        metavar="N",
+        default=argparse.SUPPRESS,
+        help="Replica count of every JetStream bucket and stream this process creates "
+        "(registrations, model cards, tokenizer files, KV events): 3 on a three-node NATS "
+        "cluster, so losing one node loses nothing; at most the cluster's size. A bucket "
+        "that already exists keeps its own count (a warning says so). "
+        f"Default: ${ENV_NATS_REPLICAS}, else 1.",
+    )
 
 
 def nats_options_from_args(
@@ -346,6 +388,7 @@ def nats_options_from_args(
     variable), validated, also against `url` when given; raises ConfigError."""
     parsed = vars(args) if isinstance(args, argparse.Namespace) else args
     given = {setting.name: parsed.get(setting.dest) for setting in _SETTINGS}
+    given["replicas"] = parsed.get("nats_replicas")
     options = NatsConnectOptions.from_values(given, env)
     if url is not None:
         options.check_url(url)
@@ -353,6 +396,13 @@ def nats_options_from_args(
 
 
 # ---------------------------------------------------------------------- URLs
+
+
+def split_urls(url: str) -> list[str]:
+    """The servers of a comma-separated NATS URL list (`nats://a:4222,nats://b:4222`),
+    blanks dropped: a cluster's clients are given all of them."""
+    return [part.strip() for part in url.split(",") if part.strip()]
+
 
 _USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)?(?P<userinfo>[^@/]*)@")
 

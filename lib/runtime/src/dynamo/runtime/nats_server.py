@@ -5,7 +5,9 @@ no system install is needed. Launch scripts and test fixtures use `NatsServer` t
 server with JetStream on a given or ephemeral port and a private store directory; when
 `$NATS_SERVER` already points at a reachable server, `ensure_nats_server` reuses it instead.
 
-`python -m dynamo.runtime.nats_server --port 4222` runs one in the foreground. With
+`python -m dynamo.runtime.nats_server --port 4222` runs one in the foreground;
+`--cluster-size 3` runs a local three-node JetStream cluster instead (`NatsCluster`), whose
+comma-separated client URLs every component accepts as `--nats-server`. With
 `ServerSecurity` (CLI: `--user`/`--password`, `--token`, `--nkey`, `--tls-cert`/`--tls-key`,
 `--tls-ca`, `--tls-verify`) it requires clients to authenticate and/or speak TLS: the
 settings go to nats-server in a private config file that is deleted once the server is up.
@@ -18,6 +20,7 @@ holding the port and the store.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -27,11 +30,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from dynamo.runtime.nats_options import redact_url
+from dynamo.runtime.nats_options import redact_url, split_urls
 from dynamo.runtime.nats_server_security import ServerSecurity, private_config_file
 from dynamo.runtime.parent_death import preexec_die_with_parent
 
@@ -72,12 +77,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def is_reachable(url: str, timeout: float = 0.5) -> bool:
-    """True when something accepts TCP connections at the URL's host:port and says INFO.
+    """True when any server of `url` (comma-separated) accepts TCP connections at its
+    host:port and says INFO.
 
     Works for TLS servers too: nats-server sends its INFO in the clear before the TLS
-    handshake. Only the first server of a comma-separated list is probed."""
-    first = url.split(",", 1)[0].strip()
-    parsed = urlparse(first if "://" in first else f"nats://{first}")
+    handshake."""
+    return any(_says_info(one, timeout) for one in split_urls(url))
+
+
+def _says_info(url: str, timeout: float) -> bool:
+    parsed = urlparse(url if "://" in url else f"nats://{url}")
     host, port = parsed.hostname or "127.0.0.1", parsed.port or 4222
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
@@ -85,6 +94,27 @@ def is_reachable(url: str, timeout: float = 0.5) -> bool:
             return sock.recv(4).startswith(b"INFO")
     except OSError:
         return False
+
+
+@dataclass(frozen=True)
+class ClusterMembership:
+    """How one node joins a JetStream cluster: the cluster's name, this node's unique
+    server name (JetStream places replicas by it), the address its route listener binds
+    and the route URLs (`nats-route://host:port`) of the other nodes."""
+
+    cluster_name: str
+    server_name: str
+    route_host: str
+    route_port: int
+    routes: tuple[str, ...]
+
+    def argv(self) -> list[str]:
+        return [
+            "--server_name", self.server_name,
+            "--cluster_name", self.cluster_name,
+            "--cluster", f"nats://{self.route_host}:{self.route_port}",
+            "--routes", ",".join(self.routes),
+        ]  # fmt: skip
 
 
 class NatsServer:
@@ -109,8 +139,17 @@ class NatsServer:
         log_file: Path | None = None,
         security: ServerSecurity | None = None,
         die_with_parent: bool = True,
+        cluster: ClusterMembership | None = None,
+        launcher: Sequence[str] = (),
+        monitor_port: int | None = None,
     ) -> None:
         self.host = host
+        # nats-server's HTTP monitoring port (`/healthz`, `/jsz`, `/connz`); None: off.
+        self.monitor_port = monitor_port
+        self.cluster = cluster
+        # Prepended to the command line, e.g. `ip netns exec host1` to run the node in
+        # another network namespace (the multi-host tests do).
+        self.launcher = tuple(launcher)
         self.security = security or ServerSecurity()
         self.die_with_parent = die_with_parent
         self.port = port or free_port(host)
@@ -127,6 +166,19 @@ class NatsServer:
         scheme = "tls" if self.security.tls else "nats"
         return f"{scheme}://{self.host}:{self.port}"
 
+    def monitor(self, path: str, timeout: float = 1.0) -> dict[str, object] | None:
+        """A monitoring endpoint's JSON (`/jsz`, `/connz`, `/healthz`); None when the
+        server does not answer it (stopped, unreachable, unhealthy, monitoring off)."""
+        if self.monitor_port is None or not self.running:
+            return None
+        try:
+            with urllib.request.urlopen(
+                f"http://{self.host}:{self.monitor_port}{path}", timeout=timeout
+            ) as response:
+                return json.loads(response.read())
+        except (OSError, ValueError):
+            return None
+
     @property
     def pid(self) -> int | None:
         """The server process's pid while it runs (tests freeze it with SIGSTOP)."""
@@ -138,11 +190,19 @@ class NatsServer:
 
     def start(self, timeout: float = 10.0) -> NatsServer:
         """Start the server and wait until it accepts clients; raises NatsServerError."""
+        self.spawn()
+        self.wait_ready(timeout)
+        return self
+
+    def spawn(self) -> None:
+        """Start the process without waiting for it (a cluster starts its nodes together:
+        a node is not ready before it has met enough of its peers)."""
         if self.running:
-            return self
+            return
         binary = find_nats_server_binary()
         self.store_dir.mkdir(parents=True, exist_ok=True)
         argv = [
+            *self.launcher,
             str(binary),
             "--addr", self.host,
             "--port", str(self.port),
@@ -150,6 +210,10 @@ class NatsServer:
             "--store_dir", str(self.store_dir),
             "--log", str(self.log_file),
         ]  # fmt: skip
+        if self.cluster is not None:
+            argv += self.cluster.argv()
+        if self.monitor_port is not None:
+            argv += ["--http_port", str(self.monitor_port)]
         log.info("starting nats-server on %s (store %s)", self.url, self.store_dir)
         # The log is appended to across restarts: only what this run writes counts.
         self._log_offset = self.log_file.stat().st_size if self.log_file.exists() else 0
@@ -165,14 +229,26 @@ class NatsServer:
                 start_new_session=True,
                 preexec_fn=self._preexec(),
             )
-            self._wait_ready(timeout)
-        return self
+            # The config file is read at startup; it is removed once the server answers.
+            if config is not None:
+                self.wait_ready(10.0)
+
+    def log_text(self) -> str:
+        """What the server logged since its last start."""
+        try:
+            with self.log_file.open("rb") as handle:
+                handle.seek(self._log_offset)
+                return handle.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def _preexec(self) -> Callable[[], None] | None:
         return preexec_die_with_parent(signal.SIGTERM) if self.die_with_parent else None
 
-    def _wait_ready(self, timeout: float) -> None:
-        assert self._proc is not None
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until the spawned server accepts clients; NatsServerError otherwise."""
+        if self._proc is None:
+            raise NatsServerError("nats-server was not started")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -186,13 +262,7 @@ class NatsServer:
         raise NatsServerError(f"nats-server not ready on {self.url} after {timeout}s")
 
     def _jetstream_ready(self) -> bool:
-        try:
-            with self.log_file.open("rb") as handle:
-                handle.seek(self._log_offset)
-                text = handle.read().decode(errors="replace")
-        except OSError:
-            return False
-        return "Server is ready" in text
+        return "Server is ready" in self.log_text()
 
     def _log_tail(self, lines: int = 5) -> str:
         try:
@@ -225,6 +295,129 @@ class NatsServer:
         self.stop(remove_store=self._own_store)
 
     def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class NatsCluster:
+    """A JetStream cluster of `size` `nats-server` processes on one host, for development
+    and tests: node i listens for clients on `ports[i]` and for routes on a port of its
+    own, each with its own store, all in one cluster named `name`.
+
+    `url` lists every node (comma-separated), which is what clients are given: they connect
+    to one and move to another when it goes. `start()` returns once every node accepts
+    clients and the cluster has elected a JetStream metadata leader, so streams and
+    buckets with replicas can be created at once.
+    """
+
+    def __init__(
+        self,
+        size: int = 3,
+        *,
+        host: str = "127.0.0.1",
+        ports: Sequence[int] | None = None,
+        name: str = "dynamo",
+        store_root: Path | None = None,
+        security: ServerSecurity | None = None,
+    ) -> None:
+        if size < 1:
+            raise ValueError("a cluster needs at least one node")
+        if ports is not None and len(ports) != size:
+            raise ValueError(f"{size} nodes need {size} client ports, got {len(ports)}")
+        self.name = name
+        self._own_root = store_root is None
+        self.store_root = (
+            Path(store_root) if store_root else Path(tempfile.mkdtemp(prefix="dyn-nats-cluster-"))
+        )
+        client_ports = list(ports) if ports else [free_port(host) for _ in range(size)]
+        route_ports = [free_port(host) for _ in range(size)]
+        monitor_ports = [free_port(host) for _ in range(size)]
+        self.nodes = [
+            NatsServer(
+                client_ports[i],
+                host=host,
+                store_dir=self.store_root / f"n{i + 1}",
+                security=security,
+                monitor_port=monitor_ports[i],
+                cluster=ClusterMembership(
+                    cluster_name=name,
+                    server_name=f"n{i + 1}",
+                    route_host=host,
+                    route_port=route_ports[i],
+                    routes=tuple(
+                        f"nats-route://{host}:{port}"
+                        for j, port in enumerate(route_ports)
+                        if j != i
+                    ),
+                ),
+            )
+            for i in range(size)
+        ]
+
+    @property
+    def url(self) -> str:
+        """Every node's client URL, comma-separated."""
+        return ",".join(node.url for node in self.nodes)
+
+    def start(self, timeout: float = 30.0) -> NatsCluster:
+        """Start every node (together: JetStream needs a quorum to elect its leader) and
+        wait until the cluster can create replicated streams; NatsServerError otherwise."""
+        for node in self.nodes:
+            node.spawn()
+        deadline = time.monotonic() + timeout
+        try:
+            for node in self.nodes:
+                node.wait_ready(max(0.1, deadline - time.monotonic()))
+            self.wait_for_leader(max(0.1, deadline - time.monotonic()))
+        except NatsServerError:
+            self.stop()
+            raise
+        return self
+
+    def wait_for_leader(self, timeout: float = 30.0) -> None:
+        """Wait until the running nodes agree on a JetStream metadata leader and each
+        reports itself healthy: before that, creating a replicated stream fails with
+        "no suitable peers for placement"."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.metadata_leader() is not None and all(
+                node.monitor("/healthz") == {"status": "ok"} for node in self.nodes if node.running
+            ):
+                return
+            time.sleep(0.05)
+        raise NatsServerError(f"no JetStream metadata leader in cluster {self.name!r}")
+
+    def metadata_leader(self) -> NatsServer | None:
+        """The node that leads the JetStream metadata group, when the running nodes agree
+        on one (tests stop it to exercise a leader election)."""
+        names = set()
+        for node in self.nodes:
+            if node.running:
+                jsz = node.monitor("/jsz") or {}
+                meta = jsz.get("meta_cluster")
+                names.add(meta.get("leader") if isinstance(meta, dict) else None)
+        if len(names) != 1:
+            return None
+        leader = names.pop()
+        return next(
+            (node for node in self.nodes if node.cluster and node.cluster.server_name == leader),
+            None,
+        )
+
+    def stop(self) -> None:
+        """Stop every node (their stores stay until `close()`)."""
+        for node in self.nodes:
+            node.stop()
+
+    def close(self) -> None:
+        """Stop every node and remove a temporary store root."""
+        self.stop()
+        if self._own_root:
+            shutil.rmtree(self.store_root, ignore_errors=True)
+
+    def __enter__(self) -> NatsCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -266,12 +459,27 @@ def build_parser() -> argparse.ArgumentParser:
             "server and its clients alike; see docs/runtime.md, Securing NATS."
         ),
     )
-    parser.add_argument("--port", type=int, default=4222, help="client port (0 = ephemeral)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=4222,
+        help="client port (0 = ephemeral); with --cluster-size N, node i listens on PORT+i",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument(
         "--store-dir", type=Path, default=None,
-        help="JetStream store directory (default: a temporary one, removed on exit)",
+        help="JetStream store directory (default: a temporary one, removed on exit); with "
+        "--cluster-size, one subdirectory per node",
     )  # fmt: skip
+    parser.add_argument(
+        "--cluster-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run a local JetStream cluster of N nodes instead of one server (3 tolerates "
+        "the loss of any one node); prints the comma-separated URL list to give components "
+        "as --nats-server, with --nats-replicas N",
+    )
     auth = parser.add_argument_group("authentication (at most one method)")
     auth.add_argument("--user", default=None, help="require this user (default: $NATS_USER)")
     auth.add_argument(
@@ -354,15 +562,37 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    server = NatsServer(
-        args.port or None, host=args.host, store_dir=args.store_dir, security=security
-    )
+    if args.cluster_size < 1:
+        print("error: --cluster-size must be at least 1", file=sys.stderr)
+        return 2
+    server: NatsServer | NatsCluster
+    if args.cluster_size == 1:
+        server = NatsServer(
+            args.port or None, host=args.host, store_dir=args.store_dir, security=security
+        )
+    else:
+        ports = [args.port + i for i in range(args.cluster_size)] if args.port else None
+        server = NatsCluster(
+            args.cluster_size,
+            host=args.host,
+            ports=ports,
+            store_root=args.store_dir,
+            security=security,
+        )
     try:
         server.start()
     except NatsServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"nats-server ready at {server.url} (store {server.store_dir})", flush=True)
+    if isinstance(server, NatsCluster):
+        print(
+            f"nats cluster of {args.cluster_size} ready at {server.url} (stores under "
+            f"{server.store_root}); give components --nats-server {server.url} "
+            f"--nats-replicas {min(args.cluster_size, 3)}",
+            flush=True,
+        )
+    else:
+        print(f"nats-server ready at {server.url} (store {server.store_dir})", flush=True)
     stop = False
 
     def _on_signal(signum: int, _frame: object) -> None:
@@ -372,11 +602,18 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     try:
-        while not stop and server.running:
+        while not stop and _alive(server):
             time.sleep(0.2)
     finally:
         server.close()
     return 0
+
+
+def _alive(server: NatsServer | NatsCluster) -> bool:
+    """A lone server while it runs; a cluster while any node does."""
+    if isinstance(server, NatsCluster):
+        return any(node.running for node in server.nodes)
+    return server.running
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
+from nats.js.api import ObjectStoreConfig
+from nats.js.errors import APIError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 from nats.nuid import NUID
@@ -35,7 +37,7 @@ from dynamo.runtime import naming, wire
 from dynamo.runtime.client import Client
 from dynamo.runtime.errors import RuntimeClosedError
 from dynamo.runtime.inbox import Inbox
-from dynamo.runtime.kv import ensure_registry
+from dynamo.runtime.kv import ensure_registry, is_replica_shortage, replica_error
 from dynamo.runtime.leases import LeaseKeeper
 from dynamo.runtime.nats_connect import open_nats_connection
 from dynamo.runtime.nats_options import NatsConnectOptions, redact_url
@@ -66,8 +68,10 @@ def default_lease_ttl() -> float:
 class DistributedRuntime:
     """A process's handle on NATS. Create with `await DistributedRuntime.connect(url)`."""
 
-    def __init__(self, nc: NatsClient, *, lease_ttl: float, name: str) -> None:
+    def __init__(self, nc: NatsClient, *, lease_ttl: float, name: str, replicas: int = 1) -> None:
         self.nc = nc
+        # Replica count of every bucket and stream this process creates (`--nats-replicas`).
+        self.replicas = replicas
         self.js: JetStreamContext = nc.jetstream()
         self.name = name
         self.lease_ttl = lease_ttl
@@ -137,7 +141,12 @@ class DistributedRuntime:
             error_cb=on_error,
             flush_timeout=PUBLISH_FLUSH_TIMEOUT_S,
         )
-        runtime = cls(nc, lease_ttl=lease_ttl or default_lease_ttl(), name=name)
+        runtime = cls(
+            nc,
+            lease_ttl=lease_ttl or default_lease_ttl(),
+            name=name,
+            replicas=nats_options.replicas,
+        )
         holder["rt"] = runtime
         await runtime._start()
         return runtime
@@ -248,7 +257,7 @@ class DistributedRuntime:
         """A registry bucket (created on first use)."""
         kv = self._kv_cache.get(bucket)
         if kv is None:
-            kv = await ensure_registry(self.js, bucket)
+            kv = await ensure_registry(self.js, bucket, self.replicas)
             self._kv_cache[bucket] = kv
         return kv
 
@@ -290,11 +299,20 @@ class DistributedRuntime:
     # ------------------------------------------------------------------ object store
 
     async def object_store(self, bucket: str) -> ObjectStore:
-        """An object store bucket (file storage; created on first use)."""
+        """An object store bucket (file storage; created on first use with this
+        process's replica count)."""
         try:
             return await self.js.object_store(bucket)
         except Exception:
-            return await self.js.create_object_store(bucket)
+            pass
+        try:
+            return await self.js.create_object_store(
+                bucket, config=ObjectStoreConfig(replicas=self.replicas)
+            )
+        except APIError as exc:
+            if is_replica_shortage(exc):
+                raise replica_error(f"object store {bucket}", self.replicas, exc) from None
+            raise
 
     # ------------------------------------------------------------------ core pub/sub
 
