@@ -38,6 +38,7 @@ from dynamo.llm.protocols import (
 from dynamo.llm.router import RandomRouter, RoundRobinRouter
 from dynamo.runtime import (
     ClientClosedError,
+    ConnectionLostError,
     InstanceGoneError,
     NoInstancesError,
     RemoteError,
@@ -222,6 +223,28 @@ async def test_re_placement_never_offers_the_instance_it_was_lost_on(refusal: Ex
     assert router.candidates == [[1, 2], [1]]
     assert fake.sent_to == [2, 1]
     assert router.finished == ["req", "req"]
+
+
+async def test_a_stream_cut_by_our_own_nats_connection_is_retried_on_any_worker() -> None:
+    """Our connection dropped (a NATS node lost): the worker is not to blame, so it stays
+    a candidate, and the new leg has its own id (the old one may still run there until
+    our STOP arrives, and a worker refuses a request id it already runs)."""
+    fake = FakeClient([[ConnectionLostError(2)], [DONE]])
+    router = SpyRouter()
+    outputs = await _collect(RuntimeEngineClient(fake, router))
+    assert outputs == [DONE]
+    assert router.candidates == [[1, 2], [1, 2]]
+    assert fake.sent == [("req", 2), ("req-r1", 2)]
+    assert router.finished == ["req", "req-r1"], "each leg's booking released under its id"
+
+
+async def test_a_cut_stream_with_tokens_out_migrates_under_a_new_id() -> None:
+    fake = FakeClient([[LLMEngineOutput(token_ids=[7]), ConnectionLostError(2)], [DONE]])
+    router = SpyRouter()
+    outputs = await _collect(RuntimeEngineClient(fake, router, migration_limit=1))
+    assert [t for o in outputs for t in o.token_ids][:1] == [7]
+    assert fake.sent == [("req", 2), ("req-r1", 2)]
+    assert fake.requests[1].token_ids[-1] == 7, "the continuation carries the streamed token"
 
 
 def _kv_card(instance_id: int) -> ModelCard:

@@ -32,6 +32,7 @@ from dynamo.llm.router import AllWorkersBusyError, Router
 from dynamo.runtime import (
     Client,
     ClientClosedError,
+    ConnectionLostError,
     DynamoRuntimeError,
     ErrorKind,
     InstanceGoneError,
@@ -196,12 +197,13 @@ class RuntimeEngineClient:
                 # The router may have booked the request on `target`: from here on, every
                 # way out (including encoding the request) ends in `on_finished`.
                 stream: ResponseStream[LLMEngineOutput] | None = None
+                booked = legs.leg.request_id  # a lost leg's successor may get another id
                 try:
                     stream = self._open(legs.leg, target)
                     already = len(legs.generated)
                     async for output in stream:
                         if legs.record(output, already):
-                            self._router.on_first_output(legs.leg.request_id, output)
+                            self._router.on_first_output(booked, output)
                         yield output
                     return
                 except (InstanceGoneError, StreamTimeoutError) as exc:
@@ -214,7 +216,7 @@ class RuntimeEngineClient:
                 finally:
                     if stream is not None:
                         await stream.aclose()
-                    self._router.on_finished(legs.leg.request_id)
+                    self._router.on_finished(booked)
         finally:
             self._active -= 1
             if self._closing and not self._active:
@@ -327,6 +329,17 @@ class RequestLegs:
     def lost_on(self, target: int, exc: InstanceGoneError | StreamTimeoutError) -> bool:
         """The worker `target` was lost (or went silent): prepare the next leg, or raise.
         True when the next leg is a migration."""
+        migrating = self._next_leg(target, exc)
+        if isinstance(exc, ConnectionLostError):
+            # The worker may still run the old leg until our STOP reaches it; under its
+            # own id the new leg would be refused there as a duplicate.
+            attempt = self.placements + self.migrations
+            self.leg = msgspec.structs.replace(
+                self.leg, request_id=f"{self.request.request_id}-r{attempt}"
+            )
+        return migrating
+
+    def _next_leg(self, target: int, exc: InstanceGoneError | StreamTimeoutError) -> bool:
         self._exclude(target, exc)
         request_id = self.request.request_id
         if not self.generated and self.placements + 1 < MAX_PLACEMENT_ATTEMPTS:
@@ -361,7 +374,8 @@ class RequestLegs:
         log.debug("request %s: %s; placing it again", self.request.request_id, exc)
 
     def _exclude(self, target: int, exc: DynamoRuntimeError) -> None:
-        self.failed.add(target)
+        if not isinstance(exc, ConnectionLostError):  # our connection failed, not the worker
+            self.failed.add(target)
         self.lost = exc
         self._first_of_leg = True
 

@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--lease-ttl",
         type=positive_float,
         default=None,
-        help="Seconds a dead worker stays registered (default: $DYN_LEASE_TTL or 5).",
+        help="Seconds a dead worker stays registered (default: $DYN_LEASE_TTL, else 5, or 18 with --nats-replicas above 1: a lease must outlive a JetStream leader election).",
     )
     where.add_argument(
         "--num-workers",

@@ -157,6 +157,7 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> VllmWorkerConfig:
             full["extra_engine_args"],
             ", ".join(layers.file.ignored),
         )
+    nats_options = nats_options_from_args(full, url=nats_server)
     return VllmWorkerConfig(
         engine_args=AsyncEngineArgs.from_cli_args(argparse.Namespace(**values)),
         disaggregation_mode=mode,
@@ -167,8 +168,8 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> VllmWorkerConfig:
         served_model_name=served,
         model_path=target_dir,
         nats_server=nats_server,
-        nats_options=nats_options_from_args(full, url=nats_server),
-        lease_ttl=full["lease_ttl"] or default_lease_ttl(),
+        nats_options=nats_options,
+        lease_ttl=full["lease_ttl"] or default_lease_ttl(nats_options.replicas),
         system_port=system_port_or_env(full["system_port"]),
         kv_events_port=kv_events_port,
         migration_limit=migration_limit_for(mode, full["migration_limit"]),

@@ -30,7 +30,7 @@ from dynamo.runtime.cli import (
     positive_float,
 )
 from dynamo.runtime.nats_options import add_nats_arguments
-from dynamo.runtime.runtime import DEFAULT_LEASE_TTL_S
+from dynamo.runtime.runtime import CLUSTER_LEASE_TTL_S, DEFAULT_LEASE_TTL_S
 
 DisaggregationMode = Literal["agg", "prefill", "decode"]
 WORKER_GROUP = "DynamoWorker"
@@ -236,7 +236,8 @@ def _add_worker_flags(parser: FlexibleArgumentParser) -> None:
         type=positive_float,
         default=None,
         help="Seconds a registration outlives a silent worker "
-        f"(default: $DYN_LEASE_TTL, else {DEFAULT_LEASE_TTL_S:g})." + _OWN_DEFAULT,
+        f"(default: $DYN_LEASE_TTL, else {DEFAULT_LEASE_TTL_S:g}, or {CLUSTER_LEASE_TTL_S:g} with --nats-replicas above 1)."
+        + _OWN_DEFAULT,
     )
     group.add_argument(
         "--max-inflight-requests",

@@ -11,6 +11,7 @@ async for item in client.round_robin(request):   # or .random(), .direct(req, id
 from dynamo.runtime.client import Client, ResponseStream
 from dynamo.runtime.errors import (
     ClientClosedError,
+    ConnectionLostError,
     DynamoRuntimeError,
     InstanceGoneError,
     InstanceOverloadedError,
@@ -37,6 +38,7 @@ __all__ = [
     "Client",
     "ClientClosedError",
     "Component",
+    "ConnectionLostError",
     "Context",
     "DistributedRuntime",
     "DynamoRuntimeError",

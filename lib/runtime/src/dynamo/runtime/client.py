@@ -22,6 +22,9 @@ layer's engine client re-places or migrates through its router). The stream only
 * `StreamTimeoutError` when the instance stays silent longer than the stream's deadline
   (`first_item_timeout` before the first item, `item_timeout` between items): it holds its
   lease but stopped answering this request (a STOP is sent, so it stops working on it);
+* `ConnectionLostError` (an `InstanceGoneError`) when this process's own NATS connection
+  dropped while the stream was open: on a cluster the client reconnects to another node
+  at once, but what was published to its inbox in between is lost;
 * `ClientClosedError` when the `Client` is closed while the stream is open: a closed
   client no longer watches the instances, so it could not report the instance's loss and
   the stream would wait forever.
@@ -49,6 +52,7 @@ from nats.js.api import Header
 from dynamo.runtime import naming, wire
 from dynamo.runtime.errors import (
     ClientClosedError,
+    ConnectionLostError,
     InstanceGoneError,
     NoInstancesError,
     StreamProtocolError,
@@ -90,6 +94,7 @@ class Client:
             on_put=self._on_put,
             on_delete=self._on_delete,
         )
+        runtime.add_disconnect_listener(self.connection_lost)
 
     async def start(self) -> Client:
         await self._watcher.start()
@@ -106,7 +111,15 @@ class Client:
         self._streams_by_instance.clear()
         for stream in open_streams:
             stream.fail(ClientClosedError(f"the client of {self.endpoint.path} was closed"))
+        self.runtime.remove_disconnect_listener(self.connection_lost)
         await self.runtime.close_watcher(self._watcher)
+
+    def connection_lost(self) -> None:
+        """This process's NATS connection dropped: every open stream fails with
+        `ConnectionLostError` (frames may have been lost meanwhile)."""
+        for instance_id, streams in list(self._streams_by_instance.items()):
+            for stream in list(streams):
+                stream.fail(ConnectionLostError(instance_id))
 
     @property
     def closed(self) -> bool:

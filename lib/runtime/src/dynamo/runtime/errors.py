@@ -36,6 +36,22 @@ class InstanceGoneError(DynamoRuntimeError):
         super().__init__(f"instance {instance_id:016x} is gone" + (f": {detail}" if detail else ""))
 
 
+class ConnectionLostError(InstanceGoneError):
+    """This process lost its NATS connection while the stream was open. The instance may
+    be alive and still working (closing the stream sends it a STOP once reconnected), but
+    frames it sent while no server held this process's interest are gone, and one of
+    them may have been the END: the stream cannot be trusted to go on. A caller treats it
+    as a lost instance (place again, or migrate) without blaming the instance."""
+
+    def __init__(self, instance_id: int, detail: str = "") -> None:
+        self.instance_id = instance_id
+        DynamoRuntimeError.__init__(
+            self,
+            f"stream from instance {instance_id:016x} cut: this process's NATS connection "
+            "dropped" + (f" ({detail})" if detail else ""),
+        )
+
+
 class InstanceOverloadedError(DynamoRuntimeError):
     """The instance refused the request before running any of it: it already serves as
     many requests as it accepts. Nothing happened there, so another instance may take it."""

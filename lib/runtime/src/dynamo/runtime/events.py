@@ -27,7 +27,13 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from dynamo.runtime.backoff import Backoff, retry_until_done
-from dynamo.runtime.kv import is_replica_shortage, replica_error, warn_replicas
+from dynamo.runtime.kv import (
+    is_replica_shortage,
+    replica_error,
+    retry_transient,
+    wait_for_stream_leader,
+    warn_replicas,
+)
 from dynamo.runtime.runtime import DistributedRuntime
 
 log = logging.getLogger(__name__)
@@ -61,12 +67,16 @@ class EventStream:
         """Create the stream with the runtime's replica count if it does not exist
         (idempotent); True when this call created it (it was missing: first use, or a
         broker restarted without its store). ConfigError when the NATS servers cannot
-        hold that many replicas."""
+        hold that many replicas. Retried through a cluster's transient unavailability."""
+        return await retry_transient(lambda: self._ensure(runtime), what=f"stream {self.name}")
+
+    async def _ensure(self, runtime: DistributedRuntime) -> bool:
         try:
             info = await runtime.js.stream_info(self.name)
         except NotFoundError:
             try:
                 await runtime.js.add_stream(self.config(runtime.replicas))
+                await wait_for_stream_leader(runtime.js, self.name, runtime.replicas)
                 return True
             except APIError as exc:
                 if is_replica_shortage(exc):

@@ -14,17 +14,57 @@ any one node, which a single in-memory copy would not.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
+from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import APIError, BadRequestError
+from nats.js.errors import (
+    APIError,
+    BadRequestError,
+    NoStreamResponseError,
+    ServiceUnavailableError,
+)
 from nats.js.kv import KeyValue
 
 from dynamo.runtime.cli import ConfigError
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+TRANSIENT_ERRORS = (TimeoutError, NoRespondersError, NoStreamResponseError, ServiceUnavailableError)
+"""What JetStream answers while it cannot yet (a replicated stream electing its leader,
+the metadata leader being elected, a server catching up): no answer in time, no
+responder, or 503 "temporarily unavailable". Worth retrying for a while."""
+
+TRANSIENT_BUDGET_S = 15.0
+"""How long a JetStream call is retried through transient errors: longer than a leader
+election (nats-server takes 4 to 9 s, a little more on a loaded machine)."""
+
+_RETRY_S = 0.5
+
+
+async def retry_transient(
+    action: Callable[[], Awaitable[T]], *, what: str, budget_s: float = TRANSIENT_BUDGET_S
+) -> T:
+    """`await action()`, retried every 0.5 s through `TRANSIENT_ERRORS` for up to
+    `budget_s` seconds; the last error is raised when the budget is spent."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + budget_s
+    while True:
+        try:
+            return await action()
+        except TRANSIENT_ERRORS as exc:
+            if loop.time() >= deadline:
+                raise
+            log.debug("%s: JetStream not ready (%r); retrying", what, exc)
+            await asyncio.sleep(_RETRY_S)
+
 
 # How long the server keeps the marker of an expired key (watchers read it as a PURGE).
 _MARKER_TTL_S = 2.0
@@ -41,11 +81,16 @@ def registry_config(bucket: str, replicas: int = 1) -> KeyValueConfig:
     )
 
 
-async def ensure_registry(js: JetStreamContext, bucket: str, replicas: int = 1) -> KeyValue:
+async def ensure_registry(js: JetStreamContext, bucket: str, replicas: int) -> KeyValue:
     """Bind to `bucket`, creating it with `replicas` copies if missing; ConfigError when
     the NATS servers cannot hold that many."""
     try:
-        return await js.create_key_value(registry_config(bucket, replicas))
+        kv = await retry_transient(
+            lambda: js.create_key_value(registry_config(bucket, replicas)),
+            what=f"creating bucket {bucket}",
+        )
+        await wait_for_stream_leader(js, f"KV_{bucket}", replicas)
+        return kv
     except APIError as exc:
         if is_replica_shortage(exc):
             raise replica_error(f"bucket {bucket}", replicas, exc) from None
@@ -54,10 +99,27 @@ async def ensure_registry(js: JetStreamContext, bucket: str, replicas: int = 1) 
         log.debug("bucket %s not created (%s); binding to the existing one", bucket, exc)
         # Exists with another configuration (another replica count, or created by an
         # older version): use it as is.
-        kv = await js.key_value(bucket)
+        kv = await retry_transient(lambda: js.key_value(bucket), what=f"binding {bucket}")
         status = await kv.status()
         warn_replicas(f"bucket {bucket}", status.stream_info.config.num_replicas or 1, replicas)
         return kv
+
+
+async def wait_for_stream_leader(
+    js: JetStreamContext, stream: str, replicas: int, timeout: float = 10.0
+) -> None:
+    """Wait until a replicated stream just created has elected its leader: until then a
+    publish to it finds no responder. A single replica is ready at once."""
+    if replicas <= 1:
+        return
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        info = await retry_transient(lambda: js.stream_info(stream), what=f"reading {stream}")
+        if info.cluster is not None and info.cluster.leader:
+            return
+        if asyncio.get_running_loop().time() >= deadline:
+            raise TimeoutError(f"stream {stream} elected no leader within {timeout:g}s")
+        await asyncio.sleep(0.05)
 
 
 # JetStream's error codes for a replica count the servers cannot place: more replicas

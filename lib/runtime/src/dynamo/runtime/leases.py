@@ -16,26 +16,31 @@ import logging
 
 from nats.aio.client import Client as NatsClient
 from nats.errors import Error as NatsError
-from nats.js import JetStreamContext
 from nats.js.errors import Error as JetStreamError
 
-from dynamo.runtime.kv import ensure_registry, key_subject, ttl_header
+from dynamo.runtime.kv import ensure_registry, key_subject, retry_transient, ttl_header
 from dynamo.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
+_RETRY_FAILED_BEAT_S = 0.5
+
 _PUT_TIMEOUT_S = 2.0
+_MAX_BEAT_INTERVAL_S = 2.0
 
 
 class LeaseKeeper:
     """Owns this process's leased keys and keeps them alive."""
 
-    def __init__(self, nc: NatsClient, js: JetStreamContext, ttl_s: float) -> None:
+    def __init__(self, nc: NatsClient, ttl_s: float, *, replicas: int = 1) -> None:
         if ttl_s <= 0:
             raise ValueError(f"lease TTL must be positive, got {ttl_s}")
         self._nc = nc
-        self._js = js
+        # Registry calls answer within the put timeout or not at all: during a JetStream
+        # failover a slow answer is no answer, and the next beat should come soon.
+        self._js = nc.jetstream(timeout=_PUT_TIMEOUT_S)
         self.ttl_s = ttl_s
+        self.replicas = replicas  # of a bucket this keeper has to create
         self._keys: dict[tuple[str, str], bytes] = {}
         self._known_buckets: set[str] = set()
         self._task: asyncio.Task[None] | None = None
@@ -45,23 +50,32 @@ class LeaseKeeper:
 
     @property
     def interval_s(self) -> float:
-        return self.ttl_s / 3.0
+        """A third of the TTL, and never more than `_MAX_BEAT_INTERVAL_S`: with a long
+        (cluster) lease the last put is then recent whenever a failover starts, which is
+        what keeps a key alive through the election that follows."""
+        return min(self.ttl_s / 3.0, _MAX_BEAT_INTERVAL_S)
 
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="dynamo-lease-heartbeat")
 
     async def put(self, bucket: str, key: str, value: bytes) -> None:
-        """Put (or update) a leased key now; it is kept alive until `delete` or `close`."""
+        """Put (or update) a leased key now; it is kept alive until `delete` or `close`.
+
+        A put the stream did not answer (no responder, or no ack in time) is retried for
+        a while (`retry_transient`): a replicated bucket just created, or one whose
+        leader's node was just lost, takes a moment before it takes writes."""
         self._keys[(bucket, key)] = value
-        await self._put_one(bucket, key, value)
+        await retry_transient(
+            lambda: self._put_one(bucket, key, value), what=f"putting {bucket}/{key}"
+        )
 
     async def delete(self, bucket: str, key: str) -> None:
         """Stop leasing `key` and delete it now (watchers see it go at once)."""
         if self._keys.pop((bucket, key), None) is None:
             return
         try:
-            kv = await ensure_registry(self._js, bucket)
+            kv = await ensure_registry(self._js, bucket, self.replicas)
             await kv.delete(key)
         except (TimeoutError, NatsError, JetStreamError) as exc:
             log.warning("could not delete %s/%s (it expires with its lease): %s", bucket, key, exc)
@@ -92,13 +106,14 @@ class LeaseKeeper:
 
     async def _put_one(self, bucket: str, key: str, value: bytes) -> None:
         if bucket not in self._known_buckets:
-            await ensure_registry(self._js, bucket)
+            await ensure_registry(self._js, bucket, self.replicas)
             self._known_buckets.add(bucket)
         await self._js.publish(
             key_subject(bucket, key), value, timeout=_PUT_TIMEOUT_S, headers=ttl_header(self.ttl_s)
         )
 
-    async def _beat(self) -> None:
+    async def _beat(self) -> bool:
+        """Put every key once; True when all puts succeeded."""
         async with self._lock:
             puts = [self._put_one(b, k, v) for (b, k), v in list(self._keys.items())]
             results = await asyncio.gather(*puts, return_exceptions=True)
@@ -112,14 +127,21 @@ class LeaseKeeper:
             if self._nc.is_connected:
                 # The bucket may have vanished with a broker restart: recreate on next beat.
                 self._known_buckets.clear()
+        return not errors
 
     async def _run(self) -> None:
+        delay = self.interval_s
         while True:
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(delay)
+            delay = self.interval_s
             if not self._keys or not self._nc.is_connected:
                 continue
             try:
-                await self._beat()
+                if not await self._beat():
+                    # A failed beat is retried soon, not a third of a TTL later: on a
+                    # cluster the registry's stream may just have elected a new leader,
+                    # and the keys' time to live is running out.
+                    delay = min(self.interval_s, _RETRY_FAILED_BEAT_S)
             except asyncio.CancelledError:
                 raise
             except Exception:  # never let the heartbeat die

@@ -37,7 +37,13 @@ from dynamo.runtime import naming, wire
 from dynamo.runtime.client import Client
 from dynamo.runtime.errors import RuntimeClosedError
 from dynamo.runtime.inbox import Inbox
-from dynamo.runtime.kv import ensure_registry, is_replica_shortage, replica_error
+from dynamo.runtime.kv import (
+    ensure_registry,
+    is_replica_shortage,
+    replica_error,
+    retry_transient,
+    wait_for_stream_leader,
+)
 from dynamo.runtime.leases import LeaseKeeper
 from dynamo.runtime.nats_connect import open_nats_connection
 from dynamo.runtime.nats_options import NatsConnectOptions, redact_url
@@ -54,15 +60,39 @@ from dynamo.runtime.watch import BucketWatcher
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TTL_S = 5.0
+CLUSTER_LEASE_TTL_S = 18.0
+"""The default lease on a NATS cluster. A replicated stream whose leader's node is lost
+takes nats-server 4 to 9 s (its Raft election timeout, not configurable) to elect
+another; no key can be re-put meanwhile, and a key whose last put is older than its TTL
+when the new leader takes over expires. The last heartbeat is at most TTL/3 old at the
+loss and a failed heartbeat is retried every 0.5 s, so 2/3 of the TTL must exceed the
+9 s election plus a retry and a put: 18 s leaves 12 s."""
 ENV_LEASE_TTL = "DYN_LEASE_TTL"
 
 ReconnectListener = Callable[[], Awaitable[None] | None]
 
 
-def default_lease_ttl() -> float:
-    """`$DYN_LEASE_TTL` seconds, else 5."""
+def default_lease_ttl(replicas: int = 1) -> float:
+    """`$DYN_LEASE_TTL` seconds, else 5 on a single server and 18 when buckets are
+    replicated over a cluster (`replicas` > 1): see `CLUSTER_LEASE_TTL_S`."""
     value = os.environ.get(ENV_LEASE_TTL, "").strip()
-    return float(value) if value else DEFAULT_LEASE_TTL_S
+    if value:
+        return float(value)
+    return DEFAULT_LEASE_TTL_S if replicas <= 1 else CLUSTER_LEASE_TTL_S
+
+
+def warn_short_cluster_lease(lease_ttl: float, replicas: int) -> None:
+    """Say so when a lease could expire during a JetStream failover (see
+    `CLUSTER_LEASE_TTL_S`)."""
+    if replicas > 1 and lease_ttl < CLUSTER_LEASE_TTL_S:
+        log.warning(
+            "lease TTL %.1fs with replicated buckets: losing the NATS node that leads the "
+            "registry stops its writes for the 4-9 s JetStream takes to elect another, "
+            "and a lease shorter than %.0fs may expire meanwhile (the worker briefly "
+            "leaves routing); raise --lease-ttl / $DYN_LEASE_TTL",
+            lease_ttl,
+            CLUSTER_LEASE_TTL_S,
+        )
 
 
 class DistributedRuntime:
@@ -81,9 +111,10 @@ class DistributedRuntime:
         self._served: list[ServedEndpoint] = []
         self._watchers: set[BucketWatcher] = set()
         self._reconnect_listeners: list[ReconnectListener] = []
+        self._disconnect_listeners: list[Callable[[], None]] = []
         self._restore_task: asyncio.Task[None] | None = None
         self.reconnects = 0  # completed reconnects (logs, debug views, tests)
-        self._leases = LeaseKeeper(nc, self.js, lease_ttl)
+        self._leases = LeaseKeeper(nc, lease_ttl, replicas=replicas)
         self._closed = False
         self._kv_cache: dict[str, KeyValue] = {}
         self._disconnected = asyncio.Event()  # set from a disconnect until the reconnect
@@ -141,12 +172,9 @@ class DistributedRuntime:
             error_cb=on_error,
             flush_timeout=PUBLISH_FLUSH_TIMEOUT_S,
         )
-        runtime = cls(
-            nc,
-            lease_ttl=lease_ttl or default_lease_ttl(),
-            name=name,
-            replicas=nats_options.replicas,
-        )
+        ttl = lease_ttl or default_lease_ttl(nats_options.replicas)
+        warn_short_cluster_lease(ttl, nats_options.replicas)
+        runtime = cls(nc, lease_ttl=ttl, name=name, replicas=nats_options.replicas)
         holder["rt"] = runtime
         await runtime._start()
         return runtime
@@ -211,10 +239,25 @@ class DistributedRuntime:
         with contextlib.suppress(ValueError):
             self._reconnect_listeners.remove(listener)
 
+    def add_disconnect_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` (synchronously, on the event loop) whenever the connection to
+        NATS drops: response streams open then may have lost frames."""
+        self._disconnect_listeners.append(listener)
+
+    def remove_disconnect_listener(self, listener: Callable[[], None]) -> None:
+        """Stop calling `listener`. Unknown listeners are ignored."""
+        with contextlib.suppress(ValueError):
+            self._disconnect_listeners.remove(listener)
+
     def _on_disconnected(self) -> None:
         self._disconnected.set()
         if not self._closed:
             log.warning("disconnected from NATS; reconnecting")
+        for listener in list(self._disconnect_listeners):
+            try:
+                listener()
+            except Exception:
+                log.exception("disconnect listener %r failed", listener)
 
     async def _on_reconnected(self) -> None:
         """nats-py's reconnect callback. It runs inside nats-py's reconnect loop, so the
@@ -287,6 +330,7 @@ class DistributedRuntime:
             on_put=on_put,
             on_delete=on_delete,
             missing_grace_s=self.lease_ttl,
+            replicas=self.replicas,
         )
         self._watchers.add(watcher)
         return watcher
@@ -306,9 +350,14 @@ class DistributedRuntime:
         except Exception:
             pass
         try:
-            return await self.js.create_object_store(
-                bucket, config=ObjectStoreConfig(replicas=self.replicas)
+            store = await retry_transient(
+                lambda: self.js.create_object_store(
+                    bucket, config=ObjectStoreConfig(replicas=self.replicas)
+                ),
+                what=f"creating object store {bucket}",
             )
+            await wait_for_stream_leader(self.js, f"OBJ_{bucket}", self.replicas)
+            return store
         except APIError as exc:
             if is_replica_shortage(exc):
                 raise replica_error(f"object store {bucket}", self.replicas, exc) from None

@@ -49,8 +49,10 @@ class BucketWatcher:
         on_put: OnPut | None = None,
         on_delete: OnDelete | None = None,
         missing_grace_s: float = 0.0,
+        replicas: int = 1,
     ) -> None:
         self._js = js
+        self.replicas = replicas  # of the bucket, should this watcher be first to create it
         self.bucket = bucket
         self.key_filter = key_filter
         self._on_put = on_put
@@ -86,7 +88,7 @@ class BucketWatcher:
         while not self._closed:
             self._restart.clear()
             try:
-                kv = await ensure_registry(self._js, self.bucket)
+                kv = await ensure_registry(self._js, self.bucket, self.replicas)
                 await self._watch_until_restart(kv)
             except asyncio.CancelledError:
                 raise
