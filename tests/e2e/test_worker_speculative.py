@@ -153,3 +153,23 @@ async def test_cancel_aborts_in_engine(runtime, ngram_worker, tokenizer):
         interval=0.1,
         what="the worker to abort the cancelled request",
     )
+
+
+async def test_worker_exports_every_worker_metric_of_the_dashboard(
+    runtime, ngram_worker, tokenizer
+):
+    """Each `dynamo_worker_*` and `vllm:*` name deploy/grafana/dashboards/dynamo.json
+    queries is on a speculating worker's `/metrics` (the frontend's and mocker's names:
+    tests/integration/deploy)."""
+    from dynamo.testing.dashboard import VLLM_WORKER, exported_names, names_from
+    from dynamo.testing.http import http_get
+
+    await generate(runtime, "spec", chat_ids(tokenizer, PROMPTS[0]), 16)
+    status, text = http_get(ngram_worker.metrics_url)
+    assert status == 200
+    wanted = names_from(VLLM_WORKER)
+    assert {
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+        "dynamo_worker_prompt_tokens_total",
+    } <= wanted
+    assert sorted(wanted - exported_names(text)) == []

@@ -51,6 +51,23 @@ InstancesChanged = Callable[[], None]
 MigrationHook = Callable[[str], None]
 """Called with the model name each time a request is migrated to another worker."""
 
+RoutedHook = Callable[[str, int, str, int | None], None]
+"""Called after every placement the router made: model name, chosen instance, placement
+kind (`PLACEMENT_*`) and the prompt blocks the router expects cached there (None when the
+router does not estimate them). Feeds the frontend's router-decision series, the only
+place where an operator sees where requests went and why."""
+
+ComponentRoutedHook = Callable[[str, str, int, str, int | None], None]
+"""A `RoutedHook` that also takes the worker component first (`backend`, `prefill`, ...):
+what the frontend gives its card watcher, which binds each endpoint's component."""
+
+PLACEMENT_NEW = "new"
+"""A request's first placement."""
+PLACEMENT_RETRY = "retry"
+"""Placed again: its worker was lost or refused before any output."""
+PLACEMENT_MIGRATION = "migration"
+"""Continued on another worker after tokens had streamed."""
+
 DEFAULT_FIRST_TOKEN_TIMEOUT_S = 300.0
 """Generous: a long prompt's prefill on a big model, queued behind others under load."""
 DEFAULT_INTER_TOKEN_TIMEOUT_S = 60.0
@@ -162,12 +179,14 @@ class RuntimeEngineClient:
         migration_limit: int = 0,
         deadlines: StreamDeadlines | None = None,
         on_migration: MigrationHook | None = None,
+        on_routed: RoutedHook | None = None,
     ) -> None:
         self._client = client
         self._router = router
         self.migration_limit = max(0, migration_limit)
         self.deadlines = deadlines if deadlines is not None else StreamDeadlines()
         self._on_migration = on_migration
+        self._on_routed = on_routed
         self.migrations = 0  # performed, for metrics and tests
         self._active = 0  # generate() calls in flight
         self._closing = False
@@ -194,6 +213,7 @@ class RuntimeEngineClient:
                 target = await self._choose(
                     legs.leg, legs.failed, resuming=legs.resuming, lost=legs.lost
                 )
+                self._routed(legs, target)
                 # The router may have booked the request on `target`: from here on, every
                 # way out (including encoding the request) ends in `on_finished`.
                 stream: ResponseStream[LLMEngineOutput] | None = None
@@ -261,6 +281,20 @@ class RuntimeEngineClient:
             first_item_timeout=self.deadlines.first_token_s,
             item_timeout=self.deadlines.inter_token_s,
         )
+
+    def _routed(self, legs: RequestLegs, target: int) -> None:
+        """Report the placement just made (see `RoutedHook`)."""
+        if self._on_routed is None:
+            return
+        if legs.resuming:
+            kind = PLACEMENT_MIGRATION
+        elif legs.lost is not None:
+            kind = PLACEMENT_RETRY
+        else:
+            kind = PLACEMENT_NEW
+        routing = legs.leg.routing
+        overlap = routing.overlap_blocks if routing is not None else None
+        self._on_routed(legs.request.model, target, kind, overlap)
 
     def _migrated(self, model: str) -> None:
         self.migrations += 1

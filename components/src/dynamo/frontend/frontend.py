@@ -28,6 +28,7 @@ from dynamo.frontend.disagg import DEFAULT_PREFILL_TIMEOUT_S
 from dynamo.frontend.engine_client import (
     DEFAULT_FIRST_TOKEN_TIMEOUT_S,
     DEFAULT_INTER_TOKEN_TIMEOUT_S,
+    ComponentRoutedHook,
     EndpointClient,
     MigrationHook,
     RuntimeEngineClient,
@@ -119,6 +120,7 @@ class ModelCardSync:
         *,
         deadlines: StreamDeadlines | None = None,
         on_migration: MigrationHook | None = None,
+        on_routed: ComponentRoutedHook | None = None,
         retries: CardRetries | None = None,
     ) -> None:
         self._runtime = runtime
@@ -127,6 +129,7 @@ class ModelCardSync:
         self._cache = tokenizer_cache
         self._deadlines = deadlines
         self._on_migration = on_migration
+        self._on_routed = on_routed
         self.retries = retries or CardRetries()
 
     async def run(self, namespace: str) -> None:
@@ -212,6 +215,11 @@ class ModelCardSync:
             migration_limit=card.migration_limit,
             deadlines=self._deadlines,
             on_migration=self._on_migration,
+            on_routed=(
+                functools.partial(self._on_routed, card.component)
+                if self._on_routed is not None
+                else None
+            ),
         )
 
 
@@ -260,6 +268,7 @@ async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None
             config.tokenizer_cache or default_tokenizer_cache(),
             deadlines=config.stream_deadlines,
             on_migration=metrics.migration,
+            on_routed=metrics.routed,
         )
         watcher = asyncio.create_task(sync.run(config.namespace))
         await service.start()

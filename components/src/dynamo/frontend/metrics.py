@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from dynamo.llm.protocols import SpecDecodeStats
+from dynamo.runtime.naming import instance_hex
 
 PREFIX = "dynamo_frontend"
 
@@ -99,6 +100,20 @@ class FrontendMetrics:
             ["model"],
             registry=r,
         )
+        self.router_decisions = Counter(
+            f"{PREFIX}_router_decisions",
+            "Placements made by the router, per worker instance (hex id) and kind: new, "
+            "retry (lost or refused before output), migration (after tokens streamed)",
+            ["model", "component", "worker", "placement"],
+            registry=r,
+        )
+        self.router_overlap_blocks = Counter(
+            f"{PREFIX}_router_overlap_blocks",
+            "Prompt blocks the KV router expected cached on the worker it chose, summed "
+            "over its placements (divide by router_decisions_total for blocks per decision)",
+            ["model", "component", "worker"],
+            registry=r,
+        )
         self.spec_drafts = Counter(
             f"{PREFIX}_spec_decode_drafts",
             "Speculative verification steps reported by workers",
@@ -125,6 +140,22 @@ class FrontendMetrics:
     def migration(self, model: str) -> None:
         """A request continued on another worker after its worker was lost mid-stream."""
         self.migrations.labels(model).inc()
+
+    def routed(
+        self,
+        component: str,
+        model: str,
+        instance_id: int,
+        placement: str,
+        overlap_blocks: int | None,
+    ) -> None:
+        """The router placed a request of `model` on `instance_id` of `component`; the
+        overlap counter moves only for routers that estimate it (kv mode), so the blocks
+        per decision panel is not diluted by round-robin placements' unknown overlap."""
+        worker = instance_hex(instance_id)
+        self.router_decisions.labels(model, component, worker, placement).inc()
+        if overlap_blocks is not None:
+            self.router_overlap_blocks.labels(model, component, worker).inc(overlap_blocks)
 
     def request(self, model: str, endpoint: str, stream: bool) -> RequestMetrics:
         return RequestMetrics(self, model, endpoint, stream)

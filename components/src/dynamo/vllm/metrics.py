@@ -71,6 +71,13 @@ class VllmWorkerCollector(Collector):
         for reason, n in sorted(self.counters.finished.items()):
             finished.add_metric([*lv, reason], n)
         yield finished
+        # Both prompt counters, so a dashboard's prefix hit rate (cached / prompt) reads
+        # the same on vLLM workers and mockers.
+        prompt = CounterMetricFamily(
+            "dynamo_worker_prompt_tokens", "Prompt tokens received", labels=list(self.labels)
+        )
+        prompt.add_metric(lv, self.counters.prompt_tokens)
+        yield prompt
         cached = CounterMetricFamily(
             "dynamo_worker_cached_prompt_tokens",
             "Prompt tokens served from the prefix cache or a KV connector",
