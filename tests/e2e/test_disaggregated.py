@@ -11,7 +11,8 @@ config and the same prompt split (cached whole blocks + computed tail), so only 
 transfer can make them differ, not bf16 rounding of differently shaped work; the transfer
 directory is emptied as entries are consumed and orphaned entries expire; a request
 sharing a long prefix with an earlier one is prefilled on the prefill worker that caches
-it; when the prefill workers are killed, requests still succeed (decode prefills itself)
+it; each prefill worker's probe of its transfer directory is found by the decode side's
+shared-directory check (and would be refused from another directory); when the prefill workers are killed, requests still succeed (decode prefills itself)
 and the fallback counter says so.
 """
 
@@ -27,16 +28,24 @@ from typing import Any
 import pytest
 from e2e_prompts import chat_ids, greedy_request
 
+from dynamo.llm.model_card import ModelCardWatcher
 from dynamo.llm.models import DEFAULT_MODEL
 from dynamo.llm.protocols import (
     LLMEngineOutput,
+    ModelCard,
     PreprocessedRequest,
     StopConditions,
+    WorkerType,
 )
 from dynamo.runtime import DistributedRuntime
 from dynamo.testing.http import http_post_json, kv_router_view, routed_requests
 from dynamo.testing.processes import FrontendProcess, WorkerProcess
-from dynamo.testing.waiting import wait_until
+from dynamo.testing.waiting import wait_until, wait_until_async
+from dynamo.vllm.kv_storage_check import (
+    PROBE_PREFIX,
+    KvStorageNotSharedError,
+    SharedStorageCheck,
+)
 from dynamo.vllm.kv_transfer import transferred_tokens
 from dynamo.vllm.transfer_root import TransferRoot
 
@@ -235,6 +244,38 @@ async def test_transfer_directory_stays_bounded(disagg, nats_url, tokenizer, tra
         interval=POLL_S,
         what=lambda: f"the orphaned transfer to expire; left: {list(transfer_dir.iterdir())}",
     )
+
+
+async def test_prefill_workers_prove_the_decode_worker_shares_their_directory(
+    disagg, nats_url, transfer_dir, tmp_path
+):
+    """Each prefill worker advertises a probe of its transfer directory on its card (and
+    in every prefill result): here, where every worker shares one directory, the probe
+    file the real worker wrote is found by the decode side's check (requests above went
+    through it); a decode worker reading another directory (another host's /tmp) would
+    refuse the same probe, naming both sides."""
+    runtime = await DistributedRuntime.connect(nats_url)
+    watcher = await ModelCardWatcher(runtime, NAMESPACE).start()
+    try:
+        await wait_until_async(
+            lambda: len(prefill_cards(watcher)) == 2, timeout=10, what="both prefill cards"
+        )
+        cards = prefill_cards(watcher)
+    finally:
+        await watcher.close()
+        await runtime.shutdown()
+    for card in cards:
+        probe = card.kv_storage
+        assert probe is not None and probe.path == str(transfer_dir)
+        assert card.host and probe.host == card.host
+        assert (transfer_dir / f"{PROBE_PREFIX}{probe.token}").is_file()
+        SharedStorageCheck(transfer_dir, "decode-host").check(probe)
+        with pytest.raises(KvStorageNotSharedError, match=str(transfer_dir)):
+            SharedStorageCheck(tmp_path, "other-host").check(probe)
+
+
+def prefill_cards(watcher: ModelCardWatcher) -> list[ModelCard]:
+    return [c for c in watcher.cards if c.worker_type is WorkerType.PREFILL]
 
 
 def test_prefill_legs_follow_the_prefill_worker_that_caches_the_prefix(disagg):

@@ -16,6 +16,7 @@ from dynamo.frontend.model_registry import ModelManager
 from dynamo.frontend.preprocessor import Preprocessor
 from dynamo.llm.protocols import (
     FinishReason,
+    KvStorageProbe,
     LLMEngineOutput,
     ModelCard,
     PreprocessedRequest,
@@ -171,10 +172,13 @@ def _request() -> PreprocessedRequest:
 
 
 async def test_disaggregated_client_hands_prefill_result_to_decode() -> None:
+    probe = KvStorageProbe(token="ab" * 16, path="/kv", host="10.0.0.1")
+
     async def prefill_handler(req: PreprocessedRequest) -> AsyncIterator[LLMEngineOutput]:
         yield LLMEngineOutput(
             finish_reason=FinishReason.LENGTH,
             disaggregated_params={"remote_block_ids": [4, 5]},
+            kv_storage=probe,
         )
 
     async def decode_handler(req: PreprocessedRequest) -> AsyncIterator[LLMEngineOutput]:
@@ -191,6 +195,7 @@ async def test_disaggregated_client_hands_prefill_result_to_decode() -> None:
     (decoded,) = decode.requests
     assert decoded.prefill_result is not None
     assert decoded.prefill_result.disaggregated_params == {"remote_block_ids": [4, 5]}
+    assert decoded.prefill_result.kv_storage == probe, "the decode worker checks it"
     assert decoded.kv_transfer_params is None
     assert client.remote_prefills == 1
 

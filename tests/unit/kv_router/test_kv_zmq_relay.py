@@ -22,6 +22,7 @@ from dynamo.llm.kv_router.zmq_relay import (
     EventCallback,
     KvEventRelay,
     connect_address,
+    publisher_binds,
 )
 from dynamo.llm.protocols import KvAllCleared, KvBlockStored, RouterEvent
 from dynamo.testing.waiting import wait_until_async
@@ -351,7 +352,84 @@ async def test_callback_failure_is_counted(publisher: FakeVllmPublisher) -> None
 
 def test_connect_address_for_a_bind_endpoint() -> None:
     assert connect_address("tcp://*:5557") == "tcp://127.0.0.1:5557"
+    assert connect_address("tcp://0.0.0.0:5557") == "tcp://127.0.0.1:5557"
+    assert connect_address("tcp://[::]:5557") == "tcp://[::1]:5557"
     assert connect_address("ipc:///tmp/x") == "ipc:///tmp/x"
+    # A named host is dialled as configured (e.g. a replay socket bound on one interface).
+    assert connect_address("tcp://10.0.0.5:5558") == "tcp://10.0.0.5:5558"
+
+
+def test_which_side_binds_follows_vllms_rule() -> None:
+    for bound in ("tcp://*:5557", "tcp://[::]:5557", "ipc:///tmp/x", "inproc://x"):
+        assert publisher_binds(bound), bound
+    for connected in ("tcp://127.0.0.1:5557", "tcp://10.0.0.5:5557", "tcp://0.0.0.0:5557"):
+        assert not publisher_binds(connected), connected
+
+
+async def test_vllms_publisher_connecting_to_a_named_host_reaches_a_listening_relay() -> None:
+    """`tcp://127.0.0.1:PORT` in a user's --kv-events-config: vLLM's publisher *connects*
+    there, so the relay must listen (a relay dialling it too would receive nothing)."""
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    port, replay_port = free_tcp_port(), free_tcp_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    assert not publisher_binds(endpoint)
+    received: list[RouterEvent] = []
+    relay = KvEventRelay(
+        endpoint,
+        KvEventConverter(WORKER, B),
+        collector(received),
+        replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+        listen=True,
+        idle_probe_s=60,  # only the live stream (and the gap fills it triggers) counts
+    )
+    await relay.start()
+    publisher = kv_events.ZmqEventPublisher(
+        data_parallel_rank=0,
+        endpoint=endpoint,
+        replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+    )
+    try:
+        i = 0
+        deadline = time.monotonic() + 10
+        while relay.stats.batches == relay.stats.replayed_batches and time.monotonic() < deadline:
+            publisher.publish(vllm_chain_batch(kv_events, i))
+            i += 1
+            await asyncio.sleep(0.05)
+        await relay_reaches(relay, i)
+    finally:
+        publisher.shutdown()
+        await relay.stop()
+    assert relay.stats.resyncs == 0
+    live = relay.stats.batches - relay.stats.replayed_batches
+    assert live > 0, "the live stream reached the relay (not only replays of idle probes)"
+    assert index_of(received).find_matches_for_tokens(chain_tokens(i)).scores == {WORKER: i}
+
+
+def free_tcp_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def vllm_chain_batch(kv_events, i: int) -> object:
+    """Batch i of one long sequence, as vLLM's own event types."""
+    return kv_events.KVEventBatch(
+        ts=float(i),
+        events=[
+            kv_events.BlockStored(
+                block_hashes=[bytes([i + 1]) * 32],
+                parent_block_hash=bytes([i]) * 32 if i else None,
+                token_ids=list(range(i * B, (i + 1) * B)),
+                block_size=B,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+                group_idx=0,
+            )
+        ],
+    )
 
 
 async def test_against_vllms_own_publisher(tmp_path: Path) -> None:

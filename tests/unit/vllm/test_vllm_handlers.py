@@ -43,6 +43,7 @@ from vllm_outputs import completion, request_output
 from dynamo.llm.protocols import (
     CompletionUsage,
     FinishReason,
+    KvStorageProbe,
     LLMEngineOutput,
     PrefillResult,
     PreprocessedRequest,
@@ -55,6 +56,11 @@ from dynamo.runtime import Context, InvalidRequestError, WorkerOverloadedError
 from dynamo.vllm.engine import EngineFacts, VllmEngine
 from dynamo.vllm.handlers import GenerateHandler, RequestCounters
 from dynamo.vllm.kv_layout import KV_LAYOUT_PARAM
+from dynamo.vllm.kv_storage_check import (
+    KvStorageNotSharedError,
+    SharedStorageCheck,
+    StorageProbeFile,
+)
 from dynamo.vllm.kv_transfer import KvTransferJanitor, entry_name
 
 PROMPT = list(range(100, 109))
@@ -139,6 +145,8 @@ class Worker:
         counters: RequestCounters | None = None,
         kv_janitor: KvTransferJanitor | None = None,
         kv_layout: str = "",
+        kv_probe: KvStorageProbe | None = None,
+        storage_check: SharedStorageCheck | None = None,
     ) -> None:
         self.llm = llm
         self.engine = VllmEngine(AsyncEngineArgs(model=str(model_dir)))
@@ -160,6 +168,8 @@ class Worker:
             on_engine_dead=self.deaths.append,
             counters=counters,
             kv_janitor=kv_janitor,
+            kv_probe=kv_probe,
+            storage_check=storage_check,
         )
         self.ctx = Context("ctx-request-id", INSTANCE_ID)
 
@@ -358,6 +368,44 @@ async def test_decode_refuses_kv_laid_out_otherwise_and_computes_the_prompt(
     reports = [r for r in caplog.records if "laid out" in r.getMessage()]
     assert len(reports) == 2, "once per decode worker (each test worker is a new handler)"
     assert OTHER_LAYOUT in reports[0].getMessage() and LAYOUT in reports[0].getMessage()
+
+
+async def test_a_prefill_worker_names_its_transfer_directory_probe(tiny_model: Path) -> None:
+    probe = KvStorageProbe(token="ab" * 16, path="/shared/kv", host="10.0.0.1")
+    llm = FakeAsyncLLM([step([42], finish_reason="length")])
+    worker = Worker(tiny_model, llm, WorkerType.PREFILL, kv_connector=CONNECTOR, kv_probe=probe)
+    (out,) = await worker.run(make_request())
+    assert out.kv_storage == probe
+
+
+async def test_decode_fails_a_request_whose_kv_is_in_a_directory_it_cannot_see(
+    tiny_model: Path,
+) -> None:
+    """Prefill and decode on 'different hosts': each its own directory. The request fails
+    before vLLM sees it, with the reason; one the decode worker shares goes through."""
+    theirs, ours = tiny_model.parent / "prefill-kv", tiny_model.parent / "decode-kv"
+    theirs.mkdir()
+    ours.mkdir()
+    foreign = StorageProbeFile.create(theirs, "10.0.0.1")
+    assert foreign is not None
+    check = SharedStorageCheck(ours, "10.0.0.2")
+    params = {"kv_connector": CONNECTOR, "by_prompt": True}
+    llm = FakeAsyncLLM([step([5], finish_reason="length")])
+    worker = Worker(
+        tiny_model, llm, WorkerType.DECODE, kv_connector=CONNECTOR, storage_check=check
+    )
+    request = make_request(prefill_result=PrefillResult(params, kv_storage=foreign.probe))
+    with pytest.raises(KvStorageNotSharedError, match=f"{theirs}.*{ours}"):
+        await worker.run(request)
+    assert llm.params == [], "vLLM never saw the request"
+    assert worker.counters.remote_prefill_refused == 1
+    assert worker.counters.finished == {"error": 1}
+
+    shared = StorageProbeFile.create(ours, "10.0.0.3")  # a prefill worker that shares ours
+    assert shared is not None
+    await worker.run(make_request(prefill_result=PrefillResult(params, kv_storage=shared.probe)))
+    assert worker.sent_params().extra_args == {"kv_transfer_params": params}
+    assert worker.counters.remote_prefill_used == 1
 
 
 async def test_decode_without_a_prefill_result_counts_no_remote_prefill(

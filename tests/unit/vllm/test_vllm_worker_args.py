@@ -612,7 +612,8 @@ def test_kv_events_port_publishes_on_tcp(parse) -> None:
     cfg = parse("--kv-events-port", "25557")
     assert cfg.kv_events_port == 25557
     assert cfg.engine_args.kv_events_config.endpoint == "tcp://*:25557"
-    assert cfg.engine_args.kv_events_config.replay_endpoint.startswith("tcp://127.0.0.1:")
+    # Bound on every interface like the events: a consumer on another host may replay.
+    assert cfg.engine_args.kv_events_config.replay_endpoint.startswith("tcp://*:")
 
 
 def test_kv_events_follow_the_users_choices(parse) -> None:

@@ -74,6 +74,7 @@ class DisaggregatedEngineClient:
         leg = prefill_leg(request)
         params = None
         details = None
+        kv_storage = None
         stream = self.prefill.generate(leg)
         try:
             async with asyncio.timeout(self.prefill_timeout_s):
@@ -82,6 +83,8 @@ class DisaggregatedEngineClient:
                         return self._fallback(request, output.error or "prefill failed")
                     if output.disaggregated_params:
                         params = output.disaggregated_params
+                    if output.kv_storage is not None:
+                        kv_storage = output.kv_storage
                     usage = output.completion_usage
                     if usage and usage.prompt_tokens_details:
                         details = msgspec.to_builtins(usage.prompt_tokens_details)
@@ -94,7 +97,9 @@ class DisaggregatedEngineClient:
         if not params:
             return self._fallback(request, "prefill worker returned no transfer parameters")
         self.remote_prefills += 1
-        return PrefillResult(disaggregated_params=params, prompt_tokens_details=details)
+        return PrefillResult(
+            disaggregated_params=params, prompt_tokens_details=details, kv_storage=kv_storage
+        )
 
     def _fallback(self, request: PreprocessedRequest, reason: str) -> None:
         self.local_prefills += 1

@@ -29,13 +29,19 @@ from typing import Any
 
 from vllm.engine.arg_utils import AsyncEngineArgs
 
+from dynamo.llm.worker.addresses import advertise_host_or_env
 from dynamo.llm.worker.inflight import max_inflight_or_env
 from dynamo.runtime.cli import ConfigError
 from dynamo.runtime.nats_options import NatsConnectOptions, nats_options_from_args
 from dynamo.runtime.runtime import default_lease_ttl
 from dynamo.vllm.config_layers import collect_layers, merge_engine_values
 from dynamo.vllm.config_report import resolved_config_lines, resolved_config_yaml
-from dynamo.vllm.kv_defaults import check_block_size, configure_kv_events, configure_kv_transfer
+from dynamo.vllm.kv_defaults import (
+    check_block_size,
+    configure_kv_events,
+    configure_kv_transfer,
+    nixl_side_channel_env,
+)
 from dynamo.vllm.model_resolution import resolve_target, served_name
 from dynamo.vllm.sampling_defaults import check_generation_config
 from dynamo.vllm.speculation_profile import SpeculationProfile
@@ -50,6 +56,7 @@ from dynamo.vllm.worker_parser import (
     build_parser,
     disaggregation_mode_of,
     explicit_values,
+    system_host_or_env,
     system_port_or_env,
 )
 
@@ -84,13 +91,22 @@ class VllmWorkerConfig:
     """Credentials and TLS of the NATS connection (flags over NATS_* variables)."""
     system_port: int | None
     """Metrics/health HTTP port; None disables the server, 0 picks a free port."""
+    advertise_host: str
+    """The address peers on other hosts reach this worker at (`--advertise-host`): in its
+    instance record and model card, and the NIXL side-channel host unless set."""
+    system_host: str
+    """Address the metrics/health HTTP server binds to (`--system-host`)."""
     kv_events_port: int | None
-    """TCP port of vLLM's KV-event publisher (`tcp://*:<port>`; subscribers connect to
-    127.0.0.1), set only by --kv-events-port or a `tcp://` endpoint in --kv-events-config.
+    """TCP port of vLLM's KV-event publisher (`tcp://*:<port>`: the worker's relay dials
+    127.0.0.1, consumers on other hosts `advertise_host`), set only by --kv-events-port or
+    a `tcp://` endpoint in --kv-events-config.
     None otherwise: by default events go over a private Unix socket
     (`ipc://$TMPDIR/dynamo-kv-*-events.sock`, see `kv_events_endpoint`), or they are off."""
     migration_limit: int
     dry_run: bool
+    engine_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Variables the worker sets in its environment before the engine starts (vLLM and
+    its engine core read them): `VLLM_NIXL_SIDE_CHANNEL_HOST` with a NIXL connector."""
     max_inflight_requests: int | None = None
     """Bound on requests accepted at once (0: none; None: 4 x max_num_seqs)."""
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
@@ -158,8 +174,10 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> VllmWorkerConfig:
             ", ".join(layers.file.ignored),
         )
     nats_options = nats_options_from_args(full, url=nats_server)
+    advertise_host = advertise_host_or_env(full["advertise_host"])
+    engine_args = AsyncEngineArgs.from_cli_args(argparse.Namespace(**values))
     return VllmWorkerConfig(
-        engine_args=AsyncEngineArgs.from_cli_args(argparse.Namespace(**values)),
+        engine_args=engine_args,
         disaggregation_mode=mode,
         namespace=full["namespace"],
         component=full["component"]
@@ -171,6 +189,9 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> VllmWorkerConfig:
         nats_options=nats_options,
         lease_ttl=full["lease_ttl"] or default_lease_ttl(nats_options.replicas),
         system_port=system_port_or_env(full["system_port"]),
+        advertise_host=advertise_host,
+        system_host=system_host_or_env(full["system_host"]),
+        engine_env=nixl_side_channel_env(engine_args.kv_transfer_config, advertise_host),
         kv_events_port=kv_events_port,
         migration_limit=migration_limit_for(mode, full["migration_limit"]),
         dry_run=dry_run,

@@ -23,6 +23,7 @@ from dynamo.runtime import Context
 from dynamo.vllm.args import VllmWorkerConfig
 from dynamo.vllm.engine import EngineFacts, VllmEngine
 from dynamo.vllm.handlers import GenerateHandler, RequestCounters
+from dynamo.vllm.kv_storage_check import SharedStorageCheck, StorageProbeFile
 from dynamo.vllm.kv_transfer import KvTransferJanitor, default_ttl, example_connector_storage
 from dynamo.vllm.publishers import engine_load, relay_kv_events
 from dynamo.vllm.sampling_defaults import sampling_defaults_from
@@ -49,6 +50,8 @@ class VllmBackend:
         self._handler: GenerateHandler | None = None
         self._relay: KvEventRelay | None = None
         self._janitor: KvTransferJanitor | None = None
+        self._probe: StorageProbeFile | None = None
+        self._storage_check: SharedStorageCheck | None = None
         self._loading: asyncio.Future[EngineFacts] | None = None
         self._dead: str | None = None
         self.spec_monitor: SpeculationMonitor | None = None
@@ -73,6 +76,8 @@ class VllmBackend:
             on_engine_dead=self._on_engine_dead,
             counters=self.counters,
             kv_janitor=self._janitor,
+            kv_probe=self._probe.probe if self._probe else None,
+            storage_check=self._storage_check,
         )
         return EngineDescription(
             context_length=facts.max_model_len,
@@ -82,6 +87,7 @@ class VllmBackend:
             eos_token_ids=self._eos_token_ids(),
             speculative=facts.speculative,
             sampling_defaults=sampling_defaults_from(facts.sampling_defaults),
+            kv_storage=self._probe.probe if self._probe else None,
         )
 
     def is_ready(self) -> bool:
@@ -141,6 +147,8 @@ class VllmBackend:
         if self._janitor is not None:
             with contextlib.suppress(Exception):
                 await self._janitor.stop()
+        if self._probe is not None:
+            self._probe.remove()
         self.engine.shutdown()
         _remove_ipc_sockets(self.cfg.kv_events_endpoint, self.cfg.kv_events_replay_endpoint)
 
@@ -156,6 +164,12 @@ class VllmBackend:
         if storage is None:
             return None
         janitor = KvTransferJanitor(storage, facts.block_size, ttl_s=default_ttl())
+        # Prefill: a probe file decode workers look for under their own path; decode:
+        # the check that looks (see dynamo.vllm.kv_storage_check).
+        if self.worker_type is WorkerType.PREFILL:
+            self._probe = janitor.probe = StorageProbeFile.create(storage, self.cfg.advertise_host)
+        else:
+            self._storage_check = SharedStorageCheck(storage, self.cfg.advertise_host)
         janitor.start()
         log.info(
             "KV transfer directory %s: consumed entries deleted, others after %.0fs",

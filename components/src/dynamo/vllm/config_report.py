@@ -17,6 +17,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 
 from dynamo.runtime.nats_options import redact_url
 from dynamo.vllm.config_layers import SRC_VLLM, SRC_WORKER
+from dynamo.vllm.kv_defaults import nixl_side_channel
 
 if TYPE_CHECKING:  # args.py imports this module: the config class is only a type here
     from dynamo.vllm.args import VllmWorkerConfig
@@ -36,8 +37,12 @@ def _worker_summary(cfg: VllmWorkerConfig) -> dict[str, Any]:
         "nats_server": redact_url(cfg.nats_server),
         "nats_security": cfg.nats_options.describe(cfg.nats_server),
         "lease_ttl": cfg.lease_ttl,
+        "advertise_host": cfg.advertise_host,
+        "system_host": cfg.system_host,
         "system_port": cfg.system_port,
         "kv_events_port": cfg.kv_events_port,
+        "nixl_side_channel": nixl_side_channel(cfg.engine_args.kv_transfer_config, cfg.engine_env),
+        "engine_env": dict(cfg.engine_env) or None,
         "migration_limit": cfg.migration_limit,
         "max_inflight_requests": "auto (4 x max_num_seqs)"
         if cfg.max_inflight_requests is None

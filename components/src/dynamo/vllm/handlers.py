@@ -23,6 +23,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from dynamo.llm.protocols import (
     FinishReason,
+    KvStorageProbe,
     LLMEngineOutput,
     PreprocessedRequest,
     WorkerType,
@@ -31,6 +32,7 @@ from dynamo.runtime import Context, InvalidRequestError, WorkerOverloadedError
 from dynamo.vllm.conversion import OutputTracker, to_prompt, to_sampling_params
 from dynamo.vllm.engine import VllmEngine
 from dynamo.vllm.kv_layout import KV_LAYOUT_PARAM, KvLayoutCheck
+from dynamo.vllm.kv_storage_check import KvStorageNotSharedError, SharedStorageCheck
 from dynamo.vllm.kv_transfer import KvTransferJanitor
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,8 @@ class GenerateHandler:
         on_engine_dead: Callable[[BaseException], None],
         counters: RequestCounters | None = None,
         kv_janitor: KvTransferJanitor | None = None,
+        kv_probe: KvStorageProbe | None = None,
+        storage_check: SharedStorageCheck | None = None,
     ) -> None:
         self.engine = engine
         self.worker_type = worker_type
@@ -82,6 +86,10 @@ class GenerateHandler:
         # Decode side of the disk-based (CPU) connector: deletes consumed KV entries.
         self.kv_janitor = kv_janitor if worker_type is not WorkerType.PREFILL else None
         self.layout_check = KvLayoutCheck(engine.facts.kv_layout if engine.facts else "")
+        # Disk-based connector: the prefill side names its directory's probe in each
+        # result, the decode side refuses results from a directory it cannot see.
+        self.kv_probe = kv_probe if worker_type is WorkerType.PREFILL else None
+        self.storage_check = storage_check if worker_type is not WorkerType.PREFILL else None
 
     def _kv_transfer_params(self, request: PreprocessedRequest) -> dict[str, Any] | None:
         if self.worker_type is WorkerType.PREFILL:
@@ -89,6 +97,12 @@ class GenerateHandler:
             params.setdefault("do_remote_decode", True)
             return params
         if request.prefill_result is not None and request.prefill_result.disaggregated_params:
+            if self.storage_check is not None:
+                try:
+                    self.storage_check.check(request.prefill_result.kv_storage)
+                except KvStorageNotSharedError:
+                    self.counters.remote_prefill_refused += 1
+                    raise
             params = dict(request.prefill_result.disaggregated_params)
             if not self.layout_check.admits(params, request.request_id):
                 self.counters.remote_prefill_refused += 1
@@ -117,6 +131,9 @@ class GenerateHandler:
         except VLLMClientError as exc:  # vLLM's SamplingParams refused a value
             self.counters.finish(REJECTED)
             raise InvalidRequestError(refusal_reason(exc)) from None
+        except KvStorageNotSharedError:  # a deployment error: fail clearly, not silently
+            self.counters.finish(FinishReason.ERROR.value)
+            raise
         request_id = ctx.id or request.request_id
         tracker = OutputTracker(len(request.token_ids))
         llm = self.engine.engine
@@ -135,6 +152,7 @@ class GenerateHandler:
                     if prefill and out.finish_reason is not None:
                         out.token_ids = []  # the decode worker produces the first token
                         out.disaggregated_params = self._transfer_params(out.disaggregated_params)
+                        out.kv_storage = self.kv_probe
                     yield out
                 if finished:
                     return

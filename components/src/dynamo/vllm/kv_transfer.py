@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dynamo.runtime.tasks import cancel_and_wait
+from dynamo.vllm.kv_storage_check import StorageProbeFile, sweep_stale_probes
 from dynamo.vllm.transfer_root import TransferRoot, remove_transfer_entry
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class KvTransferJanitor:
         self._held: Counter[str] = Counter()
         self._task: asyncio.Task[None] | None = None
         self._refusal: str | None = None
+        self.probe: StorageProbeFile | None = None
+        """A prefill worker's probe file (`kv_storage_check`), kept fresh by each sweep."""
         self.removed_consumed = 0
         self.removed_expired = 0
         self.removed_refused = 0
@@ -128,10 +131,14 @@ class KvTransferJanitor:
             self.removed_refused += 1
 
     def sweep(self, now: float | None = None) -> int:
-        """Remove entries older than the TTL that no request here holds; returns how many."""
+        """Remove entries older than the TTL that no request here holds; returns how many.
+        Also refreshes this worker's probe file and removes dead workers' stale ones."""
+        if self.probe is not None:
+            self.probe.refresh()
         if not self.usable():
             return 0
         now = time.time() if now is None else now
+        sweep_stale_probes(self.storage_path, now, keep=self.probe.path if self.probe else None)
         removed = 0
         for entry in self.root.entries():
             if entry.name in self._held:

@@ -9,6 +9,7 @@ while the engine loads; registration with the model card last; SIGTERM drain; ex
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -30,13 +31,21 @@ from dynamo.vllm.args import (
     resolved_config_yaml,
 )
 from dynamo.vllm.backend import VllmBackend
+from dynamo.vllm.kv_defaults import advertised_kv_event_addresses
 from dynamo.vllm.metrics import VllmWorkerCollector
 
 log = logging.getLogger("dynamo.vllm")
 
 
 def build_process(cfg: VllmWorkerConfig) -> WorkerProcess:
-    """One served vLLM worker in a process; nothing is loaded until `run()`."""
+    """One served vLLM worker in a process; nothing is loaded until `run()`.
+
+    Sets `cfg.engine_env` in this process's environment first: vLLM reads those variables
+    (the NIXL side-channel host) when the engine starts, and its engine core inherits them.
+    """
+    for name, value in cfg.engine_env.items():
+        log.info("setting %s=%s for the engine", name, value)
+        os.environ[name] = value
     backend = VllmBackend(cfg)
     registration = WorkerRegistration(
         served_model_name=cfg.served_model_name,
@@ -52,6 +61,10 @@ def build_process(cfg: VllmWorkerConfig) -> WorkerProcess:
         migration_limit=cfg.migration_limit,
         max_inflight_requests=cfg.max_inflight_requests,
         publish_kv_events=cfg.kv_events_endpoint is not None,
+        advertise_host=cfg.advertise_host,
+        advertised_addresses=advertised_kv_event_addresses(
+            cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint, cfg.advertise_host
+        ),
     )
     if cfg.system_port is not None:
         # vLLM's own series live in the process-global registry; ours join them there.
@@ -68,6 +81,7 @@ def build_process(cfg: VllmWorkerConfig) -> WorkerProcess:
         [ServedWorker(backend, registration, name="vllm-worker")],
         name="vllm worker",
         system_port=cfg.system_port,
+        system_host=cfg.system_host,
         registry=REGISTRY,
     )
 

@@ -22,7 +22,7 @@ import logging
 
 from dynamo.llm.kv_router.publisher import KvEventPublisher
 from dynamo.llm.kv_router.vllm_events import KvEventConverter
-from dynamo.llm.kv_router.zmq_relay import KvEventRelay
+from dynamo.llm.kv_router.zmq_relay import KvEventRelay, publisher_binds
 from dynamo.llm.protocols import LoadMetrics
 from dynamo.vllm.engine_stats import EngineStats
 
@@ -59,6 +59,8 @@ async def relay_kv_events(
         KvEventConverter(publisher.worker_id, block_size),
         publisher.publish,
         replay_endpoint=replay_endpoint,
+        # vLLM connects its publisher to a named tcp://host:port: the relay listens there.
+        listen=not publisher_binds(endpoint),
     )
     await relay.start()
     log.info("kv events: %s -> %s", relay.endpoint, publisher.subject)

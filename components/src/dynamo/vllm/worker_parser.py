@@ -21,6 +21,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from dynamo.llm.models import DEFAULT_MODEL
 from dynamo.llm.worker import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MIGRATION_LIMIT
+from dynamo.llm.worker.addresses import ADVERTISE_HOST_HELP
 from dynamo.llm.worker.inflight import MAX_INFLIGHT_HELP
 from dynamo.runtime.cli import (
     ConfigError,
@@ -40,6 +41,8 @@ PREFILL_COMPONENT = "prefill"
 DEFAULT_ENDPOINT = "generate"
 DEFAULT_NATS = "nats://127.0.0.1:4222"
 SYSTEM_PORT_ENV = "DYN_SYSTEM_PORT"
+SYSTEM_HOST_ENV = "DYN_SYSTEM_HOST"
+DEFAULT_SYSTEM_HOST = "0.0.0.0"
 
 _DESCRIPTION = """\
 A vLLM engine with speculative decoding, served over NATS (Dynamo-style worker).
@@ -218,11 +221,26 @@ def _add_worker_flags(parser: FlexibleArgumentParser) -> None:
         f"(default: ${SYSTEM_PORT_ENV}, else disabled)." + _OWN_DEFAULT,
     )
     group.add_argument(
+        "--system-host",
+        default=None,
+        help="Address the metrics/health HTTP server binds to "
+        f"(default: ${SYSTEM_HOST_ENV}, else {DEFAULT_SYSTEM_HOST}: every interface, so "
+        "probes and scrapers on other hosts reach it)." + _OWN_DEFAULT,
+    )
+    group.add_argument(
+        "--advertise-host",
+        metavar="HOST",
+        default=None,
+        help=ADVERTISE_HOST_HELP + _OWN_DEFAULT,
+    )
+    group.add_argument(
         "--kv-events-port",
         type=port,
         default=None,
-        help="TCP port vLLM publishes KV-cache events on, for consumers on other hosts "
-        "(default: a private Unix socket, ipc://$TMPDIR/dynamo-kv-*-events.sock)." + _OWN_DEFAULT,
+        help="TCP port vLLM publishes KV-cache events on, bound on every interface for "
+        "consumers on other hosts (they dial --advertise-host:PORT; the replay socket gets a "
+        "free port, advertised in the instance record). Default: a private Unix socket, "
+        "ipc://$TMPDIR/dynamo-kv-*-events.sock." + _OWN_DEFAULT,
     )
     group.add_argument(
         "--nats-server",
@@ -318,3 +336,11 @@ def system_port_or_env(given: int | None) -> int | None:
         return port(text)
     except argparse.ArgumentTypeError as exc:
         raise ConfigError(f"${SYSTEM_PORT_ENV} (the default of --system-port): {exc}") from None
+
+
+def system_host_or_env(given: str | None) -> str:
+    """--system-host, else `$DYN_SYSTEM_HOST`, else every interface."""
+    for value in (given, os.environ.get(SYSTEM_HOST_ENV)):
+        if value is not None and value.strip():
+            return value.strip()
+    return DEFAULT_SYSTEM_HOST

@@ -79,11 +79,26 @@ class RoutingHints(msgspec.Struct, omit_defaults=True):
     overlap_blocks: int | None = None
 
 
+class KvStorageProbe(msgspec.Struct, omit_defaults=True):
+    """Proof that a prefill worker's disk-based KV connector (vLLM's ExampleConnector)
+    writes where a decode worker reads: the prefill worker keeps a file named after
+    `token` in its transfer directory; a decode worker that cannot find it under its own
+    transfer directory does not share the prefill's (another host, another path) and would
+    never find the KV either. `path` and `host` are the prefill worker's, for the error."""
+
+    token: str
+    path: str = ""
+    host: str = ""
+
+
 class PrefillResult(msgspec.Struct, omit_defaults=True):
     """What a prefill worker handed back, forwarded to the decode worker."""
 
     disaggregated_params: dict[str, Any] = msgspec.field(default_factory=dict)
     prompt_tokens_details: dict[str, Any] | None = None
+    # The prefill worker's KV-transfer directory probe (disk-based connectors only; None
+    # from an older frontend or prefill worker: the decode worker then checks nothing).
+    kv_storage: KvStorageProbe | None = None
 
 
 class StructuredOutput(msgspec.Struct, omit_defaults=True):
@@ -184,6 +199,9 @@ class LLMEngineOutput(msgspec.Struct, omit_defaults=True):
     disaggregated_params: dict[str, Any] | None = None
     spec_decode_stats: SpecDecodeStats | None = None
     error: str | None = None
+    # A prefill worker's last output: where its disk-based KV connector wrote (see
+    # `KvStorageProbe`); the frontend forwards it in `PrefillResult.kv_storage`.
+    kv_storage: KvStorageProbe | None = None
 
 
 # --------------------------------------------------------------------------- model card
@@ -240,6 +258,11 @@ class ModelCard(msgspec.Struct, omit_defaults=True):
     migration_limit: int = 0
     # Defaults for sampling fields a request leaves unset (None: the engine's own).
     sampling_defaults: SamplingDefaults | None = None
+    # The address peers on other hosts reach the worker at (`--advertise-host`): with
+    # `system_port`, where its /metrics and /health answer. None from older workers.
+    host: str | None = None
+    # A prefill worker's KV-transfer directory probe (disk-based connectors only).
+    kv_storage: KvStorageProbe | None = None
 
 
 # --------------------------------------------------------------------------- KV events

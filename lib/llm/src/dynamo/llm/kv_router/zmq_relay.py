@@ -31,6 +31,13 @@ come. So after `idle_probe_s` without a live message the relay asks the replay e
 for anything from the expected ``seq`` on (an idle engine answers with just the end
 marker).
 
+Which side listens follows the configured endpoint, as vLLM reads it
+(`publisher_binds`): vLLM binds a wildcard (`tcp://*:5557`), IPv6 or ipc endpoint and the
+relay dials it (a wildcard host as this host's loopback: the engine core is a child of the
+worker, always on this host); a named `tcp://host:port` is one vLLM *connects* to, so the
+relay is created with `listen=True` and binds its SUB socket there. The replay socket is
+always bound by vLLM and dialled by the relay at its configured host.
+
 Publishing is injected (`on_event`): the worker wires it to NATS; tests collect.
 """
 
@@ -75,10 +82,37 @@ class RelayStats:
     probes: int = 0  # replay requests sent because the live stream was quiet
 
 
+_WILDCARDS = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "[::]": "[::1]", "::": "[::1]"}
+"""Bind-all hosts, and the loopback address a local peer dials instead."""
+
+
+def publisher_binds(endpoint: str) -> bool:
+    """Whether vLLM's `ZmqEventPublisher` binds `endpoint` (and so the relay connects).
+
+    vLLM's own rule (`ZmqEventPublisher._is_bind_endpoint`): a wildcard (`*`), an IPv6
+    address (`::` anywhere) and ipc/inproc endpoints are bound; any other `tcp://host:port`
+    is *connected to*: the publisher expects a subscriber already bound there."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def _split_tcp(endpoint: str) -> tuple[str, str] | None:
+    """(host, port) of a `tcp://host:port` endpoint, None for other transports."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    return host, port
+
+
 def connect_address(endpoint: str) -> str:
-    """The address a subscriber connects to for a vLLM bind endpoint: vLLM binds
-    ``tcp://*:5557``; one connects to ``tcp://127.0.0.1:5557``."""
-    return endpoint.replace("://*:", "://127.0.0.1:", 1)
+    """The address a local subscriber dials for an endpoint vLLM binds: a wildcard host
+    (`tcp://*:5557`, `tcp://0.0.0.0:5557`, `tcp://[::]:5557`) becomes this host's loopback
+    address; a named host (`tcp://10.0.0.5:5557`: a replay socket bound on one interface)
+    and ipc/inproc endpoints are dialled as configured."""
+    parts = _split_tcp(endpoint)
+    if parts is None:
+        return endpoint
+    host, port = parts
+    return f"tcp://{_WILDCARDS.get(host, host)}:{port}"
 
 
 class KvEventRelay:
@@ -91,12 +125,16 @@ class KvEventRelay:
         on_event: EventCallback,
         *,
         replay_endpoint: str | None = None,
+        listen: bool = False,
         topic: str = "",
         replay_timeout_s: float = 2.0,
         idle_probe_s: float = 1.0,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
-        self.endpoint = connect_address(endpoint)
+        # `listen`: bind the SUB socket at `endpoint` (the publisher connects to it, as
+        # vLLM does for a named `tcp://host:port`, see `publisher_binds`); else dial it.
+        self._listen = listen
+        self.endpoint = endpoint if listen else connect_address(endpoint)
         self.replay_endpoint = connect_address(replay_endpoint) if replay_endpoint else None
         self.converter = converter
         self.stats = RelayStats()
@@ -131,7 +169,11 @@ class KvEventRelay:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-        sub.connect(self.endpoint)
+        _allow_ipv6(sub, self.endpoint)
+        if self._listen:
+            sub.bind(self.endpoint)
+        else:
+            sub.connect(self.endpoint)
         self._sub = sub
         self._task = asyncio.create_task(self._run(), name="kv-event-relay")
 
@@ -249,6 +291,7 @@ class KvEventRelay:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             assert self.replay_endpoint is not None
+            _allow_ipv6(sock, self.replay_endpoint)
             sock.connect(self.replay_endpoint)
             self._replay = sock
         return self._replay
@@ -284,3 +327,9 @@ class KvEventRelay:
             log.exception("kv relay: event callback failed for event %d", event.event_id)
             return
         self.stats.events_out += 1
+
+
+def _allow_ipv6(sock: zmq.asyncio.Socket, endpoint: str) -> None:
+    """ZMQ sockets speak IPv4 only unless told otherwise; an IPv6 literal needs it."""
+    if endpoint.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)

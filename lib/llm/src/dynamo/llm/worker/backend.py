@@ -10,6 +10,7 @@ from typing import Protocol
 
 from dynamo.llm.kv_router.publisher import KvEventPublisher
 from dynamo.llm.protocols import (
+    KvStorageProbe,
     LLMEngineOutput,
     LoadMetrics,
     PreprocessedRequest,
@@ -45,6 +46,8 @@ class EngineDescription:
     speculative: SpeculativeInfo | None = None
     sampling_defaults: SamplingDefaults | None = None
     """The model's defaults for sampling fields a request leaves unset (see the card)."""
+    kv_storage: KvStorageProbe | None = None
+    """A prefill worker's KV-transfer directory probe (disk-based connectors), on its card."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,12 @@ class WorkerRegistration:
     max_inflight_requests: int | None = None
     """Bound on requests accepted at once (0: none; None: from the engine, see
     `dynamo.llm.worker.inflight`)."""
+    advertise_host: str | None = None
+    """The address peers on other hosts reach this worker at (`--advertise-host`): put in
+    its instance records (metadata `host`) and on its model card. None: not advertised."""
+    advertised_addresses: dict[str, str] = field(default_factory=dict)
+    """Further sockets the worker listens on for other hosts, by name (e.g. `kv_events`:
+    `tcp://HOST:PORT`), put in its instance records' metadata next to `host`."""
 
 
 class Stoppable(Protocol):

@@ -106,12 +106,16 @@ class ServedWorker(Generic[B]):
         )
         component = self.runtime.namespace(reg.namespace).component(reg.component)
         worker_id = self.runtime.instance_id
+        metadata = instance_metadata(reg)
         await component.endpoint(reg.endpoint).serve(
             self.backend.generate,
             request_type=PreprocessedRequest,
+            metadata=metadata,
             max_inflight=inflight_bound(reg.max_inflight_requests, description.max_num_seqs),
         )
-        await component.endpoint(CLEAR_KV_BLOCKS_ENDPOINT).serve(self._clear_kv_blocks)
+        await component.endpoint(CLEAR_KV_BLOCKS_ENDPOINT).serve(
+            self._clear_kv_blocks, metadata=metadata
+        )
         if reg.publish_kv_events:
             publisher = KvEventPublisher(self.runtime, reg.namespace, reg.component, worker_id)
             self._kv_events = await publisher.start()
@@ -239,7 +243,19 @@ class ServedWorker(Generic[B]):
             sampling_defaults=engine.sampling_defaults,
             system_port=self.system_port,
             migration_limit=reg.migration_limit,
+            host=reg.advertise_host,
+            kv_storage=engine.kv_storage,
         )
+
+
+def instance_metadata(reg: WorkerRegistration) -> dict[str, str]:
+    """What the worker's instance records advertise besides the runtime's own fields:
+    `host` (the runtime records `socket.gethostname()`, which peers on other hosts may not
+    resolve, or resolve to themselves) and the sockets named in `advertised_addresses`."""
+    metadata = dict(reg.advertised_addresses)
+    if reg.advertise_host:
+        metadata["host"] = reg.advertise_host
+    return metadata
 
 
 async def _stop_within(owner: Stoppable, timeout: float) -> None:
