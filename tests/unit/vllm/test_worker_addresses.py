@@ -23,6 +23,7 @@ import os
 import socket
 from pathlib import Path
 
+import msgspec
 import pytest
 from vllm.config import KVTransferConfig
 
@@ -35,6 +36,7 @@ from dynamo.llm.worker.addresses import (
     is_local_host,
 )
 from dynamo.llm.worker.served import instance_metadata
+from dynamo.runtime.wire import InstanceInfo, decode_instance, encode_instance
 from dynamo.vllm.args import ConfigError, build_parser, parse_worker_args, resolved_config_yaml
 from dynamo.vllm.kv_defaults import (
     NIXL_SIDE_CHANNEL_HOST_ENV,
@@ -109,9 +111,22 @@ def test_the_host_is_on_the_instance_records_and_the_card() -> None:
         advertise_host="10.0.0.5",
         advertised_addresses={"kv_events": "tcp://10.0.0.5:5557"},
     )
-    assert instance_metadata(reg) == {"host": "10.0.0.5", "kv_events": "tcp://10.0.0.5:5557"}
+    assert instance_metadata(reg) == {"kv_events": "tcp://10.0.0.5:5557"}
     assert instance_metadata(WorkerRegistration(served_model_name="m", model_path=Path())) == {}
     assert "host" in {f for f in ModelCard.__struct_fields__}
+    # The host itself is a typed field of the instance record, empty from older peers.
+    info = InstanceInfo("ns", "backend", "generate", 1, "dyn.x", address="10.0.0.5")
+    assert decode_instance(encode_instance(info)).address == "10.0.0.5"
+    older = msgspec.msgpack.encode(
+        {
+            "namespace": "ns",
+            "component": "backend",
+            "endpoint": "generate",
+            "instance_id": 1,
+            "subject": "s",
+        }
+    )
+    assert decode_instance(older).address == ""
 
 
 # ------------------------------------------------------------------------ NIXL side channel

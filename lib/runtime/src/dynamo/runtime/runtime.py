@@ -166,6 +166,8 @@ class DistributedRuntime:
             connect_timeout=connect_timeout,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.25,
+            ping_interval=2.0,
+            max_outstanding_pings=2,  # a silent partition: 4-6 s, not 4 min
             allow_reconnect=True,
             reconnected_cb=on_reconnected,
             disconnected_cb=on_disconnected,
@@ -457,11 +459,15 @@ class Endpoint:
         request_type: type | None = None,
         metadata: dict[str, Any] | None = None,
         max_inflight: int | None = None,
+        address: str = "",
     ) -> ServedEndpoint:
-        """Serve `handler` on this endpoint and register the instance (leased). With
-        `max_inflight`, requests beyond that many in flight are refused at once
-        (`InstanceOverloadedError` at the caller)."""
-        served = ServedEndpoint(self, handler, request_type, metadata or {}, max_inflight)
+        """Serve `handler` on this endpoint and register the instance (leased), with
+        `address` as the address other hosts reach this process at. With `max_inflight`,
+        requests beyond that many in flight are refused at once (`InstanceOverloadedError`
+        at the caller)."""
+        served = ServedEndpoint(
+            self, handler, request_type, metadata or {}, max_inflight, address=address
+        )
         await served.start()
         return served
 
@@ -482,6 +488,7 @@ class ServedEndpoint:
     request_type: type | None
     metadata: dict[str, Any]
     max_inflight: int | None = None
+    address: str = ""
     server: EndpointServer | None = field(default=None, init=False)
     _stopped: bool = field(default=False, init=False)
 
@@ -504,6 +511,7 @@ class ServedEndpoint:
             subject=naming.request_subject(ep.namespace, ep.component, ep.name, self.instance_id),
             status=status,
             hostname=socket.gethostname(),
+            address=self.address,
             pid=os.getpid(),
             metadata=self.metadata,
         )

@@ -50,6 +50,9 @@ class InstanceInfo(msgspec.Struct, omit_defaults=True):
     subject: str
     status: InstanceStatus = InstanceStatus.READY
     hostname: str = ""
+    # The address other hosts reach this process at (`--advertise-host`); empty when the
+    # process did not say (peers then have only `hostname`, which may not resolve there).
+    address: str = ""
     pid: int = 0
     started_at: float = msgspec.field(default_factory=time.time)
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)

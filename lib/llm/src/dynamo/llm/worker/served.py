@@ -112,9 +112,10 @@ class ServedWorker(Generic[B]):
             request_type=PreprocessedRequest,
             metadata=metadata,
             max_inflight=inflight_bound(reg.max_inflight_requests, description.max_num_seqs),
+            address=reg.advertise_host or "",
         )
         await component.endpoint(CLEAR_KV_BLOCKS_ENDPOINT).serve(
-            self._clear_kv_blocks, metadata=metadata
+            self._clear_kv_blocks, metadata=metadata, address=reg.advertise_host or ""
         )
         if reg.publish_kv_events:
             publisher = KvEventPublisher(self.runtime, reg.namespace, reg.component, worker_id)
@@ -249,13 +250,10 @@ class ServedWorker(Generic[B]):
 
 
 def instance_metadata(reg: WorkerRegistration) -> dict[str, str]:
-    """What the worker's instance records advertise besides the runtime's own fields:
-    `host` (the runtime records `socket.gethostname()`, which peers on other hosts may not
-    resolve, or resolve to themselves) and the sockets named in `advertised_addresses`."""
-    metadata = dict(reg.advertised_addresses)
-    if reg.advertise_host:
-        metadata["host"] = reg.advertise_host
-    return metadata
+    """What the worker's instance records advertise besides the runtime's own fields
+    (`address`, the advertised host, is one of those): the sockets named in
+    `advertised_addresses`, as `tcp://<advertised host>:<port>`."""
+    return dict(reg.advertised_addresses)
 
 
 async def _stop_within(owner: Stoppable, timeout: float) -> None:
