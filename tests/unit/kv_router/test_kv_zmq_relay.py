@@ -443,21 +443,7 @@ async def test_against_vllms_own_publisher(tmp_path: Path) -> None:
     )
 
     def batch(i: int) -> object:
-        return kv_events.KVEventBatch(
-            ts=float(i),
-            events=[
-                kv_events.BlockStored(
-                    block_hashes=[bytes([i + 1]) * 32],
-                    parent_block_hash=bytes([i]) * 32 if i else None,
-                    token_ids=list(range(i * B, (i + 1) * B)),
-                    block_size=B,
-                    lora_id=None,
-                    medium="GPU",
-                    lora_name=None,
-                    group_idx=0,
-                )
-            ],
-        )
+        return vllm_chain_batch(kv_events, i)
 
     received: list[RouterEvent] = []
     try:

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from vllm_config_support import TINY_DEEPSEEK_V3, TINY_LLAMA, speculators_config, write_config
 
+from dynamo.vllm.args import parse_worker_args
+
 
 @pytest.fixture
 def tiny_model(tmp_path: Path) -> Path:
@@ -55,3 +57,13 @@ def write_yaml(tmp_path: Path):
         return path
 
     return write
+
+
+@pytest.fixture
+def parse(tiny_model: Path):
+    """parse_worker_args with the tiny model and --dry-run (nothing is ever prepared)."""
+
+    def run(*argv: str):
+        return parse_worker_args(["--model", str(tiny_model), "--dry-run", *argv])
+
+    return run

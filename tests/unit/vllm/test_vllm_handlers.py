@@ -391,9 +391,7 @@ async def test_decode_fails_a_request_whose_kv_is_in_a_directory_it_cannot_see(
     check = SharedStorageCheck(ours, "10.0.0.2")
     params = {"kv_connector": CONNECTOR, "by_prompt": True}
     llm = FakeAsyncLLM([step([5], finish_reason="length")])
-    worker = Worker(
-        tiny_model, llm, WorkerType.DECODE, kv_connector=CONNECTOR, storage_check=check
-    )
+    worker = Worker(tiny_model, llm, WorkerType.DECODE, kv_connector=CONNECTOR, storage_check=check)
     request = make_request(prefill_result=PrefillResult(params, kv_storage=foreign.probe))
     with pytest.raises(KvStorageNotSharedError, match=f"{theirs}.*{ours}"):
         await worker.run(request)

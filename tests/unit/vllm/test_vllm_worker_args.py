@@ -38,16 +38,6 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-@pytest.fixture
-def parse(tiny_model: Path):
-    """parse_worker_args with the tiny model and --dry-run (nothing is ever prepared)."""
-
-    def run(*argv: str):
-        return parse_worker_args(["--model", str(tiny_model), "--dry-run", *argv])
-
-    return run
-
-
 # --------------------------------------------------------------------------- runtime flags
 
 

@@ -37,7 +37,7 @@ from dynamo.llm.worker.addresses import (
 )
 from dynamo.llm.worker.served import instance_metadata
 from dynamo.runtime.wire import InstanceInfo, decode_instance, encode_instance
-from dynamo.vllm.args import ConfigError, build_parser, parse_worker_args, resolved_config_yaml
+from dynamo.vllm.args import ConfigError, build_parser, resolved_config_yaml
 from dynamo.vllm.kv_defaults import (
     NIXL_SIDE_CHANNEL_HOST_ENV,
     advertised_kv_event_addresses,
@@ -59,14 +59,6 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         "DYN_KV_SHARED_STORAGE_PATH",
     ):
         monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def parse(tiny_model: Path):
-    def run(*argv: str):
-        return parse_worker_args(["--model", str(tiny_model), "--dry-run", *argv])
-
-    return run
 
 
 # ------------------------------------------------------------------------ advertised host
