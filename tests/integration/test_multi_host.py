@@ -45,6 +45,7 @@ from dynamo.llm.kv_router.subjects import KV_EVENTS_STREAM
 from dynamo.runtime.nats_server import ClusterMembership, NatsServer
 from dynamo.testing import netns
 from dynamo.testing.http import http_post_json, kv_router_view, routed_requests
+from dynamo.testing.jetstream import node_holding, prefer_stream_leaders
 from dynamo.testing.netns import HostNetwork
 from dynamo.testing.processes import (
     ManagedProcess,
@@ -332,34 +333,22 @@ def connections(node: NatsServer) -> list[dict]:
 
 
 def node_of(topo: Topology, pid: int) -> str:
-    """The NATS host holding the connection(s) of process `pid` (a runtime's connection
-    name ends in `-<pid>`; network namespaces do not change pids)."""
-    for host, node in topo.nodes.items():
-        if any(str(c.get("name", "")).endswith(f"-{pid}") for c in connections(node)):
-            return host
-    raise AssertionError(f"no NATS node lists a connection of process {pid}")
+    """The NATS host holding the connection(s) of process `pid` (its server name is the
+    host's name)."""
+    node = node_holding(topo.nodes.values(), pid)
+    assert node.cluster is not None
+    return node.cluster.server_name
 
 
 async def move_leaders_off(topo: Topology, victim: str) -> None:
-    """Make another node lead every stream in `STREAMS` that `victim` leads (leader
-    step-down with a preferred successor), and wait until that holds. The cut then costs
-    these streams no election while it lasts (test_nats_cluster.py covers the loss of a
-    stream leader); `CUT_WORKER`'s short lease would not outlive one."""
+    """Make another node lead every stream in `STREAMS` that `victim` leads, and wait
+    until that holds. The cut then costs these streams no election while it lasts
+    (test_nats_cluster.py covers the loss of a stream leader); `CUT_WORKER`'s short lease
+    would not outlive one."""
     successor = next(host for host in NATS_HOSTS if host != victim)
-    request = json.dumps({"placement": {"preferred": successor}}).encode()
-    nc = await nats.connect(servers=topo.nats_url.split(","))
-    try:
-        js = nc.jetstream()
-        for stream in STREAMS:
-            for _ in range(100):
-                if (await js.stream_info(stream)).cluster.leader != victim:
-                    break
-                with contextlib.suppress(Exception):
-                    await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", request, timeout=5)
-                await asyncio.sleep(0.1)
-            assert (await js.stream_info(stream)).cluster.leader != victim, stream
-    finally:
-        await nc.close()
+    await prefer_stream_leaders(
+        topo.nats_url, STREAMS, successor, settled=lambda leader: leader != victim
+    )
 
 
 def test_a_request_through_the_bridge_is_served_by_hosts_apart(topology: Topology) -> None:

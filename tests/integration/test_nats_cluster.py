@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import sys
 import threading
 import time
@@ -36,6 +35,7 @@ import pytest
 from dynamo.llm.kv_router.subjects import KV_EVENTS_STREAM
 from dynamo.runtime.nats_server import NatsCluster, NatsServer
 from dynamo.testing.http import http_post_json, kv_router_view
+from dynamo.testing.jetstream import node_holding, prefer_stream_leaders
 from dynamo.testing.processes import FrontendProcess, ManagedProcess, running
 from dynamo.testing.waiting import wait_until
 
@@ -146,38 +146,13 @@ class Load:
         return self.results
 
 
-def connected_node(cluster: NatsCluster, pid: int) -> NatsServer:
-    """The node holding the connection(s) of the process `pid` (connection names end in
-    `-<pid>`)."""
-    for node in cluster.nodes:
-        connz = node.monitor("/connz?limit=1024") or {}
-        names = [str(conn.get("name", "")) for conn in connz.get("connections", [])]
-        if any(name.endswith(f"-{pid}") for name in names):
-            return node
-    raise AssertionError(f"no node lists a connection of process {pid}")
-
-
 async def lead_from(cluster: NatsCluster, node: NatsServer, streams: tuple[str, ...]) -> None:
-    """Make `node` the leader of `streams` (JetStream's leader step-down with a preferred
-    successor) and wait until that holds: losing it then costs each of them an election.
-    (Moving the metadata leader needs the system account; it is on the victim in about
-    one run of three, which makes the stream elections slower still.)"""
+    """Make `node` the leader of `streams` and wait until that holds: losing it then costs
+    each of them an election. (Moving the metadata leader needs the system account; it is
+    on the victim in about one run of three, which makes the stream elections slower
+    still.)"""
     assert node.cluster is not None
-    preferred = node.cluster.server_name
-    request = json.dumps({"placement": {"preferred": preferred}}).encode()
-    nc = await nats.connect(servers=cluster.url.split(","))
-    try:
-        js = nc.jetstream()
-        for stream in streams:
-            for _ in range(50):
-                if (await js.stream_info(stream)).cluster.leader == preferred:
-                    break
-                with contextlib.suppress(Exception):
-                    await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", request, timeout=5)
-                await asyncio.sleep(0.1)
-            assert (await js.stream_info(stream)).cluster.leader == preferred, stream
-    finally:
-        await nc.close()
+    await prefer_stream_leaders(cluster.url, streams, node.cluster.server_name, attempts=50)
 
 
 async def wait_for_leaders(url: str, streams: tuple[str, ...], timeout: float = 20.0) -> float:
@@ -233,7 +208,7 @@ def test_serves_with_every_bucket_and_stream_replicated_three_times(stack: Stack
 
 
 def test_losing_the_frontends_nats_node_under_load_loses_nothing(stack: Stack) -> None:
-    victim = connected_node(stack.cluster, stack.frontend.pid)
+    victim = node_holding(stack.cluster.nodes, stack.frontend.pid)
     streams = (REGISTRY_STREAM, MODELS_STREAM, KV_EVENTS_STREAM)
     asyncio.run(lead_from(stack.cluster, victim, streams))
     feed_before = stack.router()["feed"]
