@@ -42,6 +42,7 @@ from dynamo.vllm.speculation_profile import (
     choose_schedule,
     k_for_batch,
     load_profile,
+    never_speculates,
     save_profile,
 )
 
@@ -88,11 +89,6 @@ class Cluster:
     refusal: str | None  # the measured worker's error line when it refused its profile
 
 
-def never_speculates(profile: SpeculationProfile) -> bool:
-    """A schedule of K=0 everywhere: the worker refuses such a profile by design."""
-    return all(k == 0 for _, _, k in profile.schedule)
-
-
 @pytest.fixture(scope="module")
 def cluster(
     embedded_model: Path, nats_url: str, e2e_log_dir: Path, profile_path: Path
@@ -120,7 +116,7 @@ def cluster(
     )  # fmt: skip
     refusal = None
     try:
-        if never_speculates(load_profile(profile_path)):
+        if never_speculates(load_profile(profile_path).schedule):
             assert workers[0].popen.wait(120) == 2, workers[0].log_tail()
             refusal = workers[0].log_tail().strip().splitlines()[-1]
         else:

@@ -50,6 +50,7 @@ from dynamo.vllm.speculation_profile import (
     choose_schedule,
     goodput,
     goodput_without_speculation,
+    never_speculates,
     save_profile,
 )
 
@@ -455,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     save_profile(result, args.out)
     print(summary(result))
     print(f"profile written to {args.out} in {time.monotonic() - started:.0f}s")
-    if all(k == 0 for _, _, k in result.schedule):
+    if never_speculates(result.schedule):
         print("speculation never paid at these batch sizes: serve without it")
     if not args.no_plot:
         from dynamo.vllm.profile_plot import plot_profile

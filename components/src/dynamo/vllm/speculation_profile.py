@@ -144,6 +144,12 @@ def choose_schedule(profile: SpeculationProfile, max_batch_size: int | None = No
     return schedule
 
 
+def never_speculates(schedule: Schedule) -> bool:
+    """A schedule of K=0 at every batch size: speculation never paid where it was
+    measured (a worker refuses such a profile; the profiler says so)."""
+    return all(k == 0 for _, _, k in schedule)
+
+
 def k_for_batch(schedule: Schedule, batch: int) -> int:
     """The K vLLM runs for `batch` scheduled sequences (the last range carries on); the
     same lookup the KV router books speculative slots with."""

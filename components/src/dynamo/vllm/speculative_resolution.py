@@ -34,6 +34,7 @@ from dynamo.vllm.speculation_profile import (
     SpeculationProfile,
     check_schedule_fits,
     load_profile,
+    never_speculates,
 )
 
 log = logging.getLogger("dynamo.vllm")
@@ -124,7 +125,7 @@ def apply_profile(
             "or --extra-engine-args"
         )
     _refuse_second_schedule(merged, file_form)
-    if all(k == 0 for _, _, k in profile.schedule):
+    if never_speculates(profile.schedule):
         raise ConfigError(
             f"--speculation-profile: speculation never paid in this profile ({profile.method}"
             f" at batch sizes {profile.batch_sizes}, acceptance "
