@@ -24,6 +24,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,17 +212,27 @@ async def test_metrics_have_vllm_and_worker_series(runtime, lifecycle_worker, to
 
 
 async def stream_in_flight(
-    client: Client, instance: int, request: PreprocessedRequest
+    client: Client,
+    instance: int,
+    request: PreprocessedRequest,
+    on_first_output: Callable[[], None],
 ) -> tuple[asyncio.Task[None], list[LLMEngineOutput]]:
-    """Start streaming `request` from `instance` in a task; return once the first output has
-    arrived (the request is then surely running), with the list the outputs go into."""
+    """Start streaming `request` from `instance` in a task and call `on_first_output` (a
+    signal, a kill) the moment its first output arrives, with the request surely running;
+    return once that has happened, with the list the outputs go into.
+
+    The call happens inside the consumer, not after this coroutine resumes: with Eagle3
+    drafts accepted four at a time, a few hundred repetitive tokens can all arrive before a
+    waiting test gets the event loop back (seen on a fast CI machine)."""
     outputs: list[LLMEngineOutput] = []
     streaming = asyncio.Event()
 
     async def consume() -> None:
         async for out in client.direct(request, instance, response_type=LLMEngineOutput):
             outputs.append(out)
-            streaming.set()
+            if not streaming.is_set():
+                on_first_output()
+                streaming.set()
 
     stream = asyncio.create_task(consume())
     await asyncio.wait_for(streaming.wait(), 60)
@@ -236,10 +247,11 @@ async def test_sigterm_deregisters_drains_and_exits_0(runtime, lifecycle_worker,
     client = await client_of(runtime, worker)
     (instance,) = client.instance_ids()
     request = long_request(tokenizer, MAX_MODEL_LEN - 64)
-    stream, outputs = await stream_in_flight(client, instance, request)
-    assert outputs[-1].finish_reason is None  # in flight when the signal arrives
-    worker.popen.send_signal(signal.SIGTERM)
+    stream, outputs = await stream_in_flight(
+        client, instance, request, lambda: worker.popen.send_signal(signal.SIGTERM)
+    )
     signalled = time.monotonic()
+    assert outputs[0].finish_reason is None  # in flight when the signal was sent
 
     await wait_gone(client, instance, DEREGISTER_WITHIN_S)
     if not stream.done():  # still draining: not ready any more (or already closed)
@@ -281,8 +293,9 @@ async def test_sigterm_aborts_what_outlives_the_drain_timeout(
         # Thousands of tokens: several seconds even at the few hundred tokens/s that this
         # repetitive output reaches with Eagle3 drafts (a few hundred finish within 1 s).
         request = long_request(tokenizer, LONG_MODEL_LEN - 64)
-        stream, outputs = await stream_in_flight(client, instance, request)
-        worker.popen.send_signal(signal.SIGTERM)
+        stream, outputs = await stream_in_flight(
+            client, instance, request, lambda: worker.popen.send_signal(signal.SIGTERM)
+        )
         signalled = time.monotonic()
         # The worker went away under the request: the same error as a worker that died, so
         # a frontend re-places or migrates it.
@@ -334,9 +347,11 @@ async def test_engine_core_death_deregisters_and_exits_1(
         stream = None
         if in_flight:
             request = long_request(tokenizer, MAX_MODEL_LEN - 64)
-            stream, outputs = await stream_in_flight(client, instance, request)
-            assert outputs[-1].finish_reason is None
-        os.kill(engine_core_of(worker.pid).pid, signal.SIGKILL)
+            engine_core = engine_core_of(worker.pid)
+            stream, outputs = await stream_in_flight(client, instance, request, engine_core.kill)
+            assert outputs[0].finish_reason is None  # in flight when the engine died
+        else:
+            os.kill(engine_core_of(worker.pid).pid, signal.SIGKILL)
 
         if stream is not None:
             await asyncio.wait_for(stream, ENGINE_SHUTDOWN_S)
