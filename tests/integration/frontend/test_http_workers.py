@@ -3,7 +3,8 @@
 Claims, over a real nats-server and a mocker worker: the parent starts two children that
 both take requests on the one port (each child's KV router is a replica of its own, and
 each routed some of them), the children's routers share their bookings (each knows the
-other), and `/metrics` from either child counts every request of both; SIGTERM to the
+other), and `/metrics` from either child counts every request of both, in the shape one
+process gives (help texts, unobserved families declared); SIGTERM to the
 parent stops both children and the parent exits 0 (a frontend per test costs seconds,
 so serving and stopping share one); a child killed from outside makes the
 parent stop the other one and exit non-zero with a log line naming the dead child.
@@ -141,6 +142,9 @@ def test_two_processes_serve_one_port_and_stop_on_sigterm(stack: Stack) -> None:
             _, text = http_get(f"{frontend.base_url}/metrics")
             counted = metric_values(text, "dynamo_frontend_requests_total", {"model": MODEL})
             assert sum(counted) == REQUESTS, counted
+        # The single-process shape: own help texts, and families no request moved yet.
+        assert "Multiprocess metric" not in text
+        assert "# TYPE dynamo_frontend_migrations_total counter" in text
         frontend.popen.send_signal(signal.SIGTERM)
         assert frontend.popen.wait(STOP_TIMEOUT_S) == 0
         assert all(gone(pid) for pid in pids), pids

@@ -9,7 +9,10 @@ at random. Each child then runs prometheus_client in multiprocess mode (the pare
 it `PROMETHEUS_MULTIPROC_DIR`, a private directory it creates and removes): every value
 lives in a memory-mapped file there, and `render` (given `multiprocess_dir`) sums the
 files of all N processes, so any process answers for the whole frontend. The in-flight
-gauge sums over live processes (`livesum`); counters and histograms sum over all.
+gauge sums over live processes (`livesum`); counters and histograms sum over all. The
+exposition keeps the single-process shape: each family's own help text (the library
+would write "Multiprocess metric"), and the `# TYPE` line of a family no process has
+observed yet (the library would leave it out), which dashboards' queries rely on.
 
 `RequestMetrics` follows one request: in-flight gauge, time to first token, inter-token
 latency (per token: a speculative step that yields K+1 tokens counts as K+1 tokens sharing
@@ -19,10 +22,12 @@ the step's gap), duration, output tokens and the final status.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from dynamo.llm.protocols import SpecDecodeStats
@@ -190,8 +195,26 @@ class FrontendMetrics:
         if self.multiprocess_dir is None:
             return generate_latest(self.registry)
         merged = CollectorRegistry()
-        MultiProcessCollector(merged, path=str(self.multiprocess_dir))
+        merged.register(AllProcesses(self.registry, self.multiprocess_dir))
         return generate_latest(merged)
+
+
+class AllProcesses:
+    """A collector of every process's samples in a multiprocess directory, with the
+    families, help texts and types of `declared` (this process's registry)."""
+
+    def __init__(self, declared: CollectorRegistry, path: Path) -> None:
+        self._declared = declared
+        self._path = path
+
+    def collect(self) -> Iterator[Metric]:
+        declared = {family.name: family for family in self._declared.collect()}
+        for family in MultiProcessCollector(None, path=str(self._path)).collect():
+            own = declared.pop(family.name, None)
+            if own is not None:
+                family.documentation = own.documentation
+            yield family
+        yield from declared.values()  # observed by no process yet: no samples
 
 
 def _request_type(stream: bool) -> str:
