@@ -73,14 +73,19 @@ class ReplicaSyncSettings:
             raise ValueError("interval_s must be positive and miss_limit at least 1")
 
 
+class SyncSubscription(Protocol):
+    async def unsubscribe(self) -> None: ...
+
+
 class SyncBus(Protocol):
-    """What the sync needs of the runtime: core NATS publish and subscribe."""
+    """What the sync needs of the runtime (`DistributedRuntime`): core NATS publish and
+    subscribe."""
 
     async def publish(self, subject: str, data: bytes) -> None: ...
 
     async def subscribe(
         self, subject: str, callback: Callable[[Msg], Awaitable[None]], queue: str = ""
-    ) -> Any: ...
+    ) -> SyncSubscription: ...
 
 
 def new_replica_id() -> str:
@@ -113,7 +118,7 @@ class RouterReplicaSync:
         )
         self._outbox: list[ReplicaSyncData | BookingChange] = []
         self._wake = asyncio.Event()
-        self._subscription: Any = None
+        self._subscription: SyncSubscription | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.published = 0
         self.publish_failures = 0
