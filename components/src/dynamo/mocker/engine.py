@@ -52,6 +52,7 @@ from dynamo.mocker.request import (
     RequestRejected,
     admit_request,
 )
+from dynamo.mocker.timing import StepPacer
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ class MockEngine:
         self._running: list[MockRequest] = []
         self._requests: dict[str, MockRequest] = {}
         self._wakeup = asyncio.Event()
+        self._pacer = StepPacer(self.timing.quantum_ms / 1000.0)
         self._task: asyncio.Task[None] | None = None
         self.dead: BaseException | None = None
 
@@ -294,6 +296,7 @@ class MockEngine:
         try:
             while True:
                 if not self._running and not self._waiting:
+                    self._pacer.idle()
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
@@ -304,7 +307,7 @@ class MockEngine:
                         self._waiting[0], FinishReason.ERROR, error="does not fit the KV cache"
                     )
                     continue
-                await asyncio.sleep(
+                await self._pacer.wait(
                     self.timing.step_seconds(batch.prefill_tokens, len(batch.decodes), self.k)
                 )
                 self._complete(batch)
