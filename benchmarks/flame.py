@@ -11,8 +11,8 @@ reads one such file (collapsed stacks: `frame;frame;... count`, outermost first)
 * the functions with the most *inclusive* samples (anywhere on the stack below the event
   loop, counted once per stack): which calls are expensive with everything they call.
 
-py-spy samples only stacks holding the GIL or running (not idle waits) unless `--idle`
-is given, so the shares are of the process's busy time.
+Samples count only while a thread holds the GIL, so the shares are of the process's busy
+time (an event loop waiting for I/O has released it).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,16 +77,22 @@ def py_spy() -> str:
 
 
 @contextlib.contextmanager
-def recording(pids: Mapping[str, int], out_dir: Path) -> Iterator[dict[str, Path]]:
-    """Record each process (name → pid) while the block runs; yields name → the raw file
-    it will hold once the block has ended."""
+def recording(
+    pids: Mapping[str, int], out_dir: Path, subprocesses: bool = False
+) -> Iterator[dict[str, Path]]:
+    """Record each process (name → pid), and with `subprocesses` its children too, while
+    the block runs; yields name → the raw file it will hold once the block has ended.
+
+    Only samples holding the GIL count (`--gil`): an event loop waiting in epoll has
+    released it, so the shares are of busy time, not of wall time."""
     exe = py_spy()
     files = {name: out_dir / f"profile-{name}.txt" for name in pids}
     procs = []
     for name, pid in pids.items():
         argv = [
             exe, "record", "--pid", str(pid), "--format", "raw", "--rate", str(SAMPLE_RATE),
-            "--nonblocking", "--subprocesses", "--output", str(files[name]),
+            "--nonblocking", "--gil", "--output", str(files[name]),
+            *(["--subprocesses"] if subprocesses else []),
         ]  # fmt: skip
         log = open(out_dir / f"py-spy-{name}.log", "wb")
         procs.append((subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), log))
@@ -174,3 +180,32 @@ def render(name: str, summary: FlameSummary, rows: int = 8) -> str:
     lines.append("  inclusive:")
     lines += [f"    {entry}" for entry in column(summary.inclusive)]
     return "\n".join(lines)
+
+
+def profile_while(
+    pids: Mapping[str, int],
+    work: Callable[[], object],
+    out_dir: Path,
+    keep: Path | None,
+    subprocesses: bool = False,
+) -> dict[str, dict[str, object]]:
+    """Run `work` with py-spy on each process (name → pid); print each summary and return
+    them (as dicts, for a JSON report). The raw profiles are copied to
+    `<keep stem>.profile-<name>.txt` beside `keep` (None: not kept). No profiler: says so
+    and returns {} (the benchmark's numbers do not depend on it)."""
+    try:
+        with recording(pids, out_dir, subprocesses) as files:
+            work()
+    except ProfilerUnavailable as exc:
+        print(f"  no profile: {exc}", flush=True)
+        return {}
+    summaries: dict[str, dict[str, object]] = {}
+    for name, raw in files.items():
+        summary = summarise(raw)
+        summaries[name] = summary.as_dict()
+        print(render(name, summary), flush=True)
+        if keep is not None:
+            kept = keep.with_name(f"{keep.stem}.profile-{name}.txt")
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            kept.write_text(raw.read_text())
+    return summaries

@@ -12,7 +12,13 @@ dataset, 256 tokens in / 128 out, ignore-eos, greedy, /v1/completions):
 
 * concurrency 16: output tokens/s of dynamo ÷ direct   (target >= 0.95);
 * concurrency 1:  p50 TTFT added by dynamo             (target <= 10 ms),
-                  p50 ITL added by dynamo              (target <= 1 ms).
+                  p50 ITL added by dynamo              (target <= 1 ms);
+* concurrency 16: CPU per generated token of the processes around the engine: our
+                  frontend + worker process + nats-server ÷ vLLM's API server process
+                  (target <= 1.0x; the engine core and its workers are left out of both).
+
+`--profile` adds one more c=16 run of dynamo with py-spy on the frontend and the worker
+process, and prints where their CPU goes (`benchmarks/flame.py`).
 
 Usage:
 
@@ -29,11 +35,12 @@ import argparse
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from flame import profile_while
 from harness import (
     CPU_ENGINE_FLAGS,
     RunResult,
@@ -60,6 +67,13 @@ OUTPUT_LEN = 128
 TARGET_THROUGHPUT_RATIO = 0.95
 TARGET_TTFT_ADDED_MS = 10.0
 TARGET_ITL_ADDED_MS = 1.0
+TARGET_SERVING_CPU_RATIO = 1.0  # the Python around the engine: ours at most vLLM's
+
+# The processes that serve around the engine (tokenize, detokenize, HTTP, transport):
+# vLLM's API server process against our frontend, worker process and nats-server. The
+# engine core and its workers (`<part>/VLLM::...` children) are the same engine in both.
+PROFILED_PARTS = ("frontend", "worker")  # our Python processes around the engine
+SERVING_PARTS = {"vllm-direct": ("api_server",), "dynamo": ("frontend", "worker", "nats")}
 
 # A server under test: given the model dir, served name, log dir and start timeout, a
 # context manager that yields the running stack.
@@ -106,11 +120,29 @@ def measure_server(
     work_dir: Path,
     *,
     start_timeout: float,
+    profiles: dict[str, Any] | None = None,
+    keep_profiles: Path | None = None,
 ) -> dict[str, RunResult]:
-    """Start one server, run every scenario against it, stop it."""
+    """Start one server, run every scenario against it, stop it. With `profiles` (a dict
+    to fill), one more run of the first scenario follows under py-spy on the processes of
+    `PROFILED_PARTS` (raw profiles kept beside `keep_profiles`)."""
     print(f"[{label}] starting", flush=True)
     with server(model_dir, served, work_dir, start_timeout) as stack:
-        return measure_scenarios(stack, model_dir, served, runs, work_dir, label)
+        results = measure_scenarios(stack, model_dir, served, runs, work_dir, label)
+        if profiles is not None:
+            scenario = replace(runs[0], name=f"profile-{runs[0].name}")
+            print(f"  profiling {label} at c={scenario.concurrency} (py-spy)", flush=True)
+            profiles.update(
+                profile_while(
+                    {part: stack.pids[part] for part in PROFILED_PARTS if part in stack.pids},
+                    lambda: measure_scenarios(
+                        stack, model_dir, served, [scenario], work_dir, label
+                    ),
+                    work_dir,
+                    keep_profiles,
+                )
+            )
+        return results
 
 
 # --------------------------------------------------------------------------- report
@@ -136,6 +168,9 @@ def compare(direct: dict[str, RunResult], dyn: dict[str, RunResult]) -> list[Row
     ttft = y1.median_ttft_ms - d1.median_ttft_ms
     itl = y1.median_itl_ms - d1.median_itl_ms
     cpu = y16.cpu_ms_per_token / d16.cpu_ms_per_token if d16.cpu_ms_per_token else 0.0
+    direct_serving = serving_cpu_ms_per_token(d16, SERVING_PARTS["vllm-direct"])
+    dynamo_serving = serving_cpu_ms_per_token(y16, SERVING_PARTS["dynamo"])
+    serving = dynamo_serving / direct_serving if direct_serving else 0.0
     return [
         Row(
             "c=16 output tok/s",
@@ -164,6 +199,15 @@ def compare(direct: dict[str, RunResult], dyn: dict[str, RunResult]) -> list[Row
             f"<= +{TARGET_ITL_ADDED_MS:g} ms",
             itl <= TARGET_ITL_ADDED_MS,
         ),
+        Row(
+            "c=16 serving CPU ms/token",
+            direct_serving,
+            dynamo_serving,
+            serving,
+            "x",
+            f"<= {TARGET_SERVING_CPU_RATIO:.2f}x",
+            serving <= TARGET_SERVING_CPU_RATIO,
+        ),
         # No target: how much more CPU the whole stack burns per generated token.
         Row(
             "c=16 CPU ms/token",
@@ -175,6 +219,13 @@ def compare(direct: dict[str, RunResult], dyn: dict[str, RunResult]) -> list[Row
             None,
         ),
     ]
+
+
+def serving_cpu_ms_per_token(result: RunResult, parts: tuple[str, ...]) -> float:
+    """CPU milliseconds per generated token of the processes in `parts` alone (their
+    engine children left out)."""
+    seconds = sum(result.server_cpu_s.get(part, 0.0) for part in parts)
+    return 1000 * seconds / max(1, result.output_tokens)
 
 
 def render_table(rows: list[Row]) -> str:
@@ -234,6 +285,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--fail-on-miss", action="store_true", help="exit with 3 when a target is missed"
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after dynamo's measured runs, one more c=16 run with py-spy on the frontend "
+        "and the worker process (benchmarks/flame.py); summaries printed and in the JSON",
+    )
     return parser.parse_args(argv)
 
 
@@ -244,6 +301,8 @@ def run(args: argparse.Namespace) -> int:
     servers: list[tuple[str, ServerFactory]] = [("vllm-direct", direct_vllm), ("dynamo", dynamo)]
     if args.dynamo_first:
         servers.reverse()
+    profiles: dict[str, Any] = {}
+    json_path = results_path(args, "overhead.json")
     measured = measure_in_turn(
         {
             label: partial(
@@ -254,6 +313,8 @@ def run(args: argparse.Namespace) -> int:
                 served,
                 runs,
                 start_timeout=args.start_timeout,
+                profiles=profiles if args.profile and label == "dynamo" else None,
+                keep_profiles=json_path,
             )
             for label, server in servers
         },
@@ -273,7 +334,8 @@ def run(args: argparse.Namespace) -> int:
         f"\nall targets met: {'yes' if all_met else 'no'}" + (" (quick run)" if args.quick else "")
     )
     report = report_json(served, args.quick, runs, direct, dyn, rows, all_met)
-    save_report(results_path(args, "overhead.json"), report)
+    report["profiles"] = profiles
+    save_report(json_path, report)
     return 3 if args.fail_on_miss and not all_met else 0
 
 

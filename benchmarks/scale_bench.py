@@ -56,7 +56,7 @@ from dynamo_reference import (
     ensure_reference,
     reference_stack,
 )
-from flame import ProfilerUnavailable, recording, render, summarise
+from flame import profile_while
 from harness import (
     RunResult,
     Scenario,
@@ -323,28 +323,17 @@ def measure(
 def profile(
     args: argparse.Namespace, stack: Stack, model_dir: Path, served: str, logs: Path
 ) -> dict[str, Any]:
-    """One more run at `--profile` concurrency under py-spy; prints and returns the
-    summaries, and copies the raw profiles beside the JSON."""
+    """One more run at `--profile` concurrency under py-spy (`flame.profile_while`)."""
     scenario = scenarios([args.profile], args.quick)[0]
     scenario = Scenario(**{**scenario.__dict__, "name": f"profile-c{args.profile}"})
-    targets = {part: stack.pids[part] for part in ("frontend", "mocker")}
     print(f"  profiling ours at c={args.profile} (py-spy)", flush=True)
-    try:
-        with recording(targets, logs) as files:
-            measure_scenarios(stack, model_dir, served, [scenario], logs, "ours")
-    except ProfilerUnavailable as exc:
-        print(f"  no profile: {exc}", flush=True)
-        return {}
-    summaries = {}
-    for part, raw in files.items():
-        summary = summarise(raw)
-        summaries[part] = summary.as_dict()
-        print(render(part, summary), flush=True)
-        if str(args.json) != "-":
-            kept = args.json.with_name(f"{args.json.stem}.profile-{part}.txt")
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            kept.write_text(raw.read_text())
-    return summaries
+    return profile_while(
+        {part: stack.pids[part] for part in ("frontend", "mocker")},
+        lambda: measure_scenarios(stack, model_dir, served, [scenario], logs, "ours"),
+        logs,
+        None if str(args.json) == "-" else args.json,
+        subprocesses=args.http_workers > 1,  # the HTTP worker processes are children
+    )
 
 
 def run(args: argparse.Namespace) -> int:
