@@ -330,6 +330,7 @@ class ResponseStream(Generic[T]):
         self.request_id = request_id or uuid.uuid4().hex
         self._payload = wire.encode_request(self.request_id, request)
         self._decoder = wire.decoder_for(response_type)
+        self._batch_decoder = wire.batch_decoder_for(response_type)
         self._first_item_timeout = first_item_timeout
         self._item_timeout = item_timeout
         self._received_item = False
@@ -437,8 +438,7 @@ class ResponseStream(Generic[T]):
             self._items.append(self._decoder.decode(body))
             return True
         if kind is wire.FrameKind.BATCH:
-            decode = self._decoder.decode
-            self._items.extend(decode(raw) for raw in wire.decode_batch(body))
+            self._items.extend(self._batch_decoder.decode(body))
             return bool(self._items)
         if kind is wire.FrameKind.END:
             self._done = True
