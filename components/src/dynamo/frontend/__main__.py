@@ -53,6 +53,7 @@ from dynamo.runtime.cli import (
     positive_float,
     positive_int,
 )
+from dynamo.runtime.gc_tuning import tune_for_serving
 from dynamo.runtime.nats_options import add_nats_arguments, nats_options_from_args
 from dynamo.runtime.nats_server import nats_url_from_env
 
@@ -405,6 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.http_workers > 1:  # a supervisor of N frontends (http_workers.py)
         return HttpWorkers(args.http_workers, sys.argv[1:] if argv is None else argv).run()
+    tune_for_serving()
     try:
         uvloop.run(_serve(config))  # faster socket I/O than asyncio's loop for many streams
     except ConnectionError as exc:  # no NATS server, or one that refuses our credentials
