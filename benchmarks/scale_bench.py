@@ -369,6 +369,7 @@ def run(args: argparse.Namespace) -> int:
             if args.profile:
                 profiles = profile(args, stack, model_dir, served, logs)
 
+    print("\nscale bench results (CPU per request: user + system, children included)")
     for name, stack_points in points.items():
         print(f"\n{name}:\n{stack_table(stack_points)}")
     comparison = compare(points["ours"], points.get("reference", []))
