@@ -61,6 +61,7 @@ from harness import (
     RunResult,
     Scenario,
     Stack,
+    announce,
     format_table,
     guarded,
     host_info,
@@ -69,7 +70,6 @@ from harness import (
     nats_server,
     nats_server_pid,
     save_report,
-    warn_if_busy,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -345,13 +345,8 @@ def run(args: argparse.Namespace) -> int:
     points: dict[str, list[Point]] = {}
     profiles: dict[str, Any] = {}
     with log_dir("scale-bench-", keep=args.keep_logs) as logs:
-        print(
-            f"{INPUT_LEN} in / {OUTPUT_LEN} out, mockers at speed-up {args.speed_up:g}, "
-            + ", ".join(f"{s.name}: {s.num_prompts} prompts" for s in runs)
-            + f"; logs in {logs}",
-            flush=True,
-        )
-        warn_if_busy()
+        print(f"mockers at speed-up {args.speed_up:g}", flush=True)
+        announce(served, model_dir, runs, logs)
         if reference is not None:
             print("reference (ai-dynamo frontend + mocker):", flush=True)
             with reference_stack(
