@@ -42,6 +42,10 @@ TENANTS = [f"tenant{i}" for i in range(6)]
 ROUNDS = 4
 ARRIVAL_GAP_S = 0.03
 """Between two requests of a round: arrivals spread as real traffic, not one instant."""
+TENANT_MAX_TOKENS = 64
+"""About half a second at real speed: every request of a round is still in flight when
+the round's last one arrives, so placements follow the books (load, pinned prefixes),
+not ties between idle workers."""
 BURST_ROUNDS = 8
 """Without sync, each round spreads perfectly by chance with probability at most about
 1/3 (1/6 by the ties alone, more if a worker's load report arrives in time), so all eight
@@ -162,7 +166,7 @@ async def run_tenant_workload(stack: Stack) -> tuple[float, dict[str, int]]:
                         target.completions.create(
                             model=MODEL,
                             prompt=tenant_prompt(tenant, f"What is fact {round_}?"),
-                            max_tokens=8,
+                            max_tokens=TENANT_MAX_TOKENS,
                         )
                     )
                 )
