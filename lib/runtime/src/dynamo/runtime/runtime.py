@@ -348,9 +348,14 @@ class DistributedRuntime:
         """An object store bucket (file storage; created on first use with this
         process's replica count)."""
         try:
-            return await self.js.object_store(bucket)
+            store = await self.js.object_store(bucket)
         except Exception:
             pass
+        else:
+            # Another process (or another worker of this one) may have created it a moment
+            # ago: a put before its replicated stream has a leader finds no responder.
+            await wait_for_stream_leader(self.js, f"OBJ_{bucket}", self.replicas)
+            return store
         try:
             store = await retry_transient(
                 lambda: self.js.create_object_store(
