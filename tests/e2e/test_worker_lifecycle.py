@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -345,13 +344,13 @@ async def test_engine_core_death_deregisters_and_exits_1(
         (instance,) = client.instance_ids()
         outputs: list[LLMEngineOutput] = []
         stream = None
+        engine_core = engine_core_of(worker.pid)
         if in_flight:
             request = long_request(tokenizer, MAX_MODEL_LEN - 64)
-            engine_core = engine_core_of(worker.pid)
             stream, outputs = await stream_in_flight(client, instance, request, engine_core.kill)
             assert outputs[0].finish_reason is None  # in flight when the engine died
         else:
-            os.kill(engine_core_of(worker.pid).pid, signal.SIGKILL)
+            engine_core.kill()  # SIGKILL
 
         if stream is not None:
             await asyncio.wait_for(stream, ENGINE_SHUTDOWN_S)

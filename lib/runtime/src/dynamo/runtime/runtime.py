@@ -350,21 +350,21 @@ class DistributedRuntime:
         try:
             store = await self.js.object_store(bucket)
         except Exception:
-            pass
-        else:
-            # Another process (or another worker of this one) may have created it a moment
-            # ago: a put before its replicated stream has a leader finds no responder.
-            await wait_for_stream_leader(self.js, f"OBJ_{bucket}", self.replicas)
-            return store
+            store = await self._create_object_store(bucket)
+        # Whoever created it (this process, another worker of it, another process) may have
+        # done so a moment ago: a put before its replicated stream has a leader finds no
+        # responder.
+        await wait_for_stream_leader(self.js, f"OBJ_{bucket}", self.replicas)
+        return store
+
+    async def _create_object_store(self, bucket: str) -> ObjectStore:
         try:
-            store = await retry_transient(
+            return await retry_transient(
                 lambda: self.js.create_object_store(
                     bucket, config=ObjectStoreConfig(replicas=self.replicas)
                 ),
                 what=f"creating object store {bucket}",
             )
-            await wait_for_stream_leader(self.js, f"OBJ_{bucket}", self.replicas)
-            return store
         except APIError as exc:
             if is_replica_shortage(exc):
                 raise replica_error(f"object store {bucket}", self.replicas, exc) from None

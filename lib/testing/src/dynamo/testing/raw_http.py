@@ -44,11 +44,26 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     return head, await reader.readexactly(length)
 
 
+async def read_until_closed(reader: asyncio.StreamReader) -> bytes:
+    """Everything the server sends until it closes the connection.
+
+    A close is a FIN or a reset: when the server closes a socket that still holds bytes
+    the client sent (a slowloris byte that arrived after the server gave up), the kernel
+    answers with a reset instead of a FIN. Either way the server ended the connection, and
+    anything it answered before a reset would be lost to us, so a reset reads as "closed,
+    nothing more"."""
+    try:
+        return await reader.read()
+    except ConnectionResetError:
+        return b""
+
+
 async def closed_within(reader: asyncio.StreamReader, seconds: float) -> float:
     """Seconds until the server closes the connection without sending anything more;
     fails (`TimeoutError`) after `seconds`."""
     began = time.monotonic()
-    assert await asyncio.wait_for(reader.read(), seconds) == b"", "the server sent more"
+    closing = await asyncio.wait_for(read_until_closed(reader), seconds)
+    assert closing == b"", "the server sent more"
     return time.monotonic() - began
 
 
@@ -67,7 +82,7 @@ async def trickle(
     `between(i)` runs after byte `i` went out (to check that other clients are served
     meanwhile). Stops sending after `give_up_after` seconds, and fails if the server has
     not closed the connection (without an answer) `give_up_after` seconds after that."""
-    eof = asyncio.ensure_future(reader.read())
+    eof = asyncio.ensure_future(read_until_closed(reader))
     began = time.monotonic()
     try:
         for i, byte in enumerate(data):
