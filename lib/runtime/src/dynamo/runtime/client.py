@@ -45,10 +45,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
-from nats.aio.client import NO_RESPONDERS_STATUS
-from nats.aio.msg import Msg
-from nats.js.api import Header
-
 from dynamo.runtime import naming, wire
 from dynamo.runtime.errors import (
     ClientClosedError,
@@ -409,7 +405,7 @@ class ResponseStream(Generic[T]):
             raise InstanceGoneError(
                 self.instance_id, f"not registered on {client.endpoint.path} (any more)"
             )
-        self._reply = client.runtime.inbox.open(self._on_message)
+        self._reply = client.runtime.inbox.open(self._on_frame)
         client.track(self, self.instance_id)
         await client.runtime.nc.publish(
             client.request_subject(self.instance_id), self._payload, reply=self._reply
@@ -483,13 +479,9 @@ class ResponseStream(Generic[T]):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _on_message(self, msg: Msg) -> None:
-        """Each message of this stream, handed over by the runtime's inbox."""
-        headers = msg.headers
-        if headers and headers.get(Header.STATUS) == NO_RESPONDERS_STATUS:
-            self._frames.append(None)
-        else:
-            self._frames.append(msg.data)
+    def _on_frame(self, frame: bytes | None) -> None:
+        """Each frame of this stream (None: "no responders"), handed over by the inbox."""
+        self._frames.append(frame)
         self._wake()
 
     async def _cancel_remote(self) -> None:

@@ -5,11 +5,17 @@ request runs in its own task, split in two so a fast handler does not pay one NA
 per item:
 
 * the *producer* iterates the handler and appends each encoded item to an outbox;
-* the *sender* wakes when the outbox has items and publishes everything queued as one
+* the *sender* wakes when the outbox has items and packs everything queued into one
   frame (DATA for one item, BATCH for several), so an engine that yields one output per
   step sends one frame per step, while a burst is coalesced.
 
-The outbox is bounded (`_HIGH_WATER_BYTES`): a handler that outruns the connection waits.
+Frames are not published by the sender itself but queued on the endpoint's
+`ReplyCoalescer`, which publishes the frames of one event-loop turn bound for one
+process's inbox as one NATS message: an engine step that advances many streams read by
+one frontend costs one message, not one per stream.
+
+The outbox is bounded (`_HIGH_WATER_BYTES`), and so is the coalescer's queue: a handler
+that outruns the connection waits.
 
 Cancellation: a control message names the stream's reply subject; the request's
 `Context` turns stopped and the producer task is cancelled, which closes the handler's
@@ -43,6 +49,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from dynamo.runtime import wire
+from dynamo.runtime.coalesce import ReplyCoalescer
 from dynamo.runtime.errors import RequestRefusedError
 from dynamo.runtime.tasks import cancel_and_wait
 
@@ -182,6 +189,7 @@ class EndpointServer:
         if max_inflight is not None and max_inflight < 0:
             raise ValueError(f"max_inflight must be >= 0, got {max_inflight}")
         self._nc = nc
+        self.coalescer = ReplyCoalescer(nc)
         self.subject = subject
         self.instance_id = instance_id
         self._handler = handler
@@ -203,6 +211,7 @@ class EndpointServer:
         return self.max_inflight is not None and len(self._tasks) >= self.max_inflight
 
     async def start(self) -> None:
+        self.coalescer.start()
         self._sub = await self._nc.subscribe(self.subject, cb=self._on_request)
 
     async def stop_accepting(self) -> None:
@@ -221,6 +230,7 @@ class EndpointServer:
             await asyncio.wait(set(self._tasks), timeout=timeout)
         leftover = list(self._tasks)
         await asyncio.gather(*(cancel_and_wait(task) for task in leftover))
+        await self.coalescer.close()  # the last frames (ENDs, shutdown errors) go out
         return len(leftover)
 
     async def _on_request(self, msg: Msg) -> None:
@@ -228,7 +238,7 @@ class EndpointServer:
             log.warning("request on %s without a reply subject dropped", self.subject)
             return
         if self.is_full():
-            await self._refuse(msg.reply)
+            self._refuse(msg.reply)
             return
         task = asyncio.create_task(self._serve(msg.reply, msg.data))
         self._tasks.add(task)
@@ -242,7 +252,7 @@ class EndpointServer:
                 "%s: below %d requests in flight, accepting again", self.subject, self.max_inflight
             )
 
-    async def _refuse(self, reply: str) -> None:
+    def _refuse(self, reply: str) -> None:
         """Answer at once, without a task: the caller places the request elsewhere."""
         self.requests_refused += 1
         if not self._refusing:  # once per episode, not once per request
@@ -253,18 +263,12 @@ class EndpointServer:
                 self.max_inflight,
             )
         message = f"the worker is serving its limit of {self.max_inflight} requests"
-        await self._send_quietly(
-            reply, wire.encode_kind_error(0, wire.ErrorKind.OVERLOADED, message)
-        )
+        self._send_quietly(reply, wire.encode_kind_error(0, wire.ErrorKind.OVERLOADED, message))
 
-    async def _send_quietly(self, reply: str, frame: bytes) -> bool:
-        """Publish a last frame when possible; False (logged at debug) when not."""
-        try:
-            await self._nc.publish(reply, frame)
-        except Exception as exc:
-            log.debug("frame to %s not sent: %s", reply, _describe(exc))
-            return False
-        return True
+    def _send_quietly(self, reply: str, frame: bytes) -> None:
+        """Queue a last frame; if it cannot be published, that is logged at debug (the
+        client's own deadline ends its wait)."""
+        self.coalescer.send(reply, frame)
 
     async def _serve(self, reply: str, data: bytes) -> None:
         self.requests_served += 1
@@ -272,7 +276,7 @@ class EndpointServer:
             request_id, raw = wire.decode_request(data)
             request = self._decoder.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            await self._send_quietly(
+            self._send_quietly(
                 reply, wire.encode_error(0, "BadRequest", f"undecodable request: {exc}")
             )
             return
@@ -280,13 +284,13 @@ class EndpointServer:
         self._registry.add(reply, inflight)
         outbox = _Outbox()
         inflight.producer = asyncio.create_task(self._produce(request, inflight.context, outbox))
-        sender = _FrameSender(self._nc, reply)
+        sender = _FrameSender(self.coalescer, reply, outbox)
         try:
-            await _forward(outbox, sender)
+            await _forward(outbox, sender, self.coalescer)
             if inflight.context.is_stopped():
                 return  # the client is gone; nobody reads a terminal frame
             error = outbox.error
-            await sender.send(
+            sender.send(
                 wire.encode_end(sender.seq) if error is None else _error_frame(sender.seq, error)
             )
         except asyncio.CancelledError:
@@ -294,7 +298,7 @@ class EndpointServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await inflight.producer
             message = "it shut down before the request finished"
-            await self._send_quietly(
+            self._send_quietly(
                 reply, wire.encode_kind_error(sender.seq, wire.ErrorKind.SHUTDOWN, message)
             )
             raise
@@ -309,19 +313,19 @@ class EndpointServer:
         """A frame could not be sent: stop the producer (its handler's `finally` aborts
         the request in the engine) and tell the client, if a small frame still gets out
         (during an outage it does not: the client's own deadline ends its wait)."""
-        what = f"{sender.last_size} bytes: {_describe(exc)}"
+        what = f"{sender.failed_size} bytes: {_describe(exc)}"
         log.warning(
             "request %s on %s: response frame %d not sent (%s); cancelling the request",
             inflight.context.id,
             self.subject,
-            sender.seq,
+            sender.failed_seq,
             what,
         )
         inflight.cancel()
         await cancel_and_wait(inflight.producer)
         message = f"the worker could not send its response ({what})"
-        await self._send_quietly(
-            sender.reply, wire.encode_error(sender.seq, type(exc).__name__, message)
+        self._send_quietly(
+            sender.reply, wire.encode_error(sender.failed_seq, type(exc).__name__, message)
         )
 
     async def _produce(self, request: Any, context: Context, outbox: _Outbox) -> None:
@@ -345,32 +349,48 @@ class EndpointServer:
 
 
 class _FrameSender:
-    """Publishes one request's frames in order and remembers how far it got (the number
-    of the next frame, the size of the last one tried)."""
+    """Queues one request's frames in order on the coalescer, numbering them, and hears
+    of the first one that could not be published (its number and size: the client has
+    everything before it, so the error frame that tells it takes its number)."""
 
-    __slots__ = ("_nc", "last_size", "reply", "seq")
+    __slots__ = ("_coalescer", "_outbox", "error", "failed_seq", "failed_size", "reply", "seq")
 
-    def __init__(self, nc: NatsClient, reply: str) -> None:
-        self._nc = nc
+    def __init__(self, coalescer: ReplyCoalescer, reply: str, outbox: _Outbox) -> None:
+        self._coalescer = coalescer
+        self._outbox = outbox
         self.reply = reply
         self.seq = 0
-        self.last_size = 0
+        self.error: BaseException | None = None
+        self.failed_seq = 0
+        self.failed_size = 0
 
-    async def send(self, frame: bytes) -> None:
-        self.last_size = len(frame)
-        await self._nc.publish(self.reply, frame)
+    def send(self, frame: bytes) -> None:
+        self._coalescer.send(self.reply, frame, self)
         self.seq += 1
 
+    def frame_failed(self, error: BaseException, frame: bytes) -> None:
+        """`FrameSink`: the coalescer could not publish `frame`; wake the forwarder."""
+        if self.error is not None:
+            return  # the frames after the first failed one are lost with it
+        self.error = error
+        self.failed_seq = wire.decode_frame(frame)[0]
+        self.failed_size = len(frame)
+        self._outbox.ready.set()
 
-async def _forward(outbox: _Outbox, sender: _FrameSender) -> None:
-    """Send what the producer queues, one frame per wake-up (BATCH for several items),
-    until it finished and everything is out."""
+
+async def _forward(outbox: _Outbox, sender: _FrameSender, coalescer: ReplyCoalescer) -> None:
+    """Queue what the producer pushes, one frame per wake-up (BATCH for several items),
+    until it finished and everything is queued; raise the error of a frame that could
+    not be published."""
     while True:
         await outbox.ready.wait()
+        if sender.error is not None:
+            raise sender.error
         for frame in wire.pack_frames(sender.seq, outbox.take()):
-            await sender.send(frame)
+            sender.send(frame)
         if outbox.finished and not outbox.items:
             return
+        await coalescer.wait_for_space()
 
 
 def _error_frame(seq: int, error: BaseException) -> bytes:
