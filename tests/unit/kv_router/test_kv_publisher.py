@@ -11,7 +11,12 @@ from typing import Any
 
 import pytest
 
-from dynamo.llm.kv_router.publisher import RESYNC_CHUNK_BLOCKS, KvEventPublisher, LoadPublisher
+from dynamo.llm.kv_router.publisher import (
+    MAX_EVENTS_PER_MESSAGE,
+    RESYNC_CHUNK_BLOCKS,
+    KvEventPublisher,
+    LoadPublisher,
+)
 from dynamo.llm.protocols import (
     KvAllCleared,
     KvBlockRemoved,
@@ -20,6 +25,7 @@ from dynamo.llm.protocols import (
     LoadMetrics,
     RouterEvent,
     decode,
+    kv_events_of,
 )
 from dynamo.testing.clocks import FakeClock
 
@@ -34,6 +40,7 @@ class RecordingStream:
 
     def __init__(self) -> None:
         self.log: list[tuple[str, Any]] = []
+        self.messages: list[list[int]] = []  # the event ids each published message held
         self.fail_next = 0
         self.missing = False
 
@@ -48,7 +55,9 @@ class RecordingStream:
         if self.fail_next:
             self.fail_next -= 1
             raise ConnectionError("broker away")
-        self.log.append(("publish", decode(payload, RouterEvent)))
+        events = kv_events_of(payload)
+        self.messages.append([event.event_id for event in events])
+        self.log.extend(("publish", event) for event in events)
         return len(self.log)
 
     async def purge_subject(self, runtime: Any, subject: str) -> None:
@@ -107,6 +116,32 @@ async def test_a_clear_purges_the_subject_before_it_is_published() -> None:
         ("publish", "KvAllCleared"),
         ("publish", "KvBlockStored"),
     ]
+
+
+async def test_events_published_together_share_a_message_and_a_clear_travels_alone() -> None:
+    publisher, stream = await make_publisher()
+    clear = RouterEvent(WORKER, 2, KvAllCleared())
+    await publisher.publish_many([stored(0), stored(1), clear, stored(3), stored(4)])
+    await publisher.publish_many([stored(5)])
+    assert stream.messages == [[0, 1], [2], [3, 4], [5]]
+    assert [op for op, _ in stream.log].count("purge") == 1
+    assert published(stream) == [
+        ("KvBlockStored", 0, [0]),
+        ("KvBlockStored", 1, [1]),
+        ("KvAllCleared", 2, []),
+        ("KvBlockStored", 3, [3]),
+        ("KvBlockStored", 4, [4]),
+        ("KvBlockStored", 5, [5]),
+    ]
+    assert publisher.stats.published == 6
+    assert publisher.cached == {3, 4, 5}
+
+
+async def test_a_long_run_of_events_is_split_into_bounded_messages() -> None:
+    publisher, stream = await make_publisher()
+    await publisher.publish_many([stored(i) for i in range(MAX_EVENTS_PER_MESSAGE + 3)])
+    assert [len(ids) for ids in stream.messages] == [MAX_EVENTS_PER_MESSAGE, 3]
+    assert [i for ids in stream.messages for i in ids] == list(range(MAX_EVENTS_PER_MESSAGE + 3))
 
 
 async def test_after_a_failed_publish_the_whole_cache_is_announced_again() -> None:

@@ -295,6 +295,19 @@ class RouterEvent(msgspec.Struct):
     data: KvEventData
 
 
+StreamedKvEvents = RouterEvent | list[RouterEvent]
+"""One message of the KV-event stream: an event, or several consecutive events of one
+worker published together (an engine step's events: one JetStream publish and one ack
+instead of one per event). A `KvAllCleared` always travels alone, since it purges the
+worker's subject first."""
+
+
+def kv_events_of(data: bytes) -> list[RouterEvent]:
+    """The events in one message of the KV-event stream, in order."""
+    decoded = msgspec.msgpack.decode(data, type=StreamedKvEvents)
+    return decoded if isinstance(decoded, list) else [decoded]
+
+
 class LoadMetrics(msgspec.Struct, omit_defaults=True):
     """Load snapshot a worker publishes on its core-NATS metrics subject."""
 

@@ -54,7 +54,14 @@ from dynamo.llm.kv_router.subjects import (
     load_metrics_filter,
     router_sync_subject,
 )
-from dynamo.llm.protocols import KvAllCleared, LoadMetrics, ModelCard, RouterEvent, decode
+from dynamo.llm.protocols import (
+    KvAllCleared,
+    LoadMetrics,
+    ModelCard,
+    RouterEvent,
+    decode,
+    kv_events_of,
+)
 from dynamo.runtime.client import Client
 from dynamo.runtime.events import EventStream, StreamSubscription
 from dynamo.runtime.runtime import DistributedRuntime
@@ -191,21 +198,23 @@ class KvRouterFeed:
             self.stats.replay_complete = True
             self._replayed.set()
         try:
-            event = decode(payload, RouterEvent)
+            events = kv_events_of(payload)
         except msgspec.MsgspecError as exc:
             self.stats.events_malformed += 1
             log.warning("kv router: undecodable event #%d on %s: %s", sequence, subject, exc)
             return
-        if event.worker_id != instance_of_subject(subject):
-            self.stats.events_malformed += 1
-            log.warning("kv router: event of worker %x on %s dropped", event.worker_id, subject)
-            return
-        if not self.membership.accepts(event.worker_id):
-            self.stats.events_ignored += 1
-            return
-        self._router.apply_event(event)
-        self._indexed.add(event.worker_id)
-        self.stats.events += 1
+        worker_id = instance_of_subject(subject)
+        for event in events:
+            if event.worker_id != worker_id:
+                self.stats.events_malformed += 1
+                log.warning("kv router: event of worker %x on %s dropped", event.worker_id, subject)
+                continue
+            if not self.membership.accepts(event.worker_id):
+                self.stats.events_ignored += 1
+                continue
+            self._router.apply_event(event)
+            self._indexed.add(event.worker_id)
+            self.stats.events += 1
 
     def _on_stream_reset(self) -> None:
         """The stream was recreated empty: forget every worker's cached blocks (not the

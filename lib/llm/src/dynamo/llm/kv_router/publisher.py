@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,6 +53,11 @@ def kv_events_stream() -> EventStream:
     """The stream every worker publishes to and every KV router replays."""
     return EventStream(KV_EVENTS_STREAM, kv_events_stream_subjects(), max_age_s=KV_EVENTS_MAX_AGE_S)
 
+
+MAX_EVENTS_PER_MESSAGE = 64
+"""Most events published together as one message of the stream (an engine step's events
+rarely reach it; a long prompt's `KvBlockStored` holds a few hundred hashes, so 64 of
+them stay far below NATS' default 1 MB message limit)."""
 
 RESYNC_CHUNK_BLOCKS = 4096
 """Most block hashes in one `KvBlockStored` of a re-announcement (about 37 KB of
@@ -129,20 +134,29 @@ class KvEventPublisher:
 
     async def publish(self, event: RouterEvent) -> None:
         """Publish one event (in call order); raises when NATS did not take it."""
+        await self.publish_many([event])
+
+    async def publish_many(self, events: Sequence[RouterEvent]) -> None:
+        """Publish consecutive events of the worker (in call order), as few messages as
+        the rules allow: each run of events between clears is one message (up to
+        `MAX_EVENTS_PER_MESSAGE`). Raises when NATS did not take them."""
+        if not events:
+            return
         async with self._lock:
-            _apply(self.cached, event.data)  # the engine's truth, whether NATS takes it or not
+            for event in events:  # the engine's truth, whether NATS takes it or not
+                _apply(self.cached, event.data)
             try:
-                await self._publish(event)
+                await self._publish(events)
                 return
             except Exception:
                 self._dirty = True
                 if not await self._recreated_stream():
-                    self.stats.failures += 1
+                    self.stats.failures += len(events)
                     raise
             try:
-                await self._publish(event)
+                await self._publish(events)
             except Exception:
-                self.stats.failures += 1
+                self.stats.failures += len(events)
                 raise
 
     async def resync(self) -> None:
@@ -186,19 +200,25 @@ class KvEventPublisher:
             self._stream.name,
         )
 
-    async def _publish(self, event: RouterEvent) -> None:
-        if isinstance(event.data, KvAllCleared):
-            await self._purge()
-            await self._send(event.data, event.event_id)
-        elif self._dirty:
-            # Routers may have missed events: tell them everything, this event included
-            # (the mirror already holds its effect).
+    async def _publish(self, events: Sequence[RouterEvent]) -> None:
+        if self._dirty and not any(isinstance(e.data, KvAllCleared) for e in events):
+            # Routers may have missed events: tell them everything, these events included
+            # (the mirror already holds their effect).
             await self._announce_cache()
             log.warning("kv events: publishing resumed, re-announced the cache to routers")
         else:
-            await self._send(event.data, event.event_id)
+            run: list[RouterEvent] = []
+            for event in events:
+                if isinstance(event.data, KvAllCleared):
+                    await self._send_run(run)
+                    run = []
+                    await self._purge()
+                    await self._send(event.data, event.event_id)
+                else:
+                    run.append(event)
+            await self._send_run(run)
         self._dirty = False
-        self.stats.published += 1
+        self.stats.published += len(events)
 
     async def _announce_cache(self) -> None:
         await self._purge()
@@ -215,11 +235,36 @@ class KvEventPublisher:
 
     async def _send(self, data: KvEventData, event_id: int | None = None) -> None:
         """Put one event on the wire with an id above every id sent before."""
-        floor = -1 if self._last_id is None else self._last_id + 1
-        wire_id = max(floor, event_id if event_id is not None else floor)
-        event = RouterEvent(self.worker_id, wire_id, data)
+        event = self._numbered(data, event_id)
         await self._stream.publish(self._runtime, self.subject, encode(event))
-        self._last_id = wire_id
+        self._last_id = event.event_id
+
+    async def _send_run(self, run: Sequence[RouterEvent]) -> None:
+        """Put events on the wire as messages of up to `MAX_EVENTS_PER_MESSAGE`, ids
+        raised as `_send` does."""
+        for start in range(0, len(run), MAX_EVENTS_PER_MESSAGE):
+            chunk = run[start : start + MAX_EVENTS_PER_MESSAGE]
+            if len(chunk) == 1:
+                await self._send(chunk[0].data, chunk[0].event_id)
+                continue
+            last_id = self._last_id
+            numbered = []
+            for event in chunk:
+                numbered.append(self._numbered(event.data, event.event_id, last_id))
+                last_id = numbered[-1].event_id
+            await self._stream.publish(self._runtime, self.subject, encode(numbered))
+            self._last_id = last_id
+
+    def _numbered(
+        self, data: KvEventData, event_id: int | None, after: int | None = None
+    ) -> RouterEvent:
+        """The event as it goes on the wire: its id, raised above `after` (default: the
+        last id sent) where a re-announcement took ids."""
+        last = self._last_id if after is None else after
+        floor = -1 if last is None else last + 1
+        return RouterEvent(
+            self.worker_id, max(floor, event_id if event_id is not None else floor), data
+        )
 
 
 def _apply(cached: set[int], data: KvEventData) -> None:
