@@ -16,7 +16,13 @@ import pytest
 
 from dynamo.frontend import http_workers
 from dynamo.frontend.__main__ import build_parser, config_from_args, main
-from dynamo.frontend.http_workers import WORKER_INDEX_FLAG, check_http_workers, child_argv
+from dynamo.frontend.http_workers import (
+    WORKER_COUNT_FLAG,
+    WORKER_INDEX_FLAG,
+    HttpWorkerSlot,
+    check_http_workers,
+    child_argv,
+)
 from dynamo.runtime.cli import ConfigError
 
 
@@ -67,7 +73,7 @@ def test_without_so_reuseport_several_workers_are_refused(
 def test_a_child_is_the_parent_with_one_worker(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    argv = child_argv(["--http-port", "9000", "--http-workers", "2"], 1)
+    argv = child_argv(["--http-port", "9000", "--http-workers", "2"], 1, 2)
     assert argv[1:] == [
         "-m",
         "dynamo.frontend",
@@ -79,9 +85,12 @@ def test_a_child_is_the_parent_with_one_worker(
         "1",
         WORKER_INDEX_FLAG,
         "1",
+        WORKER_COUNT_FLAG,
+        "2",
     ]
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     args = build_parser().parse_args(argv[3:])
     config = config_from_args(args)
     assert (args.http_workers, args.http_worker_index) == (1, 1)
     assert (config.shared_port, config.metrics_dir) == (True, tmp_path)
+    assert config.http_worker == HttpWorkerSlot(index=1, count=2)

@@ -35,8 +35,10 @@ from dynamo.frontend.http_server import (
 )
 from dynamo.frontend.http_workers import (
     HTTP_WORKERS_ENV,
+    WORKER_COUNT_FLAG,
     WORKER_INDEX_FLAG,
     HttpWorkers,
+    HttpWorkerSlot,
     check_http_workers,
     metrics_dir_of_child,
 )
@@ -84,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         WORKER_INDEX_FLAG,
         type=non_negative_int,
+        default=None,
+        help=argparse.SUPPRESS,  # given by the --http-workers supervisor to its children
+    )
+    parser.add_argument(
+        WORKER_COUNT_FLAG,
+        type=positive_int,
         default=None,
         help=argparse.SUPPRESS,  # given by the --http-workers supervisor to its children
     )
@@ -341,9 +349,17 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
             tool_call_parser=_tool_call_parser(args.tool_call_parser),
             reasoning_parser=_reasoning_parser(args.reasoning_parser),
         ),
-        shared_port=args.http_worker_index is not None,
+        http_worker=_http_worker_slot(args),
         metrics_dir=metrics_dir_of_child() if args.http_worker_index is not None else None,
     )
+
+
+def _http_worker_slot(args: argparse.Namespace) -> HttpWorkerSlot | None:
+    """Which child of an `--http-workers` supervisor this process is (None: not one)."""
+    if args.http_worker_index is None:
+        return None
+    count = args.http_worker_count or args.http_worker_index + 1
+    return HttpWorkerSlot(args.http_worker_index, count)
 
 
 def _chat_template(path: str | None) -> str | None:

@@ -46,6 +46,7 @@ from dynamo.frontend.http_server import (
     DEFAULT_WRITE_TIMEOUT_S,
     HttpService,
 )
+from dynamo.frontend.http_workers import HttpWorkerSlot
 from dynamo.frontend.metrics import FrontendMetrics
 from dynamo.frontend.model_registry import ModelManager, endpoint_key
 from dynamo.frontend.preprocessor import Preprocessor
@@ -107,8 +108,12 @@ class FrontendConfig:
     chat_parsing: ChatParsingOptions = field(default_factory=ChatParsingOptions)
     # One of `--http-workers` processes (`http_workers.py`): the port is shared
     # (SO_REUSEPORT) and /metrics sums every process's files in `metrics_dir`.
-    shared_port: bool = False
+    http_worker: HttpWorkerSlot | None = None
     metrics_dir: Path | None = None
+
+    @property
+    def shared_port(self) -> bool:
+        return self.http_worker is not None
 
     @property
     def stream_deadlines(self) -> StreamDeadlines:
@@ -259,6 +264,7 @@ async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None
         write_timeout_s=config.write_timeout_s or None,
         return_spec_stats=config.return_spec_stats,
         chat_parsing=config.chat_parsing,
+        http_worker=config.http_worker,
     )
     watcher: asyncio.Task[None] | None = None
     try:

@@ -19,7 +19,8 @@ Across the children:
   on exit (`metrics.FrontendMetrics`).
 * What stays per process: `--max-inflight-requests` / `--max-waiting-requests` (the
   frontend's admission bounds are N times the flag), and `GET /debug/kv` (one child's
-  view).
+  view, which says which child answered: `http_worker: {index, count}`; a new connection
+  may reach another child).
 
 The supervisor: SIGTERM or SIGINT is passed on to every child and waited for (a child
 still running after `CHILD_STOP_TIMEOUT_S` is killed); the parent then exits 0. A child
@@ -56,6 +57,8 @@ METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 """prometheus_client's multiprocess directory, read by the library at import."""
 WORKER_INDEX_FLAG = "--http-worker-index"
 """Hidden flag the supervisor gives each child: its index, and that it shares the port."""
+WORKER_COUNT_FLAG = "--http-worker-count"
+"""Hidden flag the supervisor gives each child: how many children share the port."""
 CHILD_STOP_TIMEOUT_S = 30.0
 """How long a child may drain after SIGTERM before it is killed."""
 POLL_INTERVAL_S = 0.1
@@ -72,8 +75,20 @@ def check_http_workers(count: int) -> None:
         )
 
 
-def child_argv(argv: Sequence[str], index: int) -> list[str]:
-    """The command line of child `index`: the parent's own arguments, one worker each."""
+@dataclass(frozen=True)
+class HttpWorkerSlot:
+    """Which of a supervisor's `count` children this process is."""
+
+    index: int
+    count: int
+
+    def describe(self) -> dict[str, int]:
+        return {"index": self.index, "count": self.count}
+
+
+def child_argv(argv: Sequence[str], index: int, count: int) -> list[str]:
+    """The command line of child `index` of `count`: the parent's own arguments, one
+    worker each."""
     return [
         sys.executable,
         "-m",
@@ -83,6 +98,8 @@ def child_argv(argv: Sequence[str], index: int) -> list[str]:
         "1",
         WORKER_INDEX_FLAG,
         str(index),
+        WORKER_COUNT_FLAG,
+        str(count),
     ]
 
 
@@ -132,7 +149,7 @@ class HttpWorkers:
             if self._signal is not None:
                 return
             popen = subprocess.Popen(
-                child_argv(self.argv, index),
+                child_argv(self.argv, index, self.count),
                 env=env,
                 preexec_fn=preexec_die_with_parent(signal.SIGTERM),
             )

@@ -74,6 +74,40 @@ def kv_router_view(base_url: str, model: str, endpoint_path: str) -> dict[str, A
     return json.loads(body)["models"][model][endpoint_path]
 
 
+def debug_kv_views(base_url: str, *, attempts: int = 400) -> list[dict[str, Any]]:
+    """`GET /debug/kv` of every process of the frontend at `base_url`, in process order.
+
+    A frontend run with `--http-workers N` is N processes sharing one port, each with its
+    own routers: the kernel hands each new connection to one of them, and the answer says
+    which (`http_worker: {index, count}`). New connections are made until all N have
+    answered; a single-process frontend answers once. `AssertionError` unless every
+    answer is 200 and every process answered within `attempts` connections."""
+    views: dict[int, dict[str, Any]] = {}
+    count = 1
+    for _ in range(attempts):
+        status, body = http_get(f"{base_url}/debug/kv")
+        if status != 200:
+            raise AssertionError(f"GET {base_url}/debug/kv: {status} {body[:500]}")
+        view = json.loads(body)
+        slot = view.get("http_worker")
+        if slot is None:
+            return [view]
+        views[slot["index"]] = view
+        count = slot["count"]
+        if len(views) == count:
+            return [views[index] for index in range(count)]
+    raise AssertionError(
+        f"{base_url}: only processes {sorted(views)} of {count} answered GET /debug/kv "
+        f"in {attempts} connections"
+    )
+
+
+def kv_router_views(base_url: str, model: str, endpoint_path: str) -> list[dict[str, Any]]:
+    """`kv_router_view` of every process of the frontend at `base_url` (one per
+    `--http-workers` process)."""
+    return [view["models"][model][endpoint_path] for view in debug_kv_views(base_url)]
+
+
 def routed_requests(router_view: Mapping[str, Any]) -> dict[str, int]:
     """Requests a KV router sent to each worker so far (by instance hex), from its
     `kv_router_view`."""

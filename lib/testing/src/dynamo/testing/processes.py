@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
+
 from dynamo.runtime.nats_server import free_port
 from dynamo.testing.http import (
     http_get,
@@ -310,6 +312,12 @@ class FrontendProcess(ManagedProcess):
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def serving_pids(self) -> list[int]:
+        """The processes that serve HTTP and hold NATS connections: the frontend itself,
+        or, when it runs with `--http-workers N` (`$DYN_HTTP_WORKERS`), its N children."""
+        children = psutil.Process(self.pid).children()
+        return [child.pid for child in children] or [self.pid]
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of series `name` on the frontend's `/metrics` whose labels
