@@ -44,7 +44,7 @@ import pytest
 from dynamo.llm.kv_router.subjects import KV_EVENTS_STREAM
 from dynamo.runtime.nats_server import ClusterMembership, NatsServer
 from dynamo.testing import netns
-from dynamo.testing.http import http_post_json, kv_router_views, routed_requests
+from dynamo.testing.http import http_post_json, kv_router_views, routed_totals
 from dynamo.testing.jetstream import node_holding, prefer_stream_leaders
 from dynamo.testing.netns import HostNetwork
 from dynamo.testing.processes import (
@@ -126,11 +126,7 @@ class Topology:
 
     def routed(self) -> dict[str, int]:
         """Requests placed on each worker so far, by all frontend processes together."""
-        totals: dict[str, int] = {}
-        for router in self.routers():
-            for worker, count in routed_requests(router).items():
-                totals[worker] = totals.get(worker, 0) + count
-        return totals
+        return routed_totals(self.routers())
 
     def frontend_pids(self) -> list[int]:
         """The frontend processes holding NATS connections (N with `--http-workers N`)."""

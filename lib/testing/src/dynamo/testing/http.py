@@ -18,7 +18,7 @@ import json
 import re
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -112,6 +112,24 @@ def routed_requests(router_view: Mapping[str, Any]) -> dict[str, int]:
     """Requests a KV router sent to each worker so far (by instance hex), from its
     `kv_router_view`."""
     return {hex_id: view["routed"]["requests"] for hex_id, view in router_view["workers"].items()}
+
+
+def routed_totals(views: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """Requests placed on each worker (by instance hex) by all of a frontend's
+    processes together, from their `kv_router_views`."""
+    totals: dict[str, int] = {}
+    for view in views:
+        for worker, count in routed_requests(view).items():
+            totals[worker] = totals.get(worker, 0) + count
+    return totals
+
+
+def predicted_hit_rate(views: Sequence[Mapping[str, Any]]) -> float:
+    """The routers' predicted prefix-cache hit rate over every process's decisions
+    (overlapping blocks over prompt blocks)."""
+    blocks = sum(view["routing"]["request_blocks"] for view in views)
+    overlap = sum(view["routing"]["overlap_blocks"] for view in views)
+    return overlap / blocks if blocks else 0.0
 
 
 def metric_values(text: str, name: str, labels: Mapping[str, str] | None = None) -> list[float]:
