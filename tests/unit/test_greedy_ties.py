@@ -106,3 +106,23 @@ def test_stopping_where_the_reference_went_on_is_a_tie_only_onto_a_close_end_tok
     assert mismatch(reference, "Yes", stops=stops) is None  # end token 0.1 behind "."
     assert mismatch(reference, "Yes") is not None  # without knowing the end token
     assert mismatch(reference, "", stops=stops) is not None  # "Yes" led the end by far more
+
+
+def test_a_reference_taken_past_its_end_token_ends_there_and_judges_texts_that_go_on() -> None:
+    stops = frozenset({b"<|im_end|>"})
+    reference = reference_from_chat_logprobs(
+        [
+            entry("Yes", -0.1, ("No", -3.0)),
+            entry("<|im_end|>", -0.6, ("\n\n", -0.9), ("!", -4.0)),
+            entry("<|im_start|>", -0.2),  # generated past the end (ignore_eos): cut off
+        ],
+        stops,
+    )
+    assert reference_text(reference) == "Yes"
+    assert len(reference) == 2 and reference[1].alternatives == ((b"\n\n", -0.9), (b"!", -4.0))
+    assert mismatch(reference, "Yes", stops=stops) is None
+    went_on = first_divergence(reference, "Yes\n\nIndeed.", stops)
+    assert went_on is not None and went_on.token_index == 1
+    assert went_on.lead is not None and abs(went_on.lead - 0.3) < 1e-9
+    assert mismatch(reference, "Yes\n\nIndeed.", stops=stops) is None  # the end led by 0.3
+    assert mismatch(reference, "Yes! Indeed.", stops=stops) is not None  # it led "!" by 3.4

@@ -69,11 +69,19 @@ def _token_bytes(entry: Mapping[str, Any]) -> bytes:
     return bytes(raw) if raw is not None else str(entry["token"]).encode()
 
 
-def reference_from_chat_logprobs(content: Sequence[Mapping[str, Any]]) -> list[ReferenceToken]:
+def reference_from_chat_logprobs(
+    content: Sequence[Mapping[str, Any]], stops: frozenset[bytes] = frozenset()
+) -> list[ReferenceToken]:
     """Reference tokens from an OpenAI chat response's `choices[i].logprobs.content`,
     requested with a generous `top_logprobs` (20, OpenAI's most): bf16 logits come in
     steps of 0.125 nats near a small model's magnitudes, so exact ties happen, five tokens
-    wide at times, and the one the other text took must be among those listed."""
+    wide at times, and the one the other text took must be among those listed.
+
+    `stops`: the end-of-sequence tokens' texts, for a reference taken with `ignore_eos`.
+    A response that ends at its end token leaves that token, and so the alternatives at
+    its position, out of its logprobs: another text that went on there could not be
+    judged. Taken with `ignore_eos`, the reference ends at its first end token, kept as a
+    last token with no text whose alternatives are the ones the end token beat."""
     tokens = []
     for entry in content:
         chosen = _token_bytes(entry)
@@ -82,7 +90,12 @@ def reference_from_chat_logprobs(content: Sequence[Mapping[str, Any]]) -> list[R
             for alt in entry.get("top_logprobs", [])
             if _token_bytes(alt) != chosen
         )
-        tokens.append(ReferenceToken(chosen, float(entry["logprob"]), alternatives))
+        ends = chosen in stops
+        tokens.append(
+            ReferenceToken(b"" if ends else chosen, float(entry["logprob"]), alternatives)
+        )
+        if ends:
+            break
     return tokens
 
 
