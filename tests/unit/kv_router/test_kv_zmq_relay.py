@@ -472,3 +472,29 @@ async def test_against_vllms_own_publisher(tmp_path: Path) -> None:
         publisher.shutdown()
     assert relay.stats.gaps >= 1 and relay.stats.resyncs == 0
     assert index_of(received).find_matches_for_tokens(chain_tokens(i)).scores == {WORKER: i}
+
+
+async def test_quiet_probes_back_off_and_a_live_message_resets_them(
+    publisher: FakeVllmPublisher,
+) -> None:
+    """An idle engine is probed ever less often (0.1, 0.2, 0.4, then every 0.8 s here), and
+    as often as at first again once it publishes."""
+    relay = KvEventRelay(
+        publisher.endpoint,
+        KvEventConverter(WORKER, B),
+        collector([]),
+        replay_endpoint=publisher.replay_endpoint,
+        idle_probe_s=0.1,
+        max_idle_probe_s=0.8,
+    )
+    await relay.start()
+    try:
+        assert relay.next_probe_s == 0.1
+        await wait_until_async(
+            lambda: relay.stats.probes >= 4, timeout=RELAY_TIMEOUT_S, what="four quiet probes"
+        )
+        assert relay.next_probe_s == 0.8, "doubled after each quiet probe, capped"
+        await publish_until_subscribed(publisher, relay, 0, chain_batch(0))
+        assert relay.next_probe_s is not None and relay.next_probe_s < 0.8, "reset by the batch"
+    finally:
+        await relay.stop()

@@ -20,12 +20,18 @@ pays nothing for this.
   outage, payload over the limit) is reported to the `FrameSink` of every frame it
   carried, so each stream fails as if its own publish had.
 * Replies outside the runtimes' inboxes (a plain NATS request) are published one by one.
+
+A response stream does not send frames itself: its items wait in a `ReplyStream`, which
+the flush packs into frames (DATA for one item, BATCH for several) just before it
+publishes. So the handler's task appends an item and goes on; no task per stream wakes
+per item to forward it, and an engine step's outputs still leave in one message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from nats.aio.client import Client as NatsClient
@@ -52,11 +58,121 @@ DEFAULT_MAX_PAYLOAD = 1024 * 1024
 """nats-server's default, for a connection that has not reported its own yet."""
 
 
+STREAM_HIGH_WATER_BYTES = 256 * 1024
+"""Items one stream may have waiting before its producer waits (`ReplyStream.space`)."""
+
+TerminalFrame = Callable[[int], bytes]
+"""The frame that ends a stream, given the sequence number it takes."""
+
+
+class ReplyStream:
+    """One response stream's items between its producer and the coalescer's next flush.
+
+    `push` appends an encoded item; the flush takes the items, numbers them and packs
+    them into frames (`wire.pack_frames`), then the terminal frame once `finish` gave
+    one. A frame that could not be published is recorded (`error`, with the number and
+    size of the first such frame: the client has everything before it), what is still
+    waiting is dropped, and `on_failure` is called.
+    """
+
+    __slots__ = (
+        "_coalescer",
+        "_items",
+        "_nbytes",
+        "_scheduled",
+        "_terminal",
+        "error",
+        "failed_seq",
+        "failed_size",
+        "on_failure",
+        "reply",
+        "seq",
+        "space",
+    )
+
+    def __init__(
+        self,
+        coalescer: ReplyCoalescer,
+        reply: str,
+        on_failure: Callable[[], None] | None = None,
+    ) -> None:
+        self._coalescer = coalescer
+        self.reply = reply
+        self.on_failure = on_failure
+        self.seq = 0
+        self._items: list[bytes] = []
+        self._nbytes = 0
+        self._scheduled = False
+        self._terminal: TerminalFrame | None = None
+        self.space = asyncio.Event()
+        self.space.set()
+        self.error: BaseException | None = None
+        self.failed_seq = 0
+        self.failed_size = 0
+
+    def push(self, item: bytes) -> None:
+        """Queue an encoded item for the next flush (dropped once a frame failed)."""
+        if self.error is not None:
+            return
+        self._items.append(item)
+        self._nbytes += len(item)
+        if self._nbytes >= STREAM_HIGH_WATER_BYTES:
+            self.space.clear()
+        self._schedule()
+
+    def finish(self, terminal: TerminalFrame) -> None:
+        """End the stream after the items pushed so far with `terminal(seq)`."""
+        self._terminal = terminal
+        self._schedule()
+
+    def schedule(self, stream: ReplyStream) -> None:
+        """Take `stream`'s waiting items (and terminal frame) at the next flush."""
+        self._streams.append(stream)
+        self._wake.set()
+
+    async def wait_for_space(self) -> None:
+        """Return once neither this stream nor the coalescer is over its high-water mark."""
+        if not self.space.is_set():
+            await self.space.wait()
+        await self._coalescer.wait_for_space()
+
+    def take_frames(self) -> list[bytes]:
+        """The frames of everything waiting, numbered on from `seq`."""
+        self._scheduled = False
+        items, self._items, self._nbytes = self._items, [], 0
+        self.space.set()
+        frames = wire.pack_frames(self.seq, items) if items else []
+        self.seq += len(frames)
+        if self._terminal is not None:
+            frames.append(self._terminal(self.seq))
+            self._terminal = None
+            self.seq += 1
+        return frames
+
+    def frame_failed(self, error: BaseException, frame: bytes) -> None:
+        """`FrameSink`: the coalescer could not publish `frame`."""
+        if self.error is not None:
+            return  # the frames after the first failed one are lost with it
+        self.error = error
+        self.failed_seq = wire.decode_frame(frame)[0]
+        self.failed_size = len(frame)
+        self._items, self._nbytes, self._terminal = [], 0, None
+        self.space.set()
+        if self.on_failure is not None:
+            self.on_failure()
+
+    def _schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            self._coalescer.schedule(self)
+
+
 class ReplyCoalescer:
     """Publishes queued response frames once per event-loop turn, grouped by inbox."""
 
     def __init__(self, nc: NatsClient) -> None:
         self._nc = nc
+        self._streams: list[ReplyStream] = []
         self._queued: list[Queued] = []
         self._queued_bytes = 0
         self._wake = asyncio.Event()
@@ -79,6 +195,15 @@ class ReplyCoalescer:
             self._space.clear()
         self._wake.set()
 
+    def schedule(self, stream: ReplyStream) -> None:
+        """Take `stream`'s waiting items (and terminal frame) at the next flush."""
+        self._streams.append(stream)
+        self._wake.set()
+
+    def has_space(self) -> bool:
+        """The queue is below its high-water mark."""
+        return self._space.is_set()
+
     async def wait_for_space(self) -> None:
         """Return once the queue is below its high-water mark."""
         if not self._space.is_set():
@@ -100,7 +225,12 @@ class ReplyCoalescer:
 
     async def _publish_queued(self) -> None:
         self._wake.clear()
-        queued, self._queued, self._queued_bytes = self._queued, [], 0
+        streams, self._streams = self._streams, []
+        queued: list[Queued] = []
+        for stream in streams:  # before the frames sent directly, which end streams
+            queued.extend((stream.reply, frame, stream) for frame in stream.take_frames())
+        queued.extend(self._queued)
+        self._queued, self._queued_bytes = [], 0
         self._space.set()
         if not queued:
             return

@@ -1,21 +1,18 @@
 """The serving side of an endpoint: receive requests, run the handler, stream frames back.
 
 A handler is an async generator `handler(request, context)` yielding response items. Each
-request runs in its own task, split in two so a fast handler does not pay one NATS message
-per item:
+request runs in its own task, the *producer*, which iterates the handler and appends each
+encoded item to the request's `ReplyStream`; the request's own task only waits for the
+producer to finish and then ends the stream (END, or an error frame).
 
-* the *producer* iterates the handler and appends each encoded item to an outbox;
-* the *sender* wakes when the outbox has items and packs everything queued into one
-  frame (DATA for one item, BATCH for several), so an engine that yields one output per
-  step sends one frame per step, while a burst is coalesced.
-
-Frames are not published by the sender itself but queued on the endpoint's
-`ReplyCoalescer`, which publishes the frames of one event-loop turn bound for one
+Items are not sent one by one: the endpoint's `ReplyCoalescer` takes every stream's
+waiting items once per event-loop turn, packs each stream's into frames (DATA for one
+item, BATCH for several, so a burst is coalesced) and publishes the frames bound for one
 process's inbox as one NATS message: an engine step that advances many streams read by
-one frontend costs one message, not one per stream.
+one frontend costs one message, and no task wakes per item to forward it.
 
-The outbox is bounded (`_HIGH_WATER_BYTES`), and so is the coalescer's queue: a handler
-that outruns the connection waits.
+A stream's waiting items are bounded (`coalesce.STREAM_HIGH_WATER_BYTES`), and so is the
+coalescer's queue: a handler that outruns the connection waits.
 
 Cancellation: a control message names the stream's reply subject; the request's
 `Context` turns stopped and the producer task is cancelled, which closes the handler's
@@ -49,15 +46,13 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from dynamo.runtime import wire
-from dynamo.runtime.coalesce import ReplyCoalescer
+from dynamo.runtime.coalesce import ReplyCoalescer, ReplyStream
 from dynamo.runtime.errors import RequestRefusedError
 from dynamo.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Any, "Context"], AsyncIterator[Any]]
-
-_HIGH_WATER_BYTES = 256 * 1024
 
 PUBLISH_FLUSH_TIMEOUT_S = 2.0
 """How long a publish may wait for nats-py to flush a full outbound buffer (the runtime
@@ -87,39 +82,6 @@ class Context:
 
     def stop_generating(self) -> None:
         self._stopped.set()
-
-
-class _Outbox:
-    """Encoded items waiting to be sent, plus the terminal state of the producer."""
-
-    __slots__ = ("error", "finished", "items", "nbytes", "ready", "space")
-
-    def __init__(self) -> None:
-        self.items: list[bytes] = []
-        self.nbytes = 0
-        self.ready = asyncio.Event()
-        self.space = asyncio.Event()
-        self.space.set()
-        self.finished = False
-        self.error: BaseException | None = None
-
-    def push(self, item: bytes) -> None:
-        self.items.append(item)
-        self.nbytes += len(item)
-        self.ready.set()
-        if self.nbytes >= _HIGH_WATER_BYTES:
-            self.space.clear()
-
-    def take(self) -> list[bytes]:
-        items, self.items, self.nbytes = self.items, [], 0
-        self.ready.clear()
-        self.space.set()
-        return items
-
-    def close(self, error: BaseException | None = None) -> None:
-        self.finished = True
-        self.error = error
-        self.ready.set()
 
 
 class InflightRequest:
@@ -282,115 +244,78 @@ class EndpointServer:
             return
         inflight = InflightRequest(Context(request_id, self.instance_id))
         self._registry.add(reply, inflight)
-        outbox = _Outbox()
-        inflight.producer = asyncio.create_task(self._produce(request, inflight.context, outbox))
-        sender = _FrameSender(self.coalescer, reply, outbox)
+        settled = asyncio.Event()  # the handler is done, or a frame could not be sent
+        stream = ReplyStream(self.coalescer, reply, on_failure=settled.set)
+        producer = asyncio.create_task(self._produce(request, inflight.context, stream, settled))
+        inflight.producer = producer
         try:
-            await _forward(outbox, sender, self.coalescer)
+            await settled.wait()
+            if stream.error is not None:
+                raise stream.error
             if inflight.context.is_stopped():
-                return  # the client is gone; nobody reads a terminal frame
-            error = outbox.error
-            sender.send(
-                wire.encode_end(sender.seq) if error is None else _error_frame(sender.seq, error)
-            )
+                return  # the client is gone (its producer was cancelled): no terminal frame
+            error = await producer
+            stream.finish(wire.encode_end if error is None else _terminal_error(error))
         except asyncio.CancelledError:
             inflight.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await inflight.producer
+                await producer
             message = "it shut down before the request finished"
-            self._send_quietly(
-                reply, wire.encode_kind_error(sender.seq, wire.ErrorKind.SHUTDOWN, message)
-            )
+            stream.finish(lambda seq: wire.encode_kind_error(seq, wire.ErrorKind.SHUTDOWN, message))
             raise
         except Exception as exc:  # a frame could not be published
-            await self._abandon(inflight, sender, exc)
+            await self._abandon(inflight, stream, exc)
         finally:
             self._registry.remove(reply)
 
     async def _abandon(
-        self, inflight: InflightRequest, sender: _FrameSender, exc: Exception
+        self, inflight: InflightRequest, stream: ReplyStream, exc: Exception
     ) -> None:
         """A frame could not be sent: stop the producer (its handler's `finally` aborts
         the request in the engine) and tell the client, if a small frame still gets out
         (during an outage it does not: the client's own deadline ends its wait)."""
-        what = f"{sender.failed_size} bytes: {_describe(exc)}"
+        what = f"{stream.failed_size} bytes: {_describe(exc)}"
         log.warning(
             "request %s on %s: response frame %d not sent (%s); cancelling the request",
             inflight.context.id,
             self.subject,
-            sender.failed_seq,
+            stream.failed_seq,
             what,
         )
         inflight.cancel()
         await cancel_and_wait(inflight.producer)
         message = f"the worker could not send its response ({what})"
         self._send_quietly(
-            sender.reply, wire.encode_error(sender.failed_seq, type(exc).__name__, message)
+            stream.reply, wire.encode_error(stream.failed_seq, type(exc).__name__, message)
         )
 
-    async def _produce(self, request: Any, context: Context, outbox: _Outbox) -> None:
+    async def _produce(
+        self, request: Any, context: Context, stream: ReplyStream, settled: asyncio.Event
+    ) -> BaseException | None:
+        """Push the handler's items on `stream`; returns the exception the handler raised
+        (None when it finished), which becomes the stream's terminal frame."""
         agen = self._handler(request, context)
         encode = wire.encode
+        push = stream.push
         try:
             async for item in agen:
-                outbox.push(encode(item))
-                if not outbox.space.is_set():
-                    await outbox.space.wait()
+                push(encode(item))
+                if not stream.space.is_set() or not self.coalescer.has_space():
+                    await stream.wait_for_space()
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await agen.aclose()
-            outbox.close()
             raise
         except Exception as exc:
             log.debug("handler on %s raised %r", self.subject, exc)
-            outbox.close(exc)
-            return
-        outbox.close()
+            return exc
+        finally:
+            settled.set()
+        return None
 
 
-class _FrameSender:
-    """Queues one request's frames in order on the coalescer, numbering them, and hears
-    of the first one that could not be published (its number and size: the client has
-    everything before it, so the error frame that tells it takes its number)."""
-
-    __slots__ = ("_coalescer", "_outbox", "error", "failed_seq", "failed_size", "reply", "seq")
-
-    def __init__(self, coalescer: ReplyCoalescer, reply: str, outbox: _Outbox) -> None:
-        self._coalescer = coalescer
-        self._outbox = outbox
-        self.reply = reply
-        self.seq = 0
-        self.error: BaseException | None = None
-        self.failed_seq = 0
-        self.failed_size = 0
-
-    def send(self, frame: bytes) -> None:
-        self._coalescer.send(self.reply, frame, self)
-        self.seq += 1
-
-    def frame_failed(self, error: BaseException, frame: bytes) -> None:
-        """`FrameSink`: the coalescer could not publish `frame`; wake the forwarder."""
-        if self.error is not None:
-            return  # the frames after the first failed one are lost with it
-        self.error = error
-        self.failed_seq = wire.decode_frame(frame)[0]
-        self.failed_size = len(frame)
-        self._outbox.ready.set()
-
-
-async def _forward(outbox: _Outbox, sender: _FrameSender, coalescer: ReplyCoalescer) -> None:
-    """Queue what the producer pushes, one frame per wake-up (BATCH for several items),
-    until it finished and everything is queued; raise the error of a frame that could
-    not be published."""
-    while True:
-        await outbox.ready.wait()
-        if sender.error is not None:
-            raise sender.error
-        for frame in wire.pack_frames(sender.seq, outbox.take()):
-            sender.send(frame)
-        if outbox.finished and not outbox.items:
-            return
-        await coalescer.wait_for_space()
+def _terminal_error(error: BaseException) -> Callable[[int], bytes]:
+    return lambda seq: _error_frame(seq, error)
 
 
 def _error_frame(seq: int, error: BaseException) -> bytes:

@@ -29,7 +29,9 @@ the subscription is still being set up ("slow joiner"), or the last batches befo
 engine goes idle, would stay missing until the engine's next step, which may never
 come. So after `idle_probe_s` without a live message the relay asks the replay endpoint
 for anything from the expected ``seq`` on (an idle engine answers with just the end
-marker).
+marker). Each quiet probe that finds nothing doubles the wait for the next one, up to
+`max_idle_probe_s`, and a batch (live or replayed) resets it: a worker idle for an hour
+asks a few times a minute, not every second.
 
 Which side listens follows the configured endpoint, as vLLM reads it
 (`publisher_binds`): vLLM binds a wildcard (`tcp://*:5557`), IPv6 or ipc endpoint and the
@@ -129,6 +131,7 @@ class KvEventRelay:
         topic: str = "",
         replay_timeout_s: float = 2.0,
         idle_probe_s: float = 1.0,
+        max_idle_probe_s: float = 8.0,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         # `listen`: bind the SUB socket at `endpoint` (the publisher connects to it, as
@@ -141,7 +144,9 @@ class KvEventRelay:
         self._on_event = on_event
         self._topic = topic.encode()
         self._replay_timeout = replay_timeout_s
-        self._idle_probe_ms = int(idle_probe_s * 1000) if self.replay_endpoint else None
+        self._first_probe_ms = int(idle_probe_s * 1000) if self.replay_endpoint else None
+        self._max_probe_ms = max(int(max_idle_probe_s * 1000), self._first_probe_ms or 0)
+        self._idle_probe_ms = self._first_probe_ms
         # Not `Context.instance()`: once a plain zmq context singleton exists in the
         # process (vLLM's publisher makes one), the asyncio subclass would return it.
         self._own_ctx = context is None
@@ -153,6 +158,12 @@ class KvEventRelay:
         # A batch's events and an out-of-band clear must not interleave (ids would go
         # backwards and the indexer would drop the rest of the batch as stale).
         self._delivery = asyncio.Lock()
+
+    @property
+    def next_probe_s(self) -> float | None:
+        """How long the live stream may now stay quiet before the next replay probe
+        (None: no replay endpoint, no probes)."""
+        return None if self._idle_probe_ms is None else self._idle_probe_ms / 1000
 
     @property
     def next_seq(self) -> int:
@@ -214,6 +225,7 @@ class KvEventRelay:
             if not await self._sub.poll(self._idle_probe_ms):
                 await self._probe()
                 continue
+            self._idle_probe_ms = self._first_probe_ms
             frames = await self._sub.recv_multipart()
             try:
                 await self.handle_message(frames)
@@ -223,10 +235,17 @@ class KvEventRelay:
     async def _probe(self) -> None:
         """Quiet for a while: fetch batches the live stream may have dropped."""
         self.stats.probes += 1
+        before = self._expected_seq
         try:
             await self._fill_gap(quiet=True)
         except Exception:
             log.exception("kv relay: idle replay probe failed")
+        if self._idle_probe_ms is None:
+            return
+        if self._expected_seq == before:  # nothing missed: ask again later than now
+            self._idle_probe_ms = min(2 * self._idle_probe_ms, self._max_probe_ms)
+        else:  # batches were missed: the engine is publishing again
+            self._idle_probe_ms = self._first_probe_ms
 
     async def handle_message(self, frames: list[bytes]) -> None:
         """Apply one live ``[topic, seq, payload]`` message, filling a gap first."""
