@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from dynamo.runtime.nats_server import free_port
+from dynamo.runtime.ports import free_port
 from dynamo.testing.http import (
     http_get,
     kv_router_view,
