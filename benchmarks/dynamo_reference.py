@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dynamo.runtime.nats_server import free_port
+from dynamo.runtime.ports import free_port
 from dynamo.testing.processes import ManagedProcess, running, wait_serving, wait_while_alive
 from harness import Stack
 

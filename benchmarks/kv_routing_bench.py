@@ -100,7 +100,7 @@ import aiohttp
 from dynamo.llm.kv_router.scheduler import DEFAULT_OVERLAP_SCORE_WEIGHT
 from dynamo.llm.models import resolve_model
 from dynamo.runtime import DistributedRuntime
-from dynamo.runtime.nats_server import free_port
+from dynamo.runtime.ports import free_port
 from dynamo.testing.http import fetch_json, http_get, metric_values
 from dynamo.testing.processes import (
     FrontendProcess,

@@ -23,8 +23,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dynamo.runtime.nats_server import free_port, is_reachable
+from dynamo.runtime.nats_server import is_reachable
 from dynamo.runtime.parent_death import supported
+from dynamo.runtime.ports import free_port
 from dynamo.testing.processes import child_env, wait_serving
 from dynamo.testing.waiting import wait_until
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamo.runtime.nats_server import free_port
+from dynamo.runtime.ports import free_port
 from dynamo.testing.dashboard import FRONTEND, MOCKER, exported_names, names_from
 from dynamo.testing.http import http_get, http_post_json
 from dynamo.testing.processes import FrontendProcess, ManagedProcess, stop_all, wait_healthy

@@ -20,7 +20,7 @@ import pytest
 
 from dynamo.frontend.frontend import FrontendConfig, run_frontend
 from dynamo.runtime import DistributedRuntime
-from dynamo.runtime.nats_server import free_port
+from dynamo.runtime.ports import free_port
 
 WORKER = Path(__file__).with_name("migration_worker.py")
 NAMESPACE = "migrate"

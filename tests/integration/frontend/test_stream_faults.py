@@ -37,7 +37,7 @@ from dynamo.mocker.backend import mocker_worker
 from dynamo.mocker.model_info import ModelInfo
 from dynamo.mocker.timing import TimingModel
 from dynamo.runtime import DistributedRuntime
-from dynamo.runtime.nats_server import free_port
+from dynamo.runtime.ports import free_port
 from dynamo.testing.frontends import InLoopFrontend
 from dynamo.testing.http import fetch_json, metric_values, wait_for_instances_async
 from dynamo.testing.sse import StreamOutcome, stream_completion

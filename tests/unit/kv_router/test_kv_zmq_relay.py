@@ -25,6 +25,7 @@ from dynamo.llm.kv_router.zmq_relay import (
     publisher_binds,
 )
 from dynamo.llm.protocols import KvAllCleared, KvBlockStored, RouterEvent
+from dynamo.runtime.ports import free_port
 from dynamo.testing.waiting import wait_until_async
 
 B = 4
@@ -370,7 +371,7 @@ async def test_vllms_publisher_connecting_to_a_named_host_reaches_a_listening_re
     """`tcp://127.0.0.1:PORT` in a user's --kv-events-config: vLLM's publisher *connects*
     there, so the relay must listen (a relay dialling it too would receive nothing)."""
     kv_events = pytest.importorskip("vllm.distributed.kv_events")
-    port, replay_port = free_tcp_port(), free_tcp_port()
+    port, replay_port = free_port(), free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
     assert not publisher_binds(endpoint)
     received: list[RouterEvent] = []
@@ -403,14 +404,6 @@ async def test_vllms_publisher_connecting_to_a_named_host_reaches_a_listening_re
     live = relay.stats.batches - relay.stats.replayed_batches
     assert live > 0, "the live stream reached the relay (not only replays of idle probes)"
     assert index_of(received).find_matches_for_tokens(chain_tokens(i)).scores == {WORKER: i}
-
-
-def free_tcp_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def vllm_chain_batch(kv_events, i: int) -> object:

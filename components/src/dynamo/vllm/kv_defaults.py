@@ -16,7 +16,7 @@ from vllm.config import KVEventsConfig, KVTransferConfig
 from dynamo.llm.kv_router.zmq_relay import publisher_binds
 from dynamo.llm.worker.addresses import is_local_host
 from dynamo.runtime.cli import ConfigError
-from dynamo.runtime.nats_server import free_port
+from dynamo.runtime.ports import free_port
 from dynamo.vllm.config_layers import SRC_VLLM, SRC_WORKER
 
 log = logging.getLogger("dynamo.vllm")

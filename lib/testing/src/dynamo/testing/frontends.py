@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dynamo.frontend.frontend import FrontendConfig, run_frontend
 from dynamo.frontend.routing import RouterMode
-from dynamo.runtime.nats_server import free_port
+from dynamo.runtime.ports import free_port
 
 STOP_TIMEOUT_S = 15.0
 """How long the frontend may take to drain and close once asked to stop."""

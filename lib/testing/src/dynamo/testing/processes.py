@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 
-from dynamo.runtime.nats_server import free_port
+from dynamo.runtime.ports import free_port
 from dynamo.testing.http import (
     http_get,
     kv_router_view,
