@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamo.llm.models import DEFAULT_MODEL, resolve_model
-from dynamo.runtime.nats_server import free_port
+from dynamo.runtime.ports import free_port
 from dynamo.testing.processes import FrontendProcess, ManagedProcess, running, wait_serving
 from dynamo_reference import (
     DEFAULT_VENV,

@@ -31,7 +31,7 @@ from dynamo.frontend.routing import RouterMode
 from dynamo.mocker.args import WorkerSettings
 from dynamo.mocker.backend import mocker_worker
 from dynamo.mocker.timing import TimingModel
-from dynamo.runtime.nats_server import free_port
+from dynamo.runtime.ports import free_port
 from dynamo.testing.frontends import InLoopFrontend
 from dynamo.testing.http import fetch_json, wait_for_instances_async
 from dynamo.testing.mocker_stacks import mock_engine_config
