@@ -20,7 +20,10 @@ the per-round deltas.
                   p50 ITL added by dynamo              (target <= 1 ms);
 * concurrency 16: CPU per generated token of the processes around the engine: our
                   frontend + worker process + nats-server ÷ vLLM's API server process
-                  (target <= 1.0x; the engine core and its workers are left out of both).
+                  (target <= 1.0x; the engine core and its workers are left out of both);
+* idle (info):    the same processes' CPU per second with the server up and no request
+                  (20 s after the c=16 run), and the c=16 serving CPU per token without
+                  that idle part: what being up costs, apart from what each token costs.
 
 `--profile` adds one more c=16 run of dynamo with py-spy on the frontend and the worker
 process, and prints where their CPU goes (`benchmarks/flame.py`).
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import asdict, dataclass, replace
@@ -53,6 +57,7 @@ from harness import (
     Scenario,
     Stack,
     add_serving_args,
+    cpu_delta,
     dynamo_stack,
     format_table,
     guarded,
@@ -87,6 +92,8 @@ SERVING_PARTS = {"vllm-direct": ("api_server",), "dynamo": ("frontend", "worker"
 ServerFactory = Callable[[Path, str, Path, float], AbstractContextManager[Stack]]
 
 
+IDLE_S = 20.0
+IDLE_SETTLE_S = 5.0
 C1_ROUNDS = 6
 C1_PROMPTS_PER_ROUND = 4
 
@@ -141,15 +148,19 @@ def measure_server(
     work_dir: Path,
     *,
     start_timeout: float,
+    idle: dict[str, dict[str, float]],
     profiles: dict[str, Any] | None = None,
     keep_profiles: Path | None = None,
 ) -> dict[str, RunResult]:
-    """Start one server, run every scenario against it, stop it. With `profiles` (a dict
-    to fill), one more run of the first scenario follows under py-spy on the processes of
-    `PROFILED_PARTS` (raw profiles kept beside `keep_profiles`)."""
+    """Start one server, run every scenario against it, measure its idle CPU (into
+    `idle[label]`), stop it. With `profiles` (a dict to fill), one more run of the first
+    scenario follows under py-spy on the processes of `PROFILED_PARTS` (raw profiles kept
+    beside `keep_profiles`)."""
     print(f"[{label}] starting", flush=True)
     with server(model_dir, served, work_dir, start_timeout) as stack:
         results = measure_scenarios(stack, model_dir, served, runs, work_dir, label)
+        idle[label] = idle_cpu_ms_per_s(stack)
+        print(f"  idle: {idle[label]} CPU ms per second", flush=True)
         if profiles is not None:
             scenario = replace(runs[0], name=f"profile-{runs[0].name}")
             print(f"  profiling {label} at c={scenario.concurrency} (py-spy)", flush=True)
@@ -164,6 +175,16 @@ def measure_server(
                 )
             )
         return results
+
+
+def idle_cpu_ms_per_s(stack: Stack, seconds: float = IDLE_S) -> dict[str, float]:
+    """CPU milliseconds per second of each part of a stack that is up with no request
+    (after `IDLE_SETTLE_S` for the last run's stragglers): what it costs to be up."""
+    time.sleep(IDLE_SETTLE_S)
+    before = stack.cpu_seconds()
+    time.sleep(seconds)
+    spent = cpu_delta(before, stack.cpu_seconds())
+    return {part: round(1000 * value / seconds, 2) for part, value in spent.items()}
 
 
 def measure_c1_interleaved(
@@ -249,7 +270,12 @@ class Row:
     met: bool | None  # None: informational, no target
 
 
-def compare(direct: dict[str, RunResult], dyn: dict[str, RunResult], c1: C1Summary) -> list[Row]:
+def compare(
+    direct: dict[str, RunResult],
+    dyn: dict[str, RunResult],
+    c1: C1Summary,
+    idle: dict[str, dict[str, float]],
+) -> list[Row]:
     """The headline ratios and deltas of dynamo against vLLM direct."""
     d16, y16 = direct["c16"], dyn["c16"]
     ratio = y16.output_throughput / d16.output_throughput
@@ -258,6 +284,10 @@ def compare(direct: dict[str, RunResult], dyn: dict[str, RunResult], c1: C1Summa
     direct_serving = serving_cpu_ms_per_token(d16, SERVING_PARTS["vllm-direct"])
     dynamo_serving = serving_cpu_ms_per_token(y16, SERVING_PARTS["dynamo"])
     serving = dynamo_serving / direct_serving if direct_serving else 0.0
+    idle_direct = sum(idle["vllm-direct"].get(p, 0.0) for p in SERVING_PARTS["vllm-direct"])
+    idle_dynamo = sum(idle["dynamo"].get(p, 0.0) for p in SERVING_PARTS["dynamo"])
+    busy_direct = direct_serving - idle_direct * d16.duration_s / max(1, d16.output_tokens)
+    busy_dynamo = dynamo_serving - idle_dynamo * y16.duration_s / max(1, y16.output_tokens)
     return [
         Row(
             "c=16 output tok/s",
@@ -294,6 +324,25 @@ def compare(direct: dict[str, RunResult], dyn: dict[str, RunResult], c1: C1Summa
             "x",
             f"<= {TARGET_SERVING_CPU_RATIO:.2f}x",
             serving <= TARGET_SERVING_CPU_RATIO,
+        ),
+        # No target: what being up costs, and the serving CPU per token without it.
+        Row(
+            "idle serving CPU ms/s",
+            idle_direct,
+            idle_dynamo,
+            idle_dynamo / idle_direct if idle_direct else 0.0,
+            "x",
+            "(info)",
+            None,
+        ),
+        Row(
+            "c=16 serving CPU ms/token, idle part removed",
+            busy_direct,
+            busy_dynamo,
+            busy_dynamo / busy_direct if busy_direct else 0.0,
+            "x",
+            "(info)",
+            None,
         ),
         # No target: how much more CPU the whole stack burns per generated token.
         Row(
@@ -339,6 +388,7 @@ def report_json(
     direct: dict[str, RunResult],
     dyn: dict[str, RunResult],
     c1: list[dict[str, RunResult]],
+    idle: dict[str, dict[str, float]],
     rows: list[Row],
     all_met: bool,
 ) -> dict[str, Any]:
@@ -355,6 +405,7 @@ def report_json(
         "dynamo": {k: asdict(v) for k, v in dyn.items()},
         "c1_rounds": [{label: asdict(r) for label, r in pair.items()} for pair in c1],
         "c1_summary": asdict(summarise_c1(c1)),
+        "idle_cpu_ms_per_s": idle,
         "comparison": [asdict(r) for r in rows],
         "all_targets_met": all_met,
     }
@@ -392,6 +443,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dynamo_first:
         servers.reverse()
     profiles: dict[str, Any] = {}
+    idle: dict[str, dict[str, float]] = {}
     json_path = results_path(args, "overhead.json")
     measured = measure_in_turn(
         {
@@ -403,6 +455,7 @@ def run(args: argparse.Namespace) -> int:
                 served,
                 runs,
                 start_timeout=args.start_timeout,
+                idle=idle,
                 profiles=profiles if args.profile and label == "dynamo" else None,
                 keep_profiles=json_path,
             )
@@ -426,7 +479,7 @@ def run(args: argparse.Namespace) -> int:
         )
     summary = summarise_c1(c1)
 
-    rows = compare(direct, dyn, summary)
+    rows = compare(direct, dyn, summary, idle)
     print()
     print(render_table(rows))
     low, high = summary.itl_added_range_ms
@@ -435,7 +488,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"\nall targets met: {'yes' if all_met else 'no'}" + (" (quick run)" if args.quick else "")
     )
-    report = report_json(served, args.quick, runs, direct, dyn, c1, rows, all_met)
+    report = report_json(served, args.quick, runs, direct, dyn, c1, idle, rows, all_met)
     report["profiles"] = profiles
     save_report(json_path, report)
     return 3 if args.fail_on_miss and not all_met else 0
