@@ -40,14 +40,17 @@ worker, always on this host); a named `tcp://host:port` is one vLLM *connects* t
 relay is created with `listen=True` and binds its SUB socket there. The replay socket is
 always bound by vLLM and dialled by the relay at its configured host.
 
-Publishing is injected (`on_event`): the worker wires it to NATS; tests collect.
+Publishing is injected (`on_events`): the worker wires it to NATS; tests collect. It is
+handed the events of one batch (one engine step) together, so the worker publishes them
+as one JetStream message and waits for one ack, not one per event: at c=16 the requests
+of a step fill their blocks in the same step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import zmq
@@ -63,7 +66,8 @@ from dynamo.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
-EventCallback = Callable[[RouterEvent], Awaitable[None]]
+EventCallback = Callable[[Sequence[RouterEvent]], Awaitable[None]]
+"""Takes the consecutive events of one batch (or a lone clear), in order."""
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 """The sequence frame vLLM sends after the last replayed batch."""
@@ -80,7 +84,7 @@ class RelayStats:
     replayed_batches: int = 0  # batches applied from the replay endpoint
     resyncs: int = 0  # gaps that could not be filled (cache announced cleared)
     malformed: int = 0  # messages or batches that could not be decoded
-    callback_errors: int = 0  # events the callback failed to take
+    callback_errors: int = 0  # batches of events the callback failed to take
     probes: int = 0  # replay requests sent because the live stream was quiet
 
 
@@ -124,7 +128,7 @@ class KvEventRelay:
         self,
         endpoint: str,
         converter: KvEventConverter,
-        on_event: EventCallback,
+        on_events: EventCallback,
         *,
         replay_endpoint: str | None = None,
         listen: bool = False,
@@ -141,7 +145,7 @@ class KvEventRelay:
         self.replay_endpoint = connect_address(replay_endpoint) if replay_endpoint else None
         self.converter = converter
         self.stats = RelayStats()
-        self._on_event = on_event
+        self._on_events = on_events
         self._topic = topic.encode()
         self._replay_timeout = replay_timeout_s
         self._first_probe_ms = int(idle_probe_s * 1000) if self.replay_endpoint else None
@@ -176,7 +180,7 @@ class KvEventRelay:
         """Announce an empty cache, connect, and start forwarding in the background."""
         if self._task is not None:
             raise RuntimeError("relay already started")
-        await self._deliver(self.converter.clear())
+        await self._deliver([self.converter.clear()])
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
@@ -208,7 +212,7 @@ class KvEventRelay:
         when it comes, is one more (harmless) clear.
         """
         async with self._delivery:
-            await self._deliver(self.converter.clear())
+            await self._deliver([self.converter.clear()])
 
     async def __aenter__(self) -> KvEventRelay:
         await self.start()
@@ -303,7 +307,7 @@ class KvEventRelay:
         log.warning("kv relay: batches %d..%d lost, resynchronising", self._expected_seq, seq - 1)
         self.stats.resyncs += 1
         self._expected_seq = seq
-        await self._deliver(self.converter.clear())
+        await self._deliver([self.converter.clear()])
 
     def _replay_socket(self) -> zmq.asyncio.Socket:
         if self._replay is None:
@@ -332,20 +336,26 @@ class KvEventRelay:
             log.warning("kv relay: undecodable batch %d: %s", seq, exc)
             return
         self.stats.batches += 1
+        events = self.converter.convert_batch(batch)
+        if not events:
+            return
         async with self._delivery:
-            for event in self.converter.convert_batch(batch):
-                await self._deliver(event)
+            await self._deliver(events)
 
-    async def _deliver(self, event: RouterEvent) -> None:
-        """Hand one event to the callback; a failure is counted and logged, not fatal
-        (the next event, or the next resync, still reaches the router)."""
+    async def _deliver(self, events: Sequence[RouterEvent]) -> None:
+        """Hand a batch's events to the callback; a failure is counted and logged, not
+        fatal (the next batch, or the next resync, still reaches the router)."""
         try:
-            await self._on_event(event)
+            await self._on_events(events)
         except Exception:
             self.stats.callback_errors += 1
-            log.exception("kv relay: event callback failed for event %d", event.event_id)
+            log.exception(
+                "kv relay: event callback failed for events %d..%d",
+                events[0].event_id,
+                events[-1].event_id,
+            )
             return
-        self.stats.events_out += 1
+        self.stats.events_out += len(events)
 
 
 def _allow_ipv6(sock: zmq.asyncio.Socket, endpoint: str) -> None:
