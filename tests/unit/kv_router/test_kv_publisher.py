@@ -328,25 +328,3 @@ async def test_start_publishes_at_once_and_the_loop_keeps_sampling() -> None:
     finally:
         await h.publisher.stop()
     await h.publisher.stop()  # idempotent
-
-
-async def test_an_idle_worker_is_sampled_at_its_heartbeat_or_when_nudged() -> None:
-    h = LoadHarness(poll_s=0.001, interval_s=30.0)
-    h.load = LoadMetrics(worker_id=WORKER)  # nothing running, waiting or in use
-    await h.publisher.start()
-    try:
-        assert h.publisher.is_idle()
-        h.core.changed.clear()
-        h.set_blocks(3)  # work arrived, but nobody said so
-        await asyncio.sleep(0.1)  # a busy worker's poll would have sampled 100 times
-        assert h.core.blocks() == [0], "an idle worker waits for its heartbeat (30 s)"
-        h.publisher.nudge()
-        await asyncio.wait_for(h.core.changed.wait(), timeout=5)
-        assert h.core.blocks() == [0, 3], "a nudge samples at once"
-        assert not h.publisher.is_idle()
-        h.core.changed.clear()
-        h.set_blocks(4)  # busy: polled again
-        await asyncio.wait_for(h.core.changed.wait(), timeout=5)
-        assert h.core.blocks() == [0, 3, 4]
-    finally:
-        await h.publisher.stop()

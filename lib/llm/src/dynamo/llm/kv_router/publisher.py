@@ -14,7 +14,6 @@ publisher and stat logger, or a simulation) is the caller's business.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -48,8 +47,7 @@ DEFAULT_LOAD_INTERVAL_S = 1.0
 """Longest time between two load reports of a live worker (routers ignore reports older
 than five of these, `scheduler.DEFAULT_LOAD_METRICS_TTL_S`)."""
 DEFAULT_LOAD_POLL_S = 0.05
-"""How often the load source of a busy worker is sampled for changes (reported at once
-when changed). An idle one is sampled at its heartbeat, or at once when `nudge`d."""
+"""How often the load source is sampled for changes (reported at once when changed)."""
 
 
 def kv_events_stream() -> EventStream:
@@ -295,11 +293,6 @@ class LoadPublisher:
     """Publishes a worker's `LoadMetrics` on its core subject: whenever the sampled value
     changes, and at least every `interval_s` (a heartbeat routers can age out).
 
-    Sampling costs a wake-up of the worker's event loop, so it follows the load: every
-    `poll_s` while the last report shows work, and once per heartbeat while it shows none
-    (an idle worker's load cannot change by itself). Whoever sees work arrive calls
-    `nudge()` (the worker does, for each request it accepts), which samples at once.
-
     `clock` decides when the heartbeat is due. It defaults to `time.monotonic` (what
     asyncio's own loop clock reads) and is a parameter so the change/heartbeat rules can be
     checked by calling `publish_if_due` with a hand-moved clock instead of waiting.
@@ -328,7 +321,6 @@ class LoadPublisher:
         self._last: LoadMetrics | None = None
         self._last_sent = 0.0
         self._task: asyncio.Task[None] | None = None
-        self._nudged = asyncio.Event()
         self.published = 0
         self.failures = 0
 
@@ -363,24 +355,7 @@ class LoadPublisher:
         self.published += 1
         return True
 
-    def nudge(self) -> None:
-        """Work arrived: sample now rather than at the next heartbeat of an idle worker."""
-        self._nudged.set()
-
-    def is_idle(self) -> bool:
-        """The last report showed no request running or waiting and no block in use."""
-        last = self._last
-        return last is not None and not (
-            last.active_requests or last.waiting_requests or last.active_blocks
-        )
-
     async def _run(self) -> None:
         while True:
-            if self.is_idle():
-                wait = max(0.0, self._last_sent + self._interval - self._clock())
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._nudged.wait(), wait)
-            else:
-                await asyncio.sleep(self._poll)
-            self._nudged.clear()
+            await asyncio.sleep(self._poll)
             await self.publish_if_due()

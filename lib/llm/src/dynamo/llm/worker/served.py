@@ -27,12 +27,7 @@ from dynamo.llm.model_card import (
     remove_model_card,
     upload_tokenizer_files,
 )
-from dynamo.llm.protocols import (
-    ClearKvBlocksResult,
-    LLMEngineOutput,
-    ModelCard,
-    PreprocessedRequest,
-)
+from dynamo.llm.protocols import ClearKvBlocksResult, ModelCard, PreprocessedRequest
 from dynamo.llm.worker.backend import (
     CLEAR_KV_BLOCKS_ENDPOINT,
     EngineBackend,
@@ -112,22 +107,8 @@ class ServedWorker(Generic[B]):
         component = self.runtime.namespace(reg.namespace).component(reg.component)
         worker_id = self.runtime.instance_id
         metadata = instance_metadata(reg)
-        load = LoadPublisher(
-            self.runtime,
-            reg.namespace,
-            reg.component,
-            worker_id,
-            lambda: self.backend.load_metrics(worker_id),
-        )
-
-        def generate(
-            request: PreprocessedRequest, context: Context
-        ) -> AsyncIterator[LLMEngineOutput]:
-            load.nudge()  # an idle worker's load is sampled at once, not at its heartbeat
-            return self.backend.generate(request, context)
-
         await component.endpoint(reg.endpoint).serve(
-            generate,
+            self.backend.generate,
             request_type=PreprocessedRequest,
             metadata=metadata,
             max_inflight=inflight_bound(reg.max_inflight_requests, description.max_num_seqs),
@@ -144,6 +125,13 @@ class ServedWorker(Generic[B]):
                 self._publishers.append(events)
         else:
             log.info("%s: kv events off: routers see its load but not its cache", self.name)
+        load = LoadPublisher(
+            self.runtime,
+            reg.namespace,
+            reg.component,
+            worker_id,
+            lambda: self.backend.load_metrics(worker_id),
+        )
         self._publishers.append(await load.start())
         card = self._model_card(description)
         await publish_model_card(self.runtime, card, reg.model_path)
