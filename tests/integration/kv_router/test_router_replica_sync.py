@@ -12,6 +12,11 @@ sends one to a busy worker.
 Frontends and mockers run on the test's event loop (in-loop frontends, each with its own
 NATS connection, as separate processes would have); the mockers run at real speed (8 ms
 a step), so requests sent together are in flight together.
+
+Workers report their load after each engine step, as vLLM's stats come, so a router also
+learns of another replica's requests from the workers, one step after they arrive. The
+burst test makes that step a slow prefill (`BURST_TIMING`), so that what it measures is
+the sync: the other replica places its burst within that step.
 """
 
 from __future__ import annotations
@@ -46,10 +51,13 @@ TENANT_MAX_TOKENS = 64
 """About half a second at real speed: every request of a round is still in flight when
 the round's last one arrives, so placements follow the books (load, pinned prefixes),
 not ties between idle workers."""
+BURST_TIMING = TimingModel(prefill_ms_per_token=1.0)
+"""A burst prompt (about 300 tokens) takes about 0.3 s to prefill: no load report of A's
+requests reaches B before B places its own, which takes milliseconds."""
 BURST_ROUNDS = 8
-"""Without sync, each round spreads perfectly by chance with probability at most about
-1/3 (1/6 by the ties alone, more if a worker's load report arrives in time), so all eight
-do with probability below 1e-3."""
+"""Without sync, each round spreads perfectly only if B's tie-break among four idle
+workers happens to pick the two A did not: probability 1/6, so all eight rounds do with
+probability below 1e-6."""
 
 
 @dataclass
@@ -67,6 +75,7 @@ async def replica_stack(
     workers: int,
     frontends: int,
     replica_sync: bool = True,
+    timing: TimingModel = TimingModel(),
 ) -> AsyncIterator[Stack]:
     """`workers` mockers and `frontends` kv-mode frontends in a namespace of their own."""
     namespace = "rsync" + uuid.uuid4().hex[:8]
@@ -74,7 +83,7 @@ async def replica_stack(
     mockers = [
         mocker_worker(
             settings,
-            mock_engine_config(model_path, timing=TimingModel()),
+            mock_engine_config(model_path, timing=timing),
             model_path=model_path,
             served_model_name=MODEL,
             name=f"m{i}",
@@ -212,10 +221,10 @@ async def test_two_replicas_match_one_frontend(
 
 def send(target: openai.AsyncOpenAI, tag: str) -> asyncio.Future[Any]:
     """A request with a prompt of its own (no prefix shared with any other), in flight
-    for about 40 steps."""
+    for its prefill and 20 decode steps."""
     prompt = tenant_prompt(f"burst-{tag}", tag)
     return asyncio.ensure_future(
-        target.completions.create(model=MODEL, prompt=prompt, max_tokens=40)
+        target.completions.create(model=MODEL, prompt=prompt, max_tokens=20)
     )
 
 
@@ -259,11 +268,17 @@ async def test_sync_is_what_spreads_a_burst_over_idle_workers(
     nats_url: str, embedded_model: Path, tmp_path: Path
 ) -> None:
     async with replica_stack(
-        nats_url, embedded_model, tmp_path / "tok", workers=4, frontends=2
+        nats_url, embedded_model, tmp_path / "tok", workers=4, frontends=2, timing=BURST_TIMING
     ) as synced:
         with_sync = await burst_collisions(synced, wait_for_sync=True)
     async with replica_stack(
-        nats_url, embedded_model, tmp_path / "tok", workers=4, frontends=2, replica_sync=False
+        nats_url,
+        embedded_model,
+        tmp_path / "tok",
+        workers=4,
+        frontends=2,
+        replica_sync=False,
+        timing=BURST_TIMING,
     ) as blind:
         states = [await debug_state(base, blind.key) for base in blind.frontends]
         assert all("replica_sync" not in state for state in states)

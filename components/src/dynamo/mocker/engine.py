@@ -129,6 +129,7 @@ class MockEngine:
         self._pacer = StepPacer(self.timing.quantum_ms / 1000.0)
         self._task: asyncio.Task[None] | None = None
         self.dead: BaseException | None = None
+        self._load_changed: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -203,6 +204,12 @@ class MockEngine:
             raise
         return states
 
+    def watch_load(self, changed: Callable[[], None]) -> None:
+        """Call `changed` after every step and every abort: what `load_metrics` reports
+        may differ then, and only then (a request that arrives counts with its first
+        step, as a real engine's stats do)."""
+        self._load_changed = changed
+
     def abort(self, request_id: str) -> bool:
         """End a request now (it gets a `cancelled` output); False if unknown."""
         state = self._requests.get(request_id)
@@ -210,6 +217,7 @@ class MockEngine:
             return False
         self._finish(state, FinishReason.CANCELLED)
         self._flush_events()
+        self._notify_load()
         return True
 
     def clear_kv_blocks(self) -> bool:
@@ -218,6 +226,7 @@ class MockEngine:
         if self._requests or not self.pool.clear():
             return False
         self._flush_events()
+        self._notify_load()
         return True
 
     # ------------------------------------------------------------------ views
@@ -360,6 +369,11 @@ class MockEngine:
                 self._produce(state, self.acceptance.sample(state.accept_rng) if self.k else 0)
         self._grow()
         self._flush_events()
+        self._notify_load()
+
+    def _notify_load(self) -> None:
+        if self._load_changed is not None:
+            self._load_changed()
 
     def _produce(self, state: MockRequest, accepted_drafts: int | None) -> None:
         """Generate this step's tokens for one request and account for their slots."""

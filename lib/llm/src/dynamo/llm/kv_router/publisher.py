@@ -3,9 +3,10 @@
 * `KvEventPublisher` puts a worker's `RouterEvent`s on its JetStream subject
   (`subjects.kv_events_subject`). It is the callback a `KvEventRelay` (vLLM) or the mocker
   engine hands events to.
-* `LoadPublisher` publishes `LoadMetrics` snapshots on the worker's core subject, on change
-  and at least every `interval_s`, so routers see load without polling and can tell a
-  live worker's stale report from a fresh one.
+* `LoadPublisher` publishes `LoadMetrics` snapshots on the worker's core subject when the
+  engine says its load may have changed (after a step), and at least every `interval_s`,
+  so routers see load without polling and can tell a live worker's stale report from a
+  fresh one.
 
 Engine-agnostic on purpose: where the events and the load numbers come from (vLLM's ZMQ
 publisher and stat logger, or a simulation) is the caller's business.
@@ -14,6 +15,7 @@ publisher and stat logger, or a simulation) is the caller's business.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -46,8 +48,9 @@ log = logging.getLogger(__name__)
 DEFAULT_LOAD_INTERVAL_S = 1.0
 """Longest time between two load reports of a live worker (routers ignore reports older
 than five of these, `scheduler.DEFAULT_LOAD_METRICS_TTL_S`)."""
-DEFAULT_LOAD_POLL_S = 0.05
-"""How often the load source is sampled for changes (reported at once when changed)."""
+DEFAULT_LOAD_MIN_GAP_S = 0.05
+"""Shortest time between two load reports: an engine stepping hundreds of times a second
+reports at most this often, with the load of its latest step."""
 
 
 def kv_events_stream() -> EventStream:
@@ -290,8 +293,14 @@ Clock = Callable[[], float]
 
 
 class LoadPublisher:
-    """Publishes a worker's `LoadMetrics` on its core subject: whenever the sampled value
-    changes, and at least every `interval_s` (a heartbeat routers can age out).
+    """Publishes a worker's `LoadMetrics` on its core subject: soon after the engine says
+    its load may have changed (`changed()`, called after each engine step), and at least
+    every `interval_s` (a heartbeat routers can age out).
+
+    Event-driven rather than sampled on a timer: an idle worker costs one wake-up per
+    heartbeat, and a busy one reports within a step of a change instead of within a
+    polling period. `min_gap_s` bounds the rate: a change within `min_gap_s` of the last
+    report waits out the gap, then goes out as the load at that moment.
 
     `clock` decides when the heartbeat is due. It defaults to `time.monotonic` (what
     asyncio's own loop clock reads) and is a parameter so the change/heartbeat rules can be
@@ -307,22 +316,28 @@ class LoadPublisher:
         source: LoadSource,
         *,
         interval_s: float = DEFAULT_LOAD_INTERVAL_S,
-        poll_s: float = DEFAULT_LOAD_POLL_S,
+        min_gap_s: float = DEFAULT_LOAD_MIN_GAP_S,
         clock: Clock = time.monotonic,
     ) -> None:
-        if interval_s <= 0 or poll_s <= 0:
-            raise ValueError("interval_s and poll_s must be positive")
+        if interval_s <= 0 or min_gap_s <= 0:
+            raise ValueError("interval_s and min_gap_s must be positive")
         self._runtime = runtime
         self.subject = load_metrics_subject(namespace, component, worker_id)
         self._source = source
         self._interval = interval_s
-        self._poll = min(poll_s, interval_s)
+        self._min_gap = min(min_gap_s, interval_s)
         self._clock = clock
         self._last: LoadMetrics | None = None
         self._last_sent = 0.0
+        self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.published = 0
         self.failures = 0
+
+    def changed(self) -> None:
+        """The engine's load may have changed: sample and report it within `min_gap_s`.
+        Cheap enough to call after every engine step; call it on the event loop's thread."""
+        self._changed.set()
 
     async def start(self) -> LoadPublisher:
         """Publish the current load now and keep publishing in the background."""
@@ -347,7 +362,7 @@ class LoadPublisher:
             return False
         try:
             await self._runtime.publish(self.subject, encode(metrics))
-        except Exception as exc:  # broker away: the next tick tries again
+        except Exception as exc:  # broker away: the next change or heartbeat tries again
             self.failures += 1
             log.debug("load metrics not published: %s", exc)
             return False
@@ -357,5 +372,11 @@ class LoadPublisher:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self._poll)
+            heartbeat_in = self._interval - (self._clock() - self._last_sent)
+            if heartbeat_in > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(heartbeat_in):
+                        await self._changed.wait()
+            self._changed.clear()
             await self.publish_if_due()
+            await asyncio.sleep(self._min_gap)  # later changes wait out the gap, together
