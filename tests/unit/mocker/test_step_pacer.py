@@ -16,21 +16,33 @@ from dynamo.mocker.timing import StepPacer
 QUANTUM_S = 0.001
 
 
+class SleepLog:
+    """Every `asyncio.sleep` delay asked for, by task. The event loop is shared by the
+    session, so tasks other tests left running sleep too: `mine()` is the calling task's
+    own delays, in order."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[asyncio.Task[Any] | None, float]] = []
+
+    def mine(self) -> list[float]:
+        me = asyncio.current_task()
+        return [delay for task, delay in self.asked if task is me]
+
+
 @pytest.fixture
-def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """Every `asyncio.sleep` delay asked for while the test runs, in order."""
-    asked: list[float] = []
+def sleep_log(monkeypatch: pytest.MonkeyPatch) -> SleepLog:
+    log = SleepLog()
     real_sleep = asyncio.sleep
 
     async def counting_sleep(delay: float, *args: Any) -> Any:
-        asked.append(delay)
+        log.asked.append((asyncio.current_task(), delay))
         return await real_sleep(delay, *args)
 
     monkeypatch.setattr(asyncio, "sleep", counting_sleep)
-    return asked
+    return log
 
 
-async def test_short_steps_are_slept_off_in_quanta_and_add_up(sleeps: list[float]) -> None:
+async def test_short_steps_are_slept_off_in_quanta_and_add_up(sleep_log: SleepLog) -> None:
     """2000 steps of 10 us: 20 ms of simulated time in about 20 sleeps, not 2000, and at
     least the simulated 20 ms pass."""
     pacer = StepPacer(QUANTUM_S)
@@ -38,6 +50,7 @@ async def test_short_steps_are_slept_off_in_quanta_and_add_up(sleeps: list[float
     for _ in range(2000):
         await pacer.wait(10e-6)
     assert time.monotonic() - began >= 0.020 - QUANTUM_S  # one quantum of credit at most
+    sleeps = sleep_log.mine()
     timed = [delay for delay in sleeps if delay > 0]
     assert 10 <= len(timed) <= 21, timed  # each owes a quantum (less what overran before)
     assert all(delay >= QUANTUM_S - 1e-9 for delay in timed[:1])
@@ -45,16 +58,17 @@ async def test_short_steps_are_slept_off_in_quanta_and_add_up(sleeps: list[float
     assert len(sleeps) - len(timed) < 40
 
 
-async def test_steps_of_a_quantum_or_more_sleep_every_time(sleeps: list[float]) -> None:
+async def test_steps_of_a_quantum_or_more_sleep_every_time(sleep_log: SleepLog) -> None:
     pacer = StepPacer(QUANTUM_S)
     for _ in range(5):
         await pacer.wait(0.002)
+    sleeps = sleep_log.mine()
     assert len(sleeps) == 5
     assert all(delay >= 0.002 - QUANTUM_S for delay in sleeps), sleeps
 
 
 async def test_a_burst_of_tiny_steps_still_yields_every_quantum_of_wall_time(
-    sleeps: list[float],
+    sleep_log: SleepLog,
 ) -> None:
     """Steps of a nanosecond (speed-up 1e6) would take 1e6 steps to owe one quantum: the
     pacer yields once per quantum of wall-clock time instead of holding the loop."""
@@ -62,13 +76,15 @@ async def test_a_burst_of_tiny_steps_still_yields_every_quantum_of_wall_time(
     began = time.monotonic()
     while time.monotonic() - began < 0.05:
         await pacer.wait(1e-9)
+    sleeps = sleep_log.mine()
     assert 10 <= sleeps.count(0) <= 60, len(sleeps)  # about one yield per millisecond
 
 
-async def test_quantum_zero_is_lockstep(sleeps: list[float]) -> None:
+async def test_quantum_zero_is_lockstep(sleep_log: SleepLog) -> None:
     pacer = StepPacer(0.0)
     for _ in range(20):
         await pacer.wait(1e-6)
+    sleeps = sleep_log.mine()
     assert len(sleeps) == 20
 
 
