@@ -4,7 +4,10 @@ a real nats-server.
 
 Claims: when an "engine step" advances every stream at once, each stream still gets all
 its items, in order, and the worker publishes several times fewer messages than frames;
-streams read by two processes are grouped per process and each gets only its own.
+streams read by two processes are grouped per process and each gets only its own; when
+the worker's connection loses the frames that end its streams, the readers wait, and the
+late ENDs the worker sends once reconnected turn that wait into `FramesLostError` (a cut
+stream, which the frontend places again or migrates).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from dynamo.runtime import Client, Context, DistributedRuntime, ServedEndpoint
+from dynamo.runtime import Client, Context, DistributedRuntime, FramesLostError, ServedEndpoint
 
 pytestmark = pytest.mark.integration
 
@@ -132,3 +135,37 @@ async def test_two_readers_each_get_only_their_own_streams(
     coalescer = served.server.coalescer
     assert coalescer.messages_published >= 2 * STEPS  # one per reader per step at least
     assert coalescer.messages_published * 3 <= coalescer.frames_published
+
+
+async def test_ends_lost_with_the_workers_connection_are_noticed_after_it_reconnects(
+    runtimes: list[DistributedRuntime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker, reader = runtimes[0], runtimes[1]
+    namespace = "mux" + uuid.uuid4().hex[:8]
+    engine = SteppedEngine()
+    served = await serve(worker, namespace, engine)
+    assert served.server is not None
+    client = await client_of(reader, namespace)
+    streams = [client.direct({"stream": f"lost-{s}"}, worker.instance_id) for s in range(3)]
+    readers = [asyncio.ensure_future(_collect(stream)) for stream in streams]
+    while engine.running < len(streams):
+        await asyncio.sleep(0.01)
+    for _ in range(STEPS - 1):
+        await engine.step()
+
+    async def lost(subject: str, payload: bytes = b"", **kwargs: Any) -> None:
+        """What the server never got: written just before the connection dropped."""
+
+    with monkeypatch.context() as patch:
+        patch.setattr(worker.nc, "publish", lost)
+        await engine.step()  # the last items and the ENDs go nowhere
+        while engine.running:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)
+    assert not any(r.done() for r in readers), "without the late ENDs they would wait on"
+
+    assert served.server.coalescer.probe_recent_ends() == len(streams)  # on reconnect
+    for r in readers:
+        with pytest.raises(FramesLostError):
+            await asyncio.wait_for(r, TIMEOUT_S)

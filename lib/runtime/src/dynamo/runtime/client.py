@@ -25,6 +25,8 @@ layer's engine client re-places or migrates through its router). The stream only
 * `ConnectionLostError` (an `InstanceGoneError`) when this process's own NATS connection
   dropped while the stream was open: on a cluster the client reconnects to another node
   at once, but what was published to its inbox in between is lost;
+* `FramesLostError` (a `ConnectionLostError`) when the frame numbers skip: the instance's
+  connection dropped and took frames it had written;
 * `ClientClosedError` when the `Client` is closed while the stream is open: a closed
   client no longer watches the instances, so it could not report the instance's loss and
   the stream would wait forever.
@@ -49,6 +51,7 @@ from dynamo.runtime import naming, wire
 from dynamo.runtime.errors import (
     ClientClosedError,
     ConnectionLostError,
+    FramesLostError,
     InstanceGoneError,
     NoInstancesError,
     StreamProtocolError,
@@ -425,9 +428,10 @@ class ResponseStream(Generic[T]):
             self._error = StreamProtocolError(f"malformed frame: {exc}")
             return False
         if seq != self._seq:
-            self._error = StreamProtocolError(
-                f"expected frame {self._seq}, got {seq} (frames lost)"
-            )
+            if seq > self._seq:  # lost in transit: the stream cannot be trusted to go on
+                self._error = FramesLostError(self.instance_id, self._seq, seq)
+            else:
+                self._error = StreamProtocolError(f"expected frame {self._seq}, got {seq}")
             return False
         self._seq += 1
         if kind is wire.FrameKind.DATA:

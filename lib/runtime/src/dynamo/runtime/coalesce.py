@@ -20,6 +20,12 @@ pays nothing for this.
   outage, payload over the limit) is reported to the `FrameSink` of every frame it
   carried, so each stream fails as if its own publish had.
 * Replies outside the runtimes' inboxes (a plain NATS request) are published one by one.
+* Lost ENDs: a frame written just before the connection dropped may never reach the
+  server. A lost DATA frame shows at the reader as a skip in the frame numbers with the
+  next frame; a lost END has no next frame, so the coalescer remembers the streams that
+  ended lately (`RECENT_END_WINDOW_S`) and, after a reconnect, sends each one more END
+  numbered after its own (`probe_recent_ends`). A reader that got the END has closed
+  that inbox subject and never sees it; one that lost it sees the skip.
 
 A response stream does not send frames itself: its items wait in a `ReplyStream`, which
 the flush packs into frames (DATA for one item, BATCH for several) just before it
@@ -30,7 +36,9 @@ per item to forward it, and an engine step's outputs still leave in one message.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -64,6 +72,11 @@ STREAM_HIGH_WATER_BYTES = 256 * 1024
 TerminalFrame = Callable[[int], bytes]
 """The frame that ends a stream, given the sequence number it takes."""
 
+RECENT_END_WINDOW_S = 10.0
+"""How long a stream is remembered after its END went out: frames a dropped connection
+loses were written shortly before the drop was noticed, which takes up to the runtime's
+ping interval times its outstanding pings (4 to 6 s) when a link is cut silently."""
+
 
 class ReplyStream:
     """One response stream's items between its producer and the coalescer's next flush.
@@ -81,6 +94,7 @@ class ReplyStream:
         "_nbytes",
         "_scheduled",
         "_terminal",
+        "ended",
         "error",
         "failed_seq",
         "failed_size",
@@ -104,6 +118,7 @@ class ReplyStream:
         self._nbytes = 0
         self._scheduled = False
         self._terminal: TerminalFrame | None = None
+        self.ended = False
         self.space = asyncio.Event()
         self.space.set()
         self.error: BaseException | None = None
@@ -147,6 +162,7 @@ class ReplyStream:
             frames.append(self._terminal(self.seq))
             self._terminal = None
             self.seq += 1
+            self.ended = True
         return frames
 
     def frame_failed(self, error: BaseException, frame: bytes) -> None:
@@ -180,6 +196,7 @@ class ReplyCoalescer:
         self._space.set()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
+        self._recent_ends: collections.deque[tuple[float, str, int]] = collections.deque()
         self.messages_published = 0
         self.frames_published = 0
 
@@ -199,6 +216,20 @@ class ReplyCoalescer:
         """Take `stream`'s waiting items (and terminal frame) at the next flush."""
         self._streams.append(stream)
         self._wake.set()
+
+    def probe_recent_ends(self) -> int:
+        """After a reconnect: send one more END, numbered after the real one, to each
+        stream that ended within `RECENT_END_WINDOW_S` (see the module docstring).
+        Returns how many were sent."""
+        self._forget_old_ends(time.monotonic())
+        for _, reply, seq in self._recent_ends:
+            self.send(reply, wire.encode_end(seq))
+        return len(self._recent_ends)
+
+    def _forget_old_ends(self, now: float) -> None:
+        ends = self._recent_ends
+        while ends and now - ends[0][0] > RECENT_END_WINDOW_S:
+            ends.popleft()
 
     def has_space(self) -> bool:
         """The queue is below its high-water mark."""
@@ -227,8 +258,14 @@ class ReplyCoalescer:
         self._wake.clear()
         streams, self._streams = self._streams, []
         queued: list[Queued] = []
+        now = time.monotonic()
         for stream in streams:  # before the frames sent directly, which end streams
+            had_ended = stream.ended
             queued.extend((stream.reply, frame, stream) for frame in stream.take_frames())
+            if stream.ended and not had_ended:
+                self._recent_ends.append((now, stream.reply, stream.seq))
+        if streams:
+            self._forget_old_ends(now)
         queued.extend(self._queued)
         self._queued, self._queued_bytes = [], 0
         self._space.set()
