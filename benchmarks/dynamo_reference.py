@@ -34,6 +34,7 @@ from pathlib import Path
 
 from dynamo.runtime.ports import free_port
 from dynamo.testing.processes import ManagedProcess, running, wait_serving, wait_while_alive
+from harness import Stack
 
 REFERENCE_VERSION = "1.6.1"
 DEFAULT_VENV = Path.home() / ".cache" / "dynamo-bench" / f"ai-dynamo-{REFERENCE_VERSION}"
@@ -163,9 +164,10 @@ def reference_stack(
     frontend_args: Sequence[str] = ("--router-mode", "kv"),
     mocker_args: Sequence[str] = (),
     timeout: float = 120.0,
-) -> Iterator[str]:
+) -> Iterator[Stack]:
     """Dynamo's mocker (`shape`) and frontend (`frontend_args`), until the frontend serves
-    `served` and all workers have registered; yields its base URL, stops both on exit.
+    `served` and all workers have registered; yields the stack (parts `frontend` and
+    `mocker`), stops both on exit.
     Logs: `<log_dir>/<namespace>-{mocker,frontend}.log`. `namespace` must be
     alphanumeric (it names files)."""
     discovery = log_dir / f"{namespace}-discovery"
@@ -187,4 +189,5 @@ def reference_stack(
         )
         wait_serving(base_url, served, procs, timeout=timeout, interval=0.25)
         time.sleep(1.0)  # the frontend's watch picks up the last instances' files
-        yield base_url
+        mocker, frontend = procs
+        yield Stack(base_url, {"frontend": frontend.pid, "mocker": mocker.pid}, tuple(procs))

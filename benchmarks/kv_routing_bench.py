@@ -939,11 +939,11 @@ def run_mocker_phase(
             log_dir=logs,
             frontend_args=frontend_flags,
             timeout=MOCKER_START_TIMEOUT_S,
-        ) as base:
+        ) as stack:
             record["start_s"] = round(time.perf_counter() - began, 1)
             probe = PhaseProbe(timing=True)
             record |= asyncio.run(
-                measure_phase(base, workload, concurrency, args.max_tokens, probe)
+                measure_phase(stack.base_url, workload, concurrency, args.max_tokens, probe)
             )
         return record
     assert nats_url is not None

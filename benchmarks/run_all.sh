@@ -6,7 +6,8 @@
 #   QUICK=1 benchmarks/run_all.sh   quick smoke runs (about 20 minutes), results in
 #                                   benchmarks/results/quick/ (full results stay untouched)
 #
-# Order: runtime (NATS), kv indexer (alone), overhead (vLLM direct vs dynamo), kv routing
+# Order: runtime (NATS), kv indexer (alone), overhead (vLLM direct vs dynamo), scale (the
+# stack on nearly free mockers vs ai-dynamo 1.6.1), kv routing
 # (kv vs round-robin, two workers), disaggregation (1 prefill + 1 decode vs 1 worker), once
 # with both engines on all cores (as launch/disagg.sh) and once with split cores.
 # Each benchmark's whole console output goes to <results>/<name>.log as well. A benchmark
@@ -79,6 +80,9 @@ run kv_indexer '^KV indexer' \
   "$PY" benchmarks/kv_indexer_bench.py "${INDEXER_ARGS[@]}" --output "$OUT/kv_indexer.json"
 run overhead '^metric ' \
   "$PY" benchmarks/overhead_bench.py "${SERVING_ARGS[@]}" --json "$OUT/overhead.json"
+# The stack's own cost on nearly free mockers, against ai-dynamo 1.6.1 when it installs.
+run scale '^scale bench results' \
+  "$PY" benchmarks/scale_bench.py "${SERVING_ARGS[@]}" --json "$OUT/scale.json"
 run kv_routing '^kv vs round-robin' \
   "$PY" benchmarks/kv_routing_bench.py "${SERVING_ARGS[@]}" --out "$OUT/kv_routing.json"
 # The same with two requests in flight: the router now trades cache hits for load balance.

@@ -38,7 +38,7 @@ from dynamo.llm.protocols import (
     WorkerType,
 )
 from dynamo.runtime import DistributedRuntime
-from dynamo.testing.http import http_post_json, kv_router_view, routed_requests
+from dynamo.testing.http import http_post_json, kv_router_views, routed_totals
 from dynamo.testing.processes import FrontendProcess, WorkerProcess
 from dynamo.testing.waiting import wait_until, wait_until_async
 from dynamo.vllm.kv_storage_check import (
@@ -133,14 +133,20 @@ def chat(frontend: FrontendProcess, prompt: str, max_tokens: int = 32) -> dict:
     return json.loads(text)
 
 
-def prefill_router(frontend: FrontendProcess) -> dict[str, Any]:
-    """The frontend's KV router for the prefill workers (`GET /debug/kv`)."""
-    return kv_router_view(frontend.base_url, DEFAULT_MODEL, PREFILL_ENDPOINT)
+def prefill_routers(frontend: FrontendProcess) -> list[dict[str, Any]]:
+    """The frontend's KV router for the prefill workers (`GET /debug/kv`), one per
+    frontend process (N with `--http-workers N`)."""
+    return kv_router_views(frontend.base_url, DEFAULT_MODEL, PREFILL_ENDPOINT)
 
 
 def prefill_routed(frontend: FrontendProcess) -> dict[str, int]:
-    """Prefill legs the router sent to each prefill worker so far."""
-    return routed_requests(prefill_router(frontend))
+    """Prefill legs the routers sent to each prefill worker so far."""
+    return routed_totals(prefill_routers(frontend))
+
+
+def prefill_indexed(frontend: FrontendProcess, worker: str) -> int:
+    """Blocks of prefill worker `worker` the least caught-up frontend process indexed."""
+    return min(router["workers"][worker]["cached_blocks"] for router in prefill_routers(frontend))
 
 
 def partition_stable_prompt(tokenizer, topic: str) -> str:
@@ -294,7 +300,7 @@ def test_prefill_legs_follow_the_prefill_worker_that_caches_the_prefix(disagg):
         assert blocks >= 10, "the shared prefix spans many blocks"
         # The prefill worker's stored blocks must reach the index before the next decision.
         wait_until(
-            lambda o=owner, n=blocks: prefill_router(frontend)["workers"][o]["cached_blocks"] >= n,
+            lambda o=owner, n=blocks: prefill_indexed(frontend, o) >= n,
             timeout=10,
             interval=POLL_S,
             what=f"{blocks} blocks of {topic} indexed for prefill worker {owner}",

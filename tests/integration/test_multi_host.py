@@ -44,12 +44,13 @@ import pytest
 from dynamo.llm.kv_router.subjects import KV_EVENTS_STREAM
 from dynamo.runtime.nats_server import ClusterMembership, NatsServer
 from dynamo.testing import netns
-from dynamo.testing.http import http_post_json, kv_router_view, routed_requests
+from dynamo.testing.http import http_post_json, kv_router_views, routed_totals
 from dynamo.testing.jetstream import node_holding, prefer_stream_leaders
 from dynamo.testing.netns import HostNetwork
 from dynamo.testing.processes import (
     ManagedProcess,
     frontend_argv,
+    serving_pids,
     wait_serving,
     wait_while_alive,
 )
@@ -110,11 +111,26 @@ class Topology:
     def endpoint_path(self) -> str:
         return f"{self.namespace}/backend/generate"
 
-    def router(self) -> dict:
-        return kv_router_view(self.base_url, MODEL, self.endpoint_path)
+    def routers(self) -> list[dict]:
+        """The KV router of each frontend process (one, or N with `--http-workers N`)."""
+        return kv_router_views(self.base_url, MODEL, self.endpoint_path)
 
     def live_workers(self) -> list[str]:
-        return list(self.router()["feed"]["live_workers"])
+        """Workers some frontend process still routes to."""
+        return sorted({w for router in self.routers() for w in router["feed"]["live_workers"]})
+
+    def routable_workers(self) -> list[str]:
+        """Workers every frontend process routes to."""
+        sets = [set(router["feed"]["live_workers"]) for router in self.routers()]
+        return sorted(set.intersection(*sets))
+
+    def routed(self) -> dict[str, int]:
+        """Requests placed on each worker so far, by all frontend processes together."""
+        return routed_totals(self.routers())
+
+    def frontend_pids(self) -> list[int]:
+        """The frontend processes holding NATS connections (N with `--http-workers N`)."""
+        return serving_pids(self.frontend.pid)
 
     def processes(self) -> list[ManagedProcess]:
         return [self.frontend, *self.workers.values()]
@@ -215,7 +231,7 @@ def topology(embedded_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         topo = Topology(net, nodes, frontend, workers, namespace)
         wait_serving(topo.base_url, MODEL, procs, timeout=90, interval=0.3)
         wait_while_alive(
-            lambda: len(topo.live_workers()) == len(WORKER_HOSTS),
+            lambda: len(topo.routable_workers()) == len(WORKER_HOSTS),
             procs,
             timeout=30,
             interval=0.25,
@@ -377,7 +393,7 @@ def test_a_request_through_the_bridge_is_served_by_hosts_apart(topology: Topolog
 
 
 def test_cutting_the_frontends_nats_node_keeps_serving(topology: Topology) -> None:
-    victim = node_of(topology, topology.frontend.pid)
+    victim = node_of(topology, topology.frontend_pids()[0])
     placement = {host: node_of(topology, proc.pid) for host, proc in topology.workers.items()}
     asyncio.run(move_leaders_off(topology, victim))
     results: list[tuple[int, float, str]] = []
@@ -388,7 +404,7 @@ def test_cutting_the_frontends_nats_node_keeps_serving(topology: Topology) -> No
             results.append(chat(topology, f"Question {i} while {victim} is unreachable"))
         moved_after = time.monotonic() - cut_at
         # By now the frontend serves through another node.
-        assert node_of(topology, topology.frontend.pid) != victim
+        assert all(node_of(topology, pid) != victim for pid in topology.frontend_pids())
     finally:
         topology.net.restore(victim)
     during = list(results)
@@ -397,7 +413,7 @@ def test_cutting_the_frontends_nats_node_keeps_serving(topology: Topology) -> No
     # the silent connection, or the rejoining node's elections held the registry) puts
     # its keys again on a node it reaches.
     rejoined_after = wait_until(
-        lambda: len(topology.live_workers()) == len(WORKER_HOSTS),
+        lambda: len(topology.routable_workers()) == len(WORKER_HOSTS),
         timeout=REJOIN_TIMEOUT_S,
         interval=0.1,
         retry_on=(KeyError,),
@@ -422,7 +438,7 @@ def test_cutting_the_frontends_nats_node_keeps_serving(topology: Topology) -> No
 def test_cutting_a_workers_link_removes_it_within_two_lease_ttls(topology: Topology) -> None:
     # Both workers are routable before the cut.
     wait_until(
-        lambda: len(topology.live_workers()) == 2,
+        lambda: len(topology.routable_workers()) == 2,
         timeout=REJOIN_TIMEOUT_S,
         interval=0.1,
         retry_on=(KeyError,),
@@ -448,16 +464,16 @@ def test_cutting_a_workers_link_removes_it_within_two_lease_ttls(topology: Topol
     (remaining,) = topology.live_workers()
     assert remaining in before
 
-    routed_before = routed_requests(topology.router())
+    routed_before = topology.routed()
     results = [chat(topology, f"After {victim} went, question {i}") for i in range(4)]
     assert all(status == 200 for status, _, _ in results), [r[2][:200] for r in results]
-    routed_after = routed_requests(topology.router())
+    routed_after = topology.routed()
     grew = {w for w in routed_after if routed_after[w] > routed_before.get(w, 0)}
     assert grew == {remaining}, (routed_before, routed_after)
 
     topology.net.restore(victim)
     back_after = wait_until(
-        lambda: len(topology.live_workers()) == 2,
+        lambda: len(topology.routable_workers()) == 2,
         timeout=30,
         interval=0.1,
         retry_on=(KeyError,),

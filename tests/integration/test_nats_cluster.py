@@ -34,7 +34,7 @@ import pytest
 
 from dynamo.llm.kv_router.subjects import KV_EVENTS_STREAM
 from dynamo.runtime.nats_server import NatsCluster, NatsServer
-from dynamo.testing.http import http_post_json, kv_router_view
+from dynamo.testing.http import http_post_json, kv_router_views
 from dynamo.testing.jetstream import node_holding, prefer_stream_leaders
 from dynamo.testing.processes import FrontendProcess, ManagedProcess, running
 from dynamo.testing.waiting import wait_until
@@ -58,8 +58,9 @@ class Stack:
     def endpoint_path(self) -> str:
         return f"{self.namespace}/backend/generate"
 
-    def router(self) -> dict:
-        return kv_router_view(self.frontend.base_url, MODEL, self.endpoint_path)
+    def routers(self) -> list[dict]:
+        """The KV router of each frontend process (one, or N with `--http-workers N`)."""
+        return kv_router_views(self.frontend.base_url, MODEL, self.endpoint_path)
 
 
 @pytest.fixture(scope="module")
@@ -208,10 +209,10 @@ def test_serves_with_every_bucket_and_stream_replicated_three_times(stack: Stack
 
 
 def test_losing_the_frontends_nats_node_under_load_loses_nothing(stack: Stack) -> None:
-    victim = node_holding(stack.cluster.nodes, stack.frontend.pid)
+    victim = node_holding(stack.cluster.nodes, stack.frontend.serving_pids()[0])
     streams = (REGISTRY_STREAM, MODELS_STREAM, KV_EVENTS_STREAM)
     asyncio.run(lead_from(stack.cluster, victim, streams))
-    feed_before = stack.router()["feed"]
+    feeds_before = [router["feed"] for router in stack.routers()]
     load = Load(stack).start()
     time.sleep(2.0)
     before = len(load.results)
@@ -230,9 +231,10 @@ def test_losing_the_frontends_nats_node_under_load_loses_nothing(stack: Stack) -
     )
 
     # Registrations: the router never dropped a worker; the registry holds both keys.
-    router = stack.router()
-    assert router["feed"]["workers_removed"] == feed_before["workers_removed"], router["feed"]
-    assert len(router["feed"]["live_workers"]) == 2
+    for router, feed_before in zip(stack.routers(), feeds_before, strict=True):
+        feed = router["feed"]
+        assert feed["workers_removed"] == feed_before["workers_removed"], feed
+        assert len(feed["live_workers"]) == 2
     # (A read just after the elections may come back empty while the new leader's
     # consumers catch up: the keys are read until they show, for a few seconds.)
     wait_until(
@@ -248,12 +250,13 @@ def test_losing_the_frontends_nats_node_under_load_loses_nothing(stack: Stack) -
     # end: both are read afresh each time), and events kept coming after the kill.
     def router_caught_up() -> bool:
         last = asyncio.run(replicated_state(survivors, stack.namespace))["last_seq"]
-        return stack.router()["feed"]["last_sequence"] == last
+        return all(router["feed"]["last_sequence"] == last for router in stack.routers())
 
     wait_until(router_caught_up, timeout=10, interval=0.2, what="the router's KV events")
-    feed = stack.router()["feed"]
-    assert feed["events"] > feed_before["events"] and feed["events_malformed"] == 0, feed
-    assert feed["stream_resets"] == feed_before["stream_resets"], feed
+    for router, feed_before in zip(stack.routers(), feeds_before, strict=True):
+        feed = router["feed"]
+        assert feed["events"] > feed_before["events"] and feed["events_malformed"] == 0, feed
+        assert feed["stream_resets"] == feed_before["stream_resets"], feed
 
     # And the stack still serves, on the two surviving nodes.
     status, body = chat(stack, "Still there?")

@@ -59,7 +59,13 @@ from dynamo.llm.model_card import (
     tokenizer_files_in,
     upload_tokenizer_files,
 )
-from dynamo.llm.protocols import KvAllCleared, KvBlockStored, ModelCard, RouterEvent, decode
+from dynamo.llm.protocols import (
+    KvAllCleared,
+    KvBlockStored,
+    ModelCard,
+    RouterEvent,
+    kv_events_of,
+)
 from dynamo.llm.worker import ServedWorker
 from dynamo.mocker.args import WorkerSettings
 from dynamo.mocker.backend import MockerBackend, mocker_worker
@@ -69,7 +75,7 @@ from dynamo.runtime import DistributedRuntime, naming
 from dynamo.runtime.backoff import Backoff, retry_until_done
 from dynamo.runtime.events import EventStream, StreamSubscription
 from dynamo.runtime.nats_server import NatsServer
-from dynamo.testing.http import fetch_json
+from dynamo.testing.http import kv_router_views
 from dynamo.testing.processes import FrontendProcess, ManagedProcess
 from dynamo.testing.waiting import wait_until_async
 
@@ -270,7 +276,7 @@ async def replayed_cache(runtime: DistributedRuntime, subject: str) -> set[int] 
         except NotFoundError:  # purged
             continue
         if msg.subject == subject:
-            events.append(decode(msg.data or b"", RouterEvent))
+            events.extend(kv_events_of(msg.data or b""))
     if not events or not isinstance(events[0].data, KvAllCleared):
         return None
     cached: set[int] = set()
@@ -583,9 +589,15 @@ async def chat_once(session: aiohttp.ClientSession, base: str, prompt: str) -> i
         return response.status
 
 
-async def router_view(base: str, endpoint_path: str) -> dict[str, Any]:
-    """The frontend's KV router for the model's workers, as `GET /debug/kv` shows it."""
-    return (await fetch_json(f"{base}/debug/kv"))["models"][MODEL][endpoint_path]
+async def router_views(base: str, endpoint_path: str) -> list[dict[str, Any]]:
+    """The frontend's KV router for the model's workers, as `GET /debug/kv` shows it: one
+    per frontend process (N with `--http-workers N`, each its own router)."""
+    return await asyncio.to_thread(kv_router_views, base, MODEL, endpoint_path)
+
+
+def routed_total(views: list[dict[str, Any]], counter: str) -> int:
+    """A routing counter summed over the frontend's processes (each counts its own)."""
+    return sum(view["routing"][counter] for view in views)
 
 
 def idle(view: dict[str, Any]) -> bool:
@@ -602,26 +614,31 @@ async def prefix_hits_again(session: aiohttp.ClientSession, base: str, endpoint_
     workers are idle, send it again: True when both succeed and the router predicted
     all but at most one of the second one's blocks cached."""
     prompt = f"probe {uuid.uuid4().hex} " + " ".join(f"w{i}" for i in range(PROBE_PROMPT_WORDS))
-    start = await router_view(base, endpoint_path)
+    start = await router_views(base, endpoint_path)
     if await chat_once(session, base, prompt) != 200:
         return False
-    first = await router_view(base, endpoint_path)
-    blocks = first["routing"]["request_blocks"] - start["routing"]["request_blocks"]
+    first = await router_views(base, endpoint_path)
+    blocks = routed_total(first, "request_blocks") - routed_total(start, "request_blocks")
 
     async def indexed_and_idle() -> bool:
-        view = await router_view(base, endpoint_path)
-        # Most of the prompt's blocks are new (the chat template's opening ones are not).
-        return view["unique_blocks"] - start["unique_blocks"] >= blocks // 2 and idle(view)
+        views = await router_views(base, endpoint_path)
+        # Most of the prompt's blocks are new (the chat template's opening ones are not);
+        # every process indexes every worker's events.
+        return all(
+            view["unique_blocks"] - began["unique_blocks"] >= blocks // 2 and idle(view)
+            for view, began in zip(views, start, strict=True)
+        )
 
     try:
         await wait_until_async(indexed_and_idle, timeout=3, interval=0.05, what="indexing")
     except AssertionError:
         return False
-    before = await router_view(base, endpoint_path)
+    before = await router_views(base, endpoint_path)
     if await chat_once(session, base, prompt) != 200:
         return False
-    after = await router_view(base, endpoint_path)
-    return after["routing"]["overlap_blocks"] - before["routing"]["overlap_blocks"] >= blocks - 1
+    after = await router_views(base, endpoint_path)
+    overlap = routed_total(after, "overlap_blocks") - routed_total(before, "overlap_blocks")
+    return overlap >= blocks - 1
 
 
 def tracebacks(proc: ManagedProcess) -> list[str]:

@@ -38,7 +38,7 @@ from hypothesis import HealthCheck, Phase, given
 from schemathesis import GenerationMode
 from schemathesis import checks as st_checks
 
-from dynamo.testing.http import http_get, http_post_json, metric_total
+from dynamo.testing.http import debug_kv_views, http_get, http_post_json, metric_total
 from dynamo.testing.processes import FrontendProcess, ManagedProcess, running, wait_while_alive
 from dynamo.testing.raw_http import connect, trickle
 from dynamo.testing.waiting import wait_until, wait_until_async
@@ -60,18 +60,20 @@ class Stack:
     def base(self) -> str:
         return self.frontend.base_url
 
-    def kv_workers(self) -> dict[str, Any]:
-        """The KV router's view of each worker (bookings included)."""
-        _, text = http_get(f"{self.base}/debug/kv")
-        routers = json.loads(text)["models"][MODEL]
-        (view,) = routers.values()
-        return view["workers"]
+    def kv_workers(self) -> list[dict[str, Any]]:
+        """Each frontend process's KV router view of each worker (bookings included):
+        one process, or N with `--http-workers N`."""
+        views = []
+        for process in debug_kv_views(self.base):
+            (router,) = process["models"][MODEL].values()
+            views.extend(router["workers"].values())
+        return views
 
     def booked_requests(self) -> int:
-        return sum(w["active_requests"] for w in self.kv_workers().values())
+        return sum(w["active_requests"] for w in self.kv_workers())
 
     def routed_requests(self) -> int:
-        return sum(w["routed"]["requests"] for w in self.kv_workers().values())
+        return sum(w["routed"]["requests"] for w in self.kv_workers())
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """Worker-side publishers, with the transport replaced by recorders and the load
 publisher's clock by one the test moves: what goes out, in which order, when, and how a
-failed publish is repaired. Nothing here waits on real time except the one test that
-checks `start()` runs the background loop, and that one waits for the report itself."""
+failed publish is repaired. The tests of the background loop wait on real time: for a
+signalled change, the heartbeat of an engine that signals nothing, and the gap between two
+reports."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ from typing import Any
 
 import pytest
 
-from dynamo.llm.kv_router.publisher import RESYNC_CHUNK_BLOCKS, KvEventPublisher, LoadPublisher
+from dynamo.llm.kv_router.publisher import (
+    MAX_EVENTS_PER_MESSAGE,
+    RESYNC_CHUNK_BLOCKS,
+    KvEventPublisher,
+    LoadPublisher,
+)
 from dynamo.llm.protocols import (
     KvAllCleared,
     KvBlockRemoved,
@@ -20,6 +26,7 @@ from dynamo.llm.protocols import (
     LoadMetrics,
     RouterEvent,
     decode,
+    kv_events_of,
 )
 from dynamo.testing.clocks import FakeClock
 
@@ -34,6 +41,7 @@ class RecordingStream:
 
     def __init__(self) -> None:
         self.log: list[tuple[str, Any]] = []
+        self.messages: list[list[int]] = []  # the event ids each published message held
         self.fail_next = 0
         self.missing = False
 
@@ -48,7 +56,9 @@ class RecordingStream:
         if self.fail_next:
             self.fail_next -= 1
             raise ConnectionError("broker away")
-        self.log.append(("publish", decode(payload, RouterEvent)))
+        events = kv_events_of(payload)
+        self.messages.append([event.event_id for event in events])
+        self.log.extend(("publish", event) for event in events)
         return len(self.log)
 
     async def purge_subject(self, runtime: Any, subject: str) -> None:
@@ -107,6 +117,32 @@ async def test_a_clear_purges_the_subject_before_it_is_published() -> None:
         ("publish", "KvAllCleared"),
         ("publish", "KvBlockStored"),
     ]
+
+
+async def test_events_published_together_share_a_message_and_a_clear_travels_alone() -> None:
+    publisher, stream = await make_publisher()
+    clear = RouterEvent(WORKER, 2, KvAllCleared())
+    await publisher.publish_many([stored(0), stored(1), clear, stored(3), stored(4)])
+    await publisher.publish_many([stored(5)])
+    assert stream.messages == [[0, 1], [2], [3, 4], [5]]
+    assert [op for op, _ in stream.log].count("purge") == 1
+    assert published(stream) == [
+        ("KvBlockStored", 0, [0]),
+        ("KvBlockStored", 1, [1]),
+        ("KvAllCleared", 2, []),
+        ("KvBlockStored", 3, [3]),
+        ("KvBlockStored", 4, [4]),
+        ("KvBlockStored", 5, [5]),
+    ]
+    assert publisher.stats.published == 6
+    assert publisher.cached == {3, 4, 5}
+
+
+async def test_a_long_run_of_events_is_split_into_bounded_messages() -> None:
+    publisher, stream = await make_publisher()
+    await publisher.publish_many([stored(i) for i in range(MAX_EVENTS_PER_MESSAGE + 3)])
+    assert [len(ids) for ids in stream.messages] == [MAX_EVENTS_PER_MESSAGE, 3]
+    assert [i for ids in stream.messages for i in ids] == list(range(MAX_EVENTS_PER_MESSAGE + 3))
 
 
 async def test_after_a_failed_publish_the_whole_cache_is_announced_again() -> None:
@@ -172,12 +208,14 @@ class RecordingCore:
         self.sent: list[tuple[str, LoadMetrics]] = []
         self.fail_next = 0
         self.changed = asyncio.Event()
+        self.on_sent: Callable[[], None] = lambda: None
 
     async def publish(self, subject: str, data: bytes) -> None:
         if self.fail_next:
             self.fail_next -= 1
             raise ConnectionError("broker away")
         self.sent.append((subject, decode(data, LoadMetrics)))
+        self.on_sent()
         self.changed.set()
 
     def blocks(self) -> list[int]:
@@ -189,7 +227,7 @@ class LoadHarness:
 
     INTERVAL_S = 0.5  # a binary fraction: clock arithmetic below is exact
 
-    def __init__(self, *, poll_s: float = 0.02) -> None:
+    def __init__(self, *, min_gap_s: float = 0.02, interval_s: float = INTERVAL_S) -> None:
         self.core = RecordingCore()
         self.clock = FakeClock(now=1000.0)
         self.load = LoadMetrics(worker_id=WORKER, active_blocks=1)
@@ -199,8 +237,8 @@ class LoadHarness:
             "backend",
             WORKER,
             lambda: self.load,
-            interval_s=self.INTERVAL_S,
-            poll_s=poll_s,
+            interval_s=interval_s,
+            min_gap_s=min_gap_s,
             clock=self.clock,
         )
 
@@ -265,8 +303,8 @@ async def test_reports_go_to_the_workers_load_subject() -> None:
     assert all(m.worker_id == WORKER for _, m in h.core.sent)
 
 
-@pytest.mark.parametrize("interval_s, poll_s", [(0, 0.1), (1, 0), (-1, 0.1)])
-def test_non_positive_periods_are_rejected(interval_s: float, poll_s: float) -> None:
+@pytest.mark.parametrize("interval_s, min_gap_s", [(0, 0.1), (1, 0), (-1, 0.1)])
+def test_non_positive_periods_are_rejected(interval_s: float, min_gap_s: float) -> None:
     with pytest.raises(ValueError):
         LoadPublisher(
             RecordingCore(),
@@ -275,12 +313,12 @@ def test_non_positive_periods_are_rejected(interval_s: float, poll_s: float) -> 
             WORKER,
             lambda: LoadMetrics(worker_id=WORKER),
             interval_s=interval_s,
-            poll_s=poll_s,
+            min_gap_s=min_gap_s,
         )
 
 
-async def test_start_publishes_at_once_and_the_loop_keeps_sampling() -> None:
-    h = LoadHarness(poll_s=0.001)
+async def test_start_publishes_at_once_and_a_signalled_change_goes_out() -> None:
+    h = LoadHarness(min_gap_s=0.001, interval_s=60.0)
     await h.publisher.start()
     try:
         assert h.core.blocks() == [1], "published before start returns"
@@ -288,8 +326,62 @@ async def test_start_publishes_at_once_and_the_loop_keeps_sampling() -> None:
             await h.publisher.start()
         h.core.changed.clear()
         h.set_blocks(5)
+        h.publisher.changed()
         await asyncio.wait_for(h.core.changed.wait(), timeout=5)
         assert h.core.blocks() == [1, 5], "the background loop sent the change"
     finally:
         await h.publisher.stop()
     await h.publisher.stop()  # idempotent
+
+
+async def test_without_a_signal_nothing_is_sampled_until_the_heartbeat() -> None:
+    """An idle engine signals nothing: the publisher sleeps until its heartbeat."""
+    h = LoadHarness(min_gap_s=0.001, interval_s=60.0)
+    samples = 0
+
+    def counted() -> LoadMetrics:
+        nonlocal samples
+        samples += 1
+        return h.load
+
+    h.publisher = LoadPublisher(
+        h.core, "ns", "backend", WORKER, counted, interval_s=0.3, min_gap_s=0.001
+    )
+    await h.publisher.start()
+    try:
+        await asyncio.sleep(0.15)
+        assert samples == 1, "only the report at start"
+        h.core.changed.clear()
+        await asyncio.wait_for(h.core.changed.wait(), timeout=5)
+        assert samples == 2 and h.core.blocks() == [1, 1], "then the heartbeat"
+    finally:
+        await h.publisher.stop()
+
+
+async def test_changes_within_the_gap_go_out_once_with_the_latest_load() -> None:
+    gap = 0.2
+    h = LoadHarness(min_gap_s=gap, interval_s=60.0)
+    loop = asyncio.get_running_loop()
+    sent_at: list[float] = []
+    h.core.on_sent = lambda: sent_at.append(loop.time())
+    await h.publisher.start()
+    try:
+        h.set_blocks(5)
+        h.publisher.changed()
+        await wait_for_reports(h, 2)
+        for blocks in (6, 7, 8):  # three steps inside the gap
+            h.set_blocks(blocks)
+            h.publisher.changed()
+            await asyncio.sleep(0.01)
+        await wait_for_reports(h, 3)
+        await asyncio.sleep(gap * 1.5)
+        assert h.core.blocks() == [1, 5, 8], "one report, with the load at its moment"
+        assert sent_at[2] - sent_at[1] >= gap * 0.95, "not before the gap was out"
+    finally:
+        await h.publisher.stop()
+
+
+async def wait_for_reports(h: LoadHarness, count: int) -> None:
+    while len(h.core.sent) < count:
+        h.core.changed.clear()
+        await asyncio.wait_for(h.core.changed.wait(), timeout=5)

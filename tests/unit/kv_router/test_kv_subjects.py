@@ -41,3 +41,11 @@ def test_names_that_would_break_subjects_are_rejected(bad: str) -> None:
         kv_events_subject(bad, "backend", 1)
     with pytest.raises(ValueError):
         load_metrics_filter("ns", bad)
+
+
+def test_router_replicas_of_one_endpoint_share_one_sync_subject() -> None:
+    from dynamo.llm.kv_router.subjects import router_sync_subject
+
+    assert router_sync_subject("ns", "backend", "generate") == "dyn_router_sync.ns.backend.generate"
+    with pytest.raises(ValueError):
+        router_sync_subject("ns", "backend", "gen.erate")

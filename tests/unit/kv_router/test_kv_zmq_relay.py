@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -126,11 +126,14 @@ async def relay_reaches(relay: KvEventRelay, next_seq: int) -> None:
     )
 
 
-def collector(received: list[RouterEvent]) -> EventCallback:
-    """A relay callback that appends every event to `received`."""
+def collector(received: list[RouterEvent], batches: list[int] | None = None) -> EventCallback:
+    """A relay callback that appends every event to `received` (and the size of each
+    delivery to `batches`)."""
 
-    async def collect(event: RouterEvent) -> None:
-        received.append(event)
+    async def collect(events: Sequence[RouterEvent]) -> None:
+        received.extend(events)
+        if batches is not None:
+            batches.append(len(events))
 
     return collect
 
@@ -334,7 +337,7 @@ async def test_bad_messages_and_callback_failures_do_not_stop_the_relay(
 async def test_callback_failure_is_counted(publisher: FakeVllmPublisher) -> None:
     calls = 0
 
-    async def flaky(event: RouterEvent) -> None:
+    async def flaky(events: Sequence[RouterEvent]) -> None:
         nonlocal calls
         calls += 1
         if calls == 2:
@@ -465,3 +468,73 @@ async def test_against_vllms_own_publisher(tmp_path: Path) -> None:
         publisher.shutdown()
     assert relay.stats.gaps >= 1 and relay.stats.resyncs == 0
     assert index_of(received).find_matches_for_tokens(chain_tokens(i)).scores == {WORKER: i}
+
+
+async def test_quiet_probes_back_off_and_a_live_message_resets_them(
+    publisher: FakeVllmPublisher,
+) -> None:
+    """An idle engine is probed ever less often (0.1, 0.2, 0.4, then every 0.8 s here), and
+    as often as at first again once it publishes."""
+    relay = KvEventRelay(
+        publisher.endpoint,
+        KvEventConverter(WORKER, B),
+        collector([]),
+        replay_endpoint=publisher.replay_endpoint,
+        idle_probe_s=0.1,
+        max_idle_probe_s=0.8,
+    )
+    await relay.start()
+    try:
+        assert relay.next_probe_s == 0.1
+        await wait_until_async(
+            lambda: relay.stats.probes >= 4, timeout=RELAY_TIMEOUT_S, what="four quiet probes"
+        )
+        assert relay.next_probe_s == 0.8, "doubled after each quiet probe, capped"
+        await publish_until_subscribed(publisher, relay, 0, chain_batch(0))
+        assert relay.next_probe_s is not None and relay.next_probe_s < 0.8, "reset by the batch"
+    finally:
+        await relay.stop()
+
+
+def roots_batch(seq: int, roots: int) -> bytes:
+    """Batch `seq` stores the first block of `roots` unrelated sequences (as a step in
+    which several requests fill a block each)."""
+    events = [
+        {
+            "type": "BlockStored",
+            "block_hashes": [5000 + 10 * seq + r],
+            "parent_block_hash": None,
+            "token_ids": [900 + 10 * seq + r] * B,
+            "block_size": B,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+        }
+        for r in range(roots)
+    ]
+    return msgspec.msgpack.encode([float(seq), events, 0])
+
+
+async def test_the_events_of_one_batch_are_handed_over_together(
+    publisher: FakeVllmPublisher,
+) -> None:
+    """One engine step's events reach the publisher in one call: one NATS message and
+    one JetStream ack for the step, not one per event."""
+    received: list[RouterEvent] = []
+    batches: list[int] = []
+    relay = KvEventRelay(
+        publisher.endpoint,
+        KvEventConverter(WORKER, B),
+        collector(received, batches),
+        replay_endpoint=publisher.replay_endpoint,
+        replay_timeout_s=0.5,
+    )
+    await relay.start()
+    try:
+        await publish_until_subscribed(publisher, relay, 0, roots_batch(0, 1))
+        await publisher.publish(1, roots_batch(1, 3))
+        await relay_reaches(relay, 2)
+    finally:
+        await relay.stop()
+    assert batches[-1] == 3, batches
+    assert relay.stats.events_out == len(received) == sum(batches)

@@ -14,8 +14,10 @@ from dynamo.llm.protocols import (
 )
 from dynamo.mocker import MockEngine, MockEngineConfig, TimingModel
 
-# Steps take ~microseconds: the tests exercise scheduling, not wall-clock time.
-FAST = TimingModel(speed_up=1e6)
+# Steps take ~microseconds: the tests exercise scheduling, not wall-clock time. Lockstep
+# (quantum 0): the engine yields after every step, so a test reading the stream sees the
+# engine's state between steps (test_step_pacer.py covers the default pacing).
+FAST = TimingModel(speed_up=1e6, quantum_ms=0)
 VOCAB = 1000
 EOS = 2
 

@@ -38,6 +38,8 @@ def test_defaults_and_flags_reach_the_engine_config() -> None:
             "0.9,0.8,0.5",
             "--speed-up",
             "10",
+            "--step-quantum-ms",
+            "0",
             "--no-enable-prefix-caching",
             "--no-kv-events",
         ]
@@ -48,7 +50,8 @@ def test_defaults_and_flags_reach_the_engine_config() -> None:
     assert (cfg.block_size, cfg.num_gpu_blocks, cfg.max_model_len) == (32, 1000, 2048)
     assert cfg.num_speculative_tokens == 3 and not cfg.enable_prefix_caching
     assert cfg.acceptance_model.per_position_rates() == pytest.approx([0.9, 0.72, 0.36])
-    assert cfg.timing.speed_up == 10
+    assert cfg.timing.speed_up == 10 and cfg.timing.quantum_ms == 0
+    assert parse_args([]).engine.engine_config(model).timing.quantum_ms == 1.0
     assert (cfg.vocab_size, cfg.eos_token_ids, cfg.special_token_ids) == (500, (2,), {0, 1, 2})
     # Without --max-model-len the model's context length applies.
     assert parse_args([]).engine.engine_config(model).max_model_len == 8192
@@ -66,6 +69,7 @@ def test_acceptance_distribution_and_rates_are_exclusive() -> None:
     "argv",
     [
         ["--speed-up", "0"],
+        ["--step-quantum-ms", "-1"],
         ["--num-speculative-tokens", "2", "--acceptance-rate", "0.1,0.2,0.3"],
         ["--num-gpu-blocks", "4"],
     ],

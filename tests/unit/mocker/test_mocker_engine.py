@@ -353,6 +353,25 @@ async def test_load_metrics_count_speculative_slots() -> None:
         await engine.stop()
 
 
+async def test_load_watchers_hear_of_every_step_and_abort_and_nothing_when_idle() -> None:
+    engine, _ = await started(timing=TimingModel(decode_ms_per_step=2.0))
+    calls: list[int] = []
+    engine.watch_load(lambda: calls.append(engine.counters.steps))
+    try:
+        await asyncio.sleep(0.05)
+        assert calls == [], "an idle engine has no load to report"
+        await collect(engine, request("a", prompt(4), max_tokens=5))
+        assert calls == list(range(1, engine.counters.steps + 1)), "after each step"
+        stream = engine.generate(request("b", prompt(4), max_tokens=100))
+        await stream.__anext__()
+        before = len(calls)
+        assert engine.abort("b")
+        assert len(calls) == before + 1, "an abort frees blocks between steps"
+        await stream.aclose()
+    finally:
+        await engine.stop()
+
+
 async def test_step_time_follows_the_timing_model() -> None:
     # 10 decode steps of >= 5 ms each (1 prefill + 9 decodes at batch size 1).
     engine, _ = await started(timing=TimingModel(decode_ms_per_step=5.0))

@@ -16,4 +16,3 @@ def test_ports_are_free_distinct_and_below_the_ephemeral_range() -> None:
     for port in ports[:5]:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))  # still free: nothing else binds them here
-

@@ -32,6 +32,11 @@ def test_data_batch_end_error_frames() -> None:
     assert [wire.decoder_for(Item).decode(raw) for raw in wire.decode_batch(body)] == [
         Item(str(i), i) for i in range(3)
     ]
+    # The whole body at once, as the client decodes it: the same items, typed or not.
+    assert wire.batch_decoder_for(Item).decode(body) == [Item(str(i), i) for i in range(3)]
+    assert wire.batch_decoder_for(None).decode(body) == [{"text": str(i), "n": i} for i in range(3)]
+    with pytest.raises(msgspec.ValidationError):
+        wire.batch_decoder_for(Item).decode(wire.encode([{"n": 1}]))
 
     assert wire.decode_frame(wire.encode_end(9))[:2] == (9, wire.FrameKind.END)
     seq, kind, body = wire.decode_frame(wire.encode_error(10, "ValueError", "bad"))

@@ -33,6 +33,15 @@ from dynamo.frontend.http_server import (
     DEFAULT_WORKER_WAIT_S,
     DEFAULT_WRITE_TIMEOUT_S,
 )
+from dynamo.frontend.http_workers import (
+    HTTP_WORKERS_ENV,
+    WORKER_COUNT_FLAG,
+    WORKER_INDEX_FLAG,
+    HttpWorkers,
+    HttpWorkerSlot,
+    check_http_workers,
+    metrics_dir_of_child,
+)
 from dynamo.frontend.reasoning import UnknownReasoningParser, check_reasoning_parser_name
 from dynamo.frontend.routing import RouterMode
 from dynamo.frontend.tool_calls import tool_parser_class
@@ -46,6 +55,7 @@ from dynamo.runtime.cli import (
     positive_float,
     positive_int,
 )
+from dynamo.runtime.gc_tuning import tune_for_serving
 from dynamo.runtime.nats_options import add_nats_arguments, nats_options_from_args
 from dynamo.runtime.nats_server import nats_url_from_env
 
@@ -61,6 +71,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--http-host", default="0.0.0.0", help="Address the HTTP server binds to.")
     parser.add_argument("--http-port", type=port, default=8000, help="TCP port of the HTTP server.")
+    parser.add_argument(
+        "--http-workers",
+        type=positive_int,
+        default=os.environ.get(HTTP_WORKERS_ENV, "1"),
+        help="Frontend processes serving the HTTP port (SO_REUSEPORT; Linux). Above 1, a "
+        "supervisor starts N complete frontends (each its own NATS connection and router), "
+        "stops them all on SIGTERM/SIGINT, and stops all and exits 1 when one dies. /metrics "
+        "sums every process (prometheus_client multiprocess mode); --max-inflight-requests, "
+        "--max-waiting-requests and GET /debug/kv are per process. kv mode keeps routing "
+        "consistent across them with --router-replica-sync. $DYN_HTTP_WORKERS sets the "
+        "default.",
+    )
+    parser.add_argument(
+        WORKER_INDEX_FLAG,
+        type=non_negative_int,
+        default=None,
+        help=argparse.SUPPRESS,  # given by the --http-workers supervisor to its children
+    )
+    parser.add_argument(
+        WORKER_COUNT_FLAG,
+        type=positive_int,
+        default=None,
+        help=argparse.SUPPRESS,  # given by the --http-workers supervisor to its children
+    )
     parser.add_argument(
         "--namespace",
         default="dynamo",
@@ -114,6 +148,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="kv mode: seconds a routed prompt's blocks count as cached on the worker "
         "without an event confirming them (default: 10 with events, 120 with "
         "--no-kv-events).",
+    )
+    parser.add_argument(
+        "--router-replica-sync",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get("DYN_ROUTER_REPLICA_SYNC", "1").lower() not in ("0", "false", "no"),
+        help="kv mode: share this router's bookings of requests in flight with the other "
+        "frontends' routers of the same endpoint (--http-workers processes, replicas on "
+        "other hosts) over core NATS, so that replicas behind one load balancer see every "
+        "worker's whole load and do not all send a burst to the same idle worker. Cheap: a "
+        "lone replica only sends a heartbeat a second. --no-router-replica-sync keeps each "
+        "router's books to itself; $DYN_ROUTER_REPLICA_SYNC=0 sets that default.",
     )
     parser.add_argument(
         "--busy-kv-usage",
@@ -285,6 +330,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         busy_waiting_requests=args.busy_waiting_requests,
         kv_events=not args.no_kv_events,
         router_ttl_s=args.router_ttl,
+        router_replica_sync=args.router_replica_sync,
         max_request_bytes=args.max_request_bytes,
         tokenizer_cache=args.tokenizer_cache,
         prefill_timeout_s=args.prefill_timeout,
@@ -303,7 +349,17 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
             tool_call_parser=_tool_call_parser(args.tool_call_parser),
             reasoning_parser=_reasoning_parser(args.reasoning_parser),
         ),
+        http_worker=_http_worker_slot(args),
+        metrics_dir=metrics_dir_of_child() if args.http_worker_index is not None else None,
     )
+
+
+def _http_worker_slot(args: argparse.Namespace) -> HttpWorkerSlot | None:
+    """Which child of an `--http-workers` supervisor this process is (None: not one)."""
+    if args.http_worker_index is None:
+        return None
+    count = args.http_worker_count or args.http_worker_index + 1
+    return HttpWorkerSlot(args.http_worker_index, count)
 
 
 def _chat_template(path: str | None) -> str | None:
@@ -348,8 +404,9 @@ async def _serve(config: FrontendConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    worker = "" if args.http_worker_index is None else f"[http worker {args.http_worker_index}] "
     logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level, format=f"%(asctime)s %(levelname)s {worker}%(name)s: %(message)s"
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # prometheus_client adds a `<name>_created` timestamp series next to every counter,
@@ -359,9 +416,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     prometheus_client.disable_created_metrics()
     try:
         config = config_from_args(args)
+        check_http_workers(args.http_workers)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.http_workers > 1:  # a supervisor of N frontends (http_workers.py)
+        return HttpWorkers(args.http_workers, sys.argv[1:] if argv is None else argv).run()
+    tune_for_serving()
     try:
         uvloop.run(_serve(config))  # faster socket I/O than asyncio's loop for many streams
     except ConnectionError as exc:  # no NATS server, or one that refuses our credentials

@@ -38,6 +38,7 @@ from dynamo.frontend.http_listener import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_KEEP_ALIVE_TIMEOUT_S,
     ConnectionTimeouts,
+    share_port_across_processes,
 )
 from dynamo.frontend.http_server import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -45,12 +46,14 @@ from dynamo.frontend.http_server import (
     DEFAULT_WRITE_TIMEOUT_S,
     HttpService,
 )
+from dynamo.frontend.http_workers import HttpWorkerSlot
 from dynamo.frontend.metrics import FrontendMetrics
 from dynamo.frontend.model_registry import ModelManager, endpoint_key
 from dynamo.frontend.preprocessor import Preprocessor
 from dynamo.frontend.routing import RouterFactory, RouterMode, make_router_factory
 from dynamo.llm.kv_router.anticipation import CachePrediction
 from dynamo.llm.kv_router.busy import BusyThresholds
+from dynamo.llm.kv_router.replica_sync import ReplicaSyncSettings
 from dynamo.llm.kv_router.scheduler import DEFAULT_OVERLAP_SCORE_WEIGHT
 from dynamo.llm.model_card import (
     CardAdded,
@@ -86,6 +89,7 @@ class FrontendConfig:
     busy_waiting_requests: int | None = None  # kv mode: a worker with this queue is skipped
     kv_events: bool = True  # kv mode: False routes without KV events (approximate mode)
     router_ttl_s: float | None = None  # kv mode: how long routed blocks count unconfirmed
+    router_replica_sync: bool = True  # kv mode: share bookings with other frontend replicas
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     tokenizer_cache: Path | None = None
     prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT_S
@@ -102,6 +106,14 @@ class FrontendConfig:
     return_spec_stats: bool = False  # speculation statistics in every response
     chat_template: str | None = None  # --chat-template: Jinja source replacing the model's
     chat_parsing: ChatParsingOptions = field(default_factory=ChatParsingOptions)
+    # One of `--http-workers` processes (`http_workers.py`): the port is shared
+    # (SO_REUSEPORT) and /metrics sums every process's files in `metrics_dir`.
+    http_worker: HttpWorkerSlot | None = None
+    metrics_dir: Path | None = None
+
+    @property
+    def shared_port(self) -> bool:
+        return self.http_worker is not None
 
     @property
     def stream_deadlines(self) -> StreamDeadlines:
@@ -229,7 +241,9 @@ async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None
     runtime = await DistributedRuntime.connect(
         config.nats_server, name="frontend", wait_for_server=30, options=config.nats_options
     )
-    metrics = FrontendMetrics()
+    if config.shared_port:
+        share_port_across_processes()
+    metrics = FrontendMetrics(multiprocess_dir=config.metrics_dir)
     manager = ModelManager(
         load_preprocessor=functools.partial(
             Preprocessor.from_dir, chat_template=config.chat_template
@@ -250,6 +264,7 @@ async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None
         write_timeout_s=config.write_timeout_s or None,
         return_spec_stats=config.return_spec_stats,
         chat_parsing=config.chat_parsing,
+        http_worker=config.http_worker,
     )
     watcher: asyncio.Task[None] | None = None
     try:
@@ -260,6 +275,7 @@ async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None
             router_temperature=config.router_temperature,
             busy=BusyThresholds(config.busy_kv_usage, config.busy_waiting_requests),
             prediction=CachePrediction(config.kv_events, config.router_ttl_s),
+            replica_sync=ReplicaSyncSettings(enabled=config.router_replica_sync),
         )
         sync = ModelCardSync(
             runtime,

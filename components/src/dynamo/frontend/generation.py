@@ -174,8 +174,9 @@ async def _stream(
     await response.prepare(http_request)
     try:
         transport = http_request.transport
-        status = await _write_events(response, transport, gen, stream, batch)
-        await _bounded(response.write_eof(), transport, 0, gen.write_timeout_s)
+        status, tail = await _write_events(response, transport, gen, stream, batch)
+        # The last events go out with the end of the chunked body: one write, not two.
+        await _bounded(response.write_eof(tail), transport, len(tail), gen.write_timeout_s)
     except ClientStalled as exc:
         log.warning("request %s: %s", gen.prepared.request.request_id, exc)
         gen.metrics.disconnected()
@@ -227,7 +228,9 @@ async def _write_events(
     gen: Generation,
     stream: EngineStream,
     batch: list[LLMEngineOutput],
-) -> int:
+) -> tuple[int, bytes]:
+    """Write events until the response ends; returns the status for metrics and the
+    last events, which the caller writes together with the end of the body."""
     status = 200
     while True:
         deltas = _process(gen, batch)
@@ -237,21 +240,15 @@ async def _write_events(
             status = 500
             payload += gen.formatter.failure_event(engine_error(error))
         if gen.postprocessor.finished:
-            payload += _trailer(gen, error)
+            return status, payload + _trailer(gen, error)
         if payload:
             await _write(response, transport, payload, gen.write_timeout_s)
-        if gen.postprocessor.finished:
-            break
         try:
             batch = await _next_batch(stream, gen.model)
         except OpenAIError as exc:
             # Headers are out: report in-band, as OpenAI does, and end the stream.
             log.warning("engine failed mid-stream for %s: %s", gen.model, exc.message)
-            ending = gen.formatter.failure_event(exc) + gen.formatter.end_of_stream()
-            await _write(response, transport, ending, gen.write_timeout_s)
-            status = exc.status
-            break
-    return status
+            return exc.status, gen.formatter.failure_event(exc) + gen.formatter.end_of_stream()
 
 
 def _trailer(gen: Generation, error: str | None) -> bytes:

@@ -21,12 +21,19 @@ itself, with `HeadDeadlineProtocol` (aiohttp's `RequestHandler` plus one timer) 
 protocol of each connection, for the `web.Server` an `AppRunner` set up.
 `track_request_heads` is the middleware that tells the protocol when a request's head is
 complete and when its handling ended.
+
+Several processes on one port (`--http-workers N`, `http_workers.py`): each child calls
+`share_port_across_processes()` once at start, and `listen` then binds with SO_REUSEPORT,
+so every child has a listening socket of its own on the same port and the kernel spreads
+new connections over them. A process-wide switch rather than an argument because it is a
+property of the process (one of N), the same for every server it starts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +51,22 @@ DEFAULT_KEEP_ALIVE_TIMEOUT_S = 75.0
 DEFAULT_HEADER_TIMEOUT_S = 30.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_port_sharing = False
+
+
+def port_sharing_supported() -> bool:
+    """Whether this platform has SO_REUSEPORT (several processes listening on one port)."""
+    return hasattr(socket, "SO_REUSEPORT")
+
+
+def share_port_across_processes() -> None:
+    """From now on, `listen` binds with SO_REUSEPORT: this process is one of several
+    serving the same port (`--http-workers`). `OSError` where the platform cannot."""
+    global _port_sharing
+    if not port_sharing_supported():
+        raise OSError("this platform has no SO_REUSEPORT")
+    _port_sharing = True
 
 
 @dataclass(frozen=True)
@@ -150,4 +173,6 @@ async def listen(
             **handler_options,
         )
 
-    return await loop.create_server(protocol, host, port, reuse_address=True)
+    return await loop.create_server(
+        protocol, host, port, reuse_address=True, reuse_port=_port_sharing or None
+    )

@@ -59,6 +59,7 @@ from dynamo.frontend.errors import (
 )
 from dynamo.frontend.generation import Generation, serve
 from dynamo.frontend.http_listener import ConnectionTimeouts, listen, track_request_heads
+from dynamo.frontend.http_workers import HttpWorkerSlot
 from dynamo.frontend.metrics import METRICS_CONTENT_TYPE, FrontendMetrics
 from dynamo.frontend.model_registry import ModelManager, ServedModel
 from dynamo.frontend.openai_types import (
@@ -196,6 +197,7 @@ class HttpService:
         write_timeout_s: float | None = DEFAULT_WRITE_TIMEOUT_S,
         return_spec_stats: bool = False,
         chat_parsing: ChatParsingOptions | None = None,
+        http_worker: HttpWorkerSlot | None = None,
     ) -> None:
         """`api_key`: None or empty serves without authentication; `write_timeout_s`
         None lets a stream wait for its client for ever; `return_spec_stats` adds the
@@ -211,6 +213,7 @@ class HttpService:
         self.write_timeout_s = write_timeout_s
         self.return_spec_stats = return_spec_stats
         self.chat_parsing = chat_parsing or ChatParsingOptions()  # --tool-call-parser, ...
+        self.http_worker = http_worker  # which of --http-workers N processes this is
         self._api_key = api_key or None
         self._openapi = msgspec.json.encode(openapi_document(api_key_required=bool(api_key)))
         self._runner: web.AppRunner | None = None
@@ -326,7 +329,9 @@ class HttpService:
     async def debug_kv(self, request: web.Request) -> web.Response:
         """Per model and worker endpoint, the KV router's view (`debug_state()`): blocks
         cached per worker, booked and reported load, predicted hit rates, feed counters.
-        Endpoints whose router keeps no such state (round-robin) are left out."""
+        Endpoints whose router keeps no such state (round-robin) are left out. Under
+        `--http-workers N`, `http_worker` says which process answered (each has its own
+        routers)."""
         models: dict[str, dict[str, Any]] = {}
         for model in sorted(self.manager.models(), key=lambda m: m.name):
             routers = {}
@@ -335,7 +340,10 @@ class HttpService:
                 if state:
                     routers["/".join(key)] = state
             models[model.name] = routers
-        return json_response(msgspec.json.encode({"models": models}))
+        view: dict[str, Any] = {"models": models}
+        if self.http_worker is not None:
+            view["http_worker"] = self.http_worker.describe()
+        return json_response(msgspec.json.encode(view))
 
     # ------------------------------------------------------------------ internals
 

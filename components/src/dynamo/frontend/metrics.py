@@ -4,6 +4,16 @@ An own `CollectorRegistry` (not the process-global one) keeps `/metrics` to exac
 frontend's series and lets tests build independent frontends in one process. Every series
 carries the served model name, so one frontend serving several models stays readable.
 
+With `--http-workers N` the N processes share one port, so a scrape reaches one of them
+at random. Each child then runs prometheus_client in multiprocess mode (the parent gives
+it `PROMETHEUS_MULTIPROC_DIR`, a private directory it creates and removes): every value
+lives in a memory-mapped file there, and `render` (given `multiprocess_dir`) sums the
+files of all N processes, so any process answers for the whole frontend. The in-flight
+gauge sums over live processes (`livesum`); counters and histograms sum over all. The
+exposition keeps the single-process shape: each family's own help text (the library
+would write "Multiprocess metric"), and the `# TYPE` line of a family no process has
+observed yet (the library would leave it out), which dashboards' queries rely on.
+
 `RequestMetrics` follows one request: in-flight gauge, time to first token, inter-token
 latency (per token: a speculative step that yields K+1 tokens counts as K+1 tokens sharing
 the step's gap), duration, output tokens and the final status.
@@ -12,9 +22,13 @@ the step's gap), duration, output tokens and the final status.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from dynamo.llm.protocols import SpecDecodeStats
 from dynamo.runtime.naming import instance_hex
@@ -32,8 +46,11 @@ METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 class FrontendMetrics:
     """All frontend series; one instance per HTTP service."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, *, multiprocess_dir: Path | None = None
+    ) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.multiprocess_dir = multiprocess_dir
         r = self.registry
         self.requests = Counter(
             f"{PREFIX}_requests",
@@ -42,7 +59,11 @@ class FrontendMetrics:
             registry=r,
         )
         self.inflight = Gauge(
-            f"{PREFIX}_inflight_requests", "Requests being served", ["model"], registry=r
+            f"{PREFIX}_inflight_requests",
+            "Requests being served",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds",
@@ -169,7 +190,31 @@ class FrontendMetrics:
         self.rejected.labels(model, reason).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition text: this process's series, or with `multiprocess_dir` every
+        process's (`--http-workers`), summed."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        merged.register(AllProcesses(self.registry, self.multiprocess_dir))
+        return generate_latest(merged)
+
+
+class AllProcesses:
+    """A collector of every process's samples in a multiprocess directory, with the
+    families, help texts and types of `declared` (this process's registry)."""
+
+    def __init__(self, declared: CollectorRegistry, path: Path) -> None:
+        self._declared = declared
+        self._path = path
+
+    def collect(self) -> Iterator[Metric]:
+        declared = {family.name: family for family in self._declared.collect()}
+        for family in MultiProcessCollector(None, path=str(self._path)).collect():
+            own = declared.pop(family.name, None)
+            if own is not None:
+                family.documentation = own.documentation
+            yield family
+        yield from declared.values()  # observed by no process yet: no samples
 
 
 def _request_type(stream: bool) -> str:

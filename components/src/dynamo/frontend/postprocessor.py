@@ -164,12 +164,44 @@ class Postprocessor:
         response (a stop string matched, or a finish reason arrived) are ignored."""
         delta = TextDelta()
         parts: list[str] = []
+        if self._plan.stop_strings or self._plan.logprobs is not None:
+            # Per output: a stop string ends the response at the output that completed
+            # it (later tokens are not counted), and logprobs are per token anyway.
+            for output in outputs:
+                if self.finished:
+                    break
+                self._step(output, delta, parts)
+        else:
+            self._fold_plain_runs(outputs, delta, parts)
+        delta.text = "".join(parts)
+        return delta
+
+    def _fold_plain_runs(
+        self, outputs: Sequence[LLMEngineOutput], delta: TextDelta, parts: list[str]
+    ) -> None:
+        """Outputs that neither finish nor fail only add tokens: a run of them is
+        detokenized in one call (two decodes through the tokenizer for the whole run,
+        not per output), which is what a burst of engine steps that queued up costs."""
+        run: list[int] = []
         for output in outputs:
             if self.finished:
                 break
+            if output.finish_reason is None and output.error is None:
+                run.extend(output.token_ids)
+                continue
+            if run:
+                self._add_tokens(run, delta, parts)
+                run = []
             self._step(output, delta, parts)
-        delta.text = "".join(parts)
-        return delta
+        if run and not self.finished:
+            self._add_tokens(run, delta, parts)
+
+    def _add_tokens(self, ids: list[int], delta: TextDelta, parts: list[str]) -> None:
+        """Tokens of outputs that neither finish nor fail, with no stop strings to watch."""
+        self._counts.completion_tokens += len(ids)
+        delta.token_count += len(ids)
+        delta.token_ids.extend(ids)
+        parts.append(self._detok.add(ids))
 
     def end_of_stream(self) -> TextDelta:
         """The engine's stream ended without a finish reason (it should not): release

@@ -303,6 +303,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="Run the simulated clock this many times faster than the modelled engine.",
     )
+    timing.add_argument(
+        "--step-quantum-ms",
+        type=float,
+        default=_TIMING.quantum_ms,
+        help="Steps shorter than this (after --speed-up) run back to back and are slept "
+        "off together, so simulated time stays right on average where the event loop "
+        "cannot time a microsecond sleep; their outputs then leave together. 0: sleep "
+        "after every step (each step's outputs go out on their own).",
+    )
 
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument(
@@ -356,6 +365,7 @@ def parse_args(argv: Sequence[str] | None = None) -> MockerArgs:
             decode_ms_per_token=ns.decode_ms_per_token,
             draft_ms_per_token=ns.draft_ms_per_token,
             speed_up=ns.speed_up,
+            quantum_ms=ns.step_quantum_ms,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc

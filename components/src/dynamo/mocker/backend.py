@@ -4,7 +4,7 @@ worker (same endpoints, model card, KV events and load reports)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from dynamo.llm.kv_router.publisher import KvEventPublisher
@@ -78,6 +78,9 @@ class MockerBackend:
 
     def load_metrics(self, worker_id: int) -> LoadMetrics:
         return self.engine.load_metrics(worker_id)
+
+    def watch_load(self, changed: Callable[[], None]) -> None:
+        self.engine.watch_load(changed)
 
     async def start_kv_events(self, publisher: KvEventPublisher) -> KvEventForwarder:
         self.kv_events = KvEventForwarder(publisher, publisher.worker_id).start()

@@ -52,6 +52,7 @@ from dynamo.mocker.request import (
     RequestRejected,
     admit_request,
 )
+from dynamo.mocker.timing import StepPacer
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +126,10 @@ class MockEngine:
         self._running: list[MockRequest] = []
         self._requests: dict[str, MockRequest] = {}
         self._wakeup = asyncio.Event()
+        self._pacer = StepPacer(self.timing.quantum_ms / 1000.0)
         self._task: asyncio.Task[None] | None = None
         self.dead: BaseException | None = None
+        self._load_changed: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -201,6 +204,12 @@ class MockEngine:
             raise
         return states
 
+    def watch_load(self, changed: Callable[[], None]) -> None:
+        """Call `changed` after every step and every abort: what `load_metrics` reports
+        may differ then, and only then (a request that arrives counts with its first
+        step, as a real engine's stats do)."""
+        self._load_changed = changed
+
     def abort(self, request_id: str) -> bool:
         """End a request now (it gets a `cancelled` output); False if unknown."""
         state = self._requests.get(request_id)
@@ -208,6 +217,7 @@ class MockEngine:
             return False
         self._finish(state, FinishReason.CANCELLED)
         self._flush_events()
+        self._notify_load()
         return True
 
     def clear_kv_blocks(self) -> bool:
@@ -216,6 +226,7 @@ class MockEngine:
         if self._requests or not self.pool.clear():
             return False
         self._flush_events()
+        self._notify_load()
         return True
 
     # ------------------------------------------------------------------ views
@@ -294,6 +305,7 @@ class MockEngine:
         try:
             while True:
                 if not self._running and not self._waiting:
+                    self._pacer.idle()
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
@@ -304,7 +316,7 @@ class MockEngine:
                         self._waiting[0], FinishReason.ERROR, error="does not fit the KV cache"
                     )
                     continue
-                await asyncio.sleep(
+                await self._pacer.wait(
                     self.timing.step_seconds(batch.prefill_tokens, len(batch.decodes), self.k)
                 )
                 self._complete(batch)
@@ -357,6 +369,11 @@ class MockEngine:
                 self._produce(state, self.acceptance.sample(state.accept_rng) if self.k else 0)
         self._grow()
         self._flush_events()
+        self._notify_load()
+
+    def _notify_load(self) -> None:
+        if self._load_changed is not None:
+            self._load_changed()
 
     def _produce(self, state: MockRequest, accepted_drafts: int | None) -> None:
         """Generate this step's tokens for one request and account for their slots."""

@@ -2,7 +2,8 @@
 
 The engine reports each step's events synchronously (it must never wait on the network
 inside a step); this forwarder numbers them as `RouterEvent`s and publishes them in order
-from a task of its own through the same `KvEventPublisher` the vLLM worker's relay uses.
+from a task of its own through the same `KvEventPublisher` the vLLM worker's relay uses,
+each step's events together (`publish_many`: one message of the stream per step).
 Like that relay it opens with `KvAllCleared`, which purges whatever an earlier process
 left on the subject and restarts the worker's event sequence in every router.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Protocol
 
 from dynamo.llm.protocols import KvAllCleared, KvEventData, RouterEvent
@@ -24,7 +26,7 @@ STOP_TIMEOUT_S = 2.0
 class EventPublisher(Protocol):
     """What the forwarder needs (`dynamo.llm.kv_router.publisher.KvEventPublisher`)."""
 
-    async def publish(self, event: RouterEvent) -> None: ...
+    async def publish_many(self, events: Sequence[RouterEvent]) -> None: ...
 
 
 class KvEventForwarder:
@@ -94,17 +96,19 @@ class KvEventForwarder:
             events = await self._queue.get()
             if events is None:
                 return
-            for data in events:
-                event = RouterEvent(self.worker_id, self._next_event_id, data)
-                self._next_event_id += 1
-                try:
-                    await self._publisher.publish(event)
-                    self.published += 1
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    # The publisher resynchronises routers with a clear once NATS is back.
-                    self.failures += 1
-                    log.warning("kv event %d not published: %s", event.event_id, exc)
-                finally:
-                    self._pending -= 1
+            first = self._next_event_id
+            batch = [RouterEvent(self.worker_id, first + i, data) for i, data in enumerate(events)]
+            self._next_event_id += len(batch)
+            try:
+                await self._publisher.publish_many(batch)
+                self.published += len(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # The publisher resynchronises routers with a clear once NATS is back.
+                self.failures += len(batch)
+                log.warning(
+                    "kv events %d..%d not published: %s", first, first + len(batch) - 1, exc
+                )
+            finally:
+                self._pending -= len(batch)

@@ -25,6 +25,7 @@ from dynamo.mocker.args import (
 from dynamo.mocker.backend import mocker_worker
 from dynamo.mocker.metrics import MockerCollector
 from dynamo.mocker.model_info import ModelInfo
+from dynamo.runtime.gc_tuning import tune_for_serving
 
 
 def build_process(args: MockerArgs) -> WorkerProcess:
@@ -74,4 +75,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return await process.run()
 
+    tune_for_serving()
     return uvloop.run(run())

@@ -19,7 +19,13 @@ router's load balancing matter. Prefill is compute bound, so linear in tokens.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
+
+# The shortest wait the event loop times faithfully: uvloop's timers (libuv's) count whole
+# milliseconds, so a sleep of microseconds is "the next loop iteration", whatever was asked.
+SLEEP_QUANTUM_S = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +37,10 @@ class TimingModel:
     decode_ms_per_token: float = 0.05
     draft_ms_per_token: float = 0.5
     speed_up: float = 1.0
+    # Steps shorter than this (after `speed_up`) are run back to back and slept off
+    # together (`StepPacer`); 0 sleeps after every step, so that whoever reads the
+    # outputs sees the engine between steps (lockstep, for unit tests).
+    quantum_ms: float = SLEEP_QUANTUM_S * 1000
 
     def __post_init__(self) -> None:
         for name in (
@@ -38,6 +48,7 @@ class TimingModel:
             "decode_ms_per_step",
             "decode_ms_per_token",
             "draft_ms_per_token",
+            "quantum_ms",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -66,3 +77,51 @@ class TimingModel:
         """Expected time between tokens of one stream in steady decode (for docs and
         sizing): one step's time spread over the tokens a step produces on average."""
         return self.step_ms(0, batch_size, k) / max(mean_acceptance_length, 1.0) / self.speed_up
+
+
+class StepPacer:
+    """Waits out simulated step times in waits the event loop can time.
+
+    At a large `speed_up` a step lasts microseconds (8.8 us: a decode step of 16 requests
+    at 1000x), far below the loop's 1 ms timer resolution, so sleeping once per step
+    would only yield for one loop iteration and make the simulation as slow as its own
+    Python, with every step's outputs published on their own. The pacer instead keeps a
+    debt of simulated time and runs steps back to back until it reaches `quantum`, then
+    sleeps it off; the time a sleep overran is credited to the next steps (at most one
+    quantum), so simulated time stays right on average. So that a burst of steps cannot
+    hold the loop for long (`speed_up` 1e6 in unit tests), it also yields once per
+    `quantum` of wall-clock time spent stepping. Steps of a quantum or more (every
+    `speed_up` below about 8) sleep exactly as before.
+
+    What changes is when outputs leave: the steps of one stretch produce their outputs
+    one by one, and the transport carries what is ready together (one frame to the
+    frontend, one SSE event to the client), as it would for a real engine that fast."""
+
+    __slots__ = ("_debt", "_stretch_began", "quantum")
+
+    def __init__(self, quantum: float = SLEEP_QUANTUM_S) -> None:
+        self.quantum = quantum
+        self._debt = 0.0
+        self._stretch_began: float | None = None
+
+    async def wait(self, seconds: float) -> None:
+        """Account one step of `seconds`; sleep or yield when a quantum is due."""
+        now = time.monotonic()
+        if self._stretch_began is None:
+            self._stretch_began = now
+        self._debt += seconds
+        if self._debt >= self.quantum:
+            began = now
+            await asyncio.sleep(self._debt)
+            slept = time.monotonic() - began
+            self._debt = max(self._debt - slept, -self.quantum)
+            self._stretch_began = None
+        elif now - self._stretch_began >= self.quantum:
+            await asyncio.sleep(0)
+            self._stretch_began = None
+
+    def idle(self) -> None:
+        """The engine ran out of work: the next step starts a new stretch, and no debt or
+        credit carries over the idle time."""
+        self._debt = 0.0
+        self._stretch_began = None

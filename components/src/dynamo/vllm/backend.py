@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from dynamo.llm.kv_router.publisher import KvEventPublisher
 from dynamo.llm.kv_router.zmq_relay import KvEventRelay
@@ -119,6 +119,9 @@ class VllmBackend:
         facts = self.engine.facts
         self.observe_speculation()
         return engine_load(worker_id, self.engine.stats, facts.num_gpu_blocks if facts else 0)
+
+    def watch_load(self, changed: Callable[[], None]) -> None:
+        self.engine.stats.watch(changed)
 
     def observe_speculation(self) -> SpeculationMonitor | None:
         """Feed the engine's latest batch size and counters to the monitor (at every load

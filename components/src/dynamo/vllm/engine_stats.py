@@ -8,6 +8,7 @@ numbers here (no NATS, no HTTP): the load publisher and `/metrics` read them.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,12 @@ class EngineStats:
         self._lock = threading.Lock()
         self.snapshot = EngineSnapshot()
         self.spec = SpecDecodeTotals()
+        self._watchers: list[Callable[[], None]] = []
+
+    def watch(self, recorded: Callable[[], None]) -> None:
+        """Call `recorded` after every step's stats are in. vLLM records them in its
+        output handler, a task on the engine's event loop, so watchers run there."""
+        self._watchers.append(recorded)
 
     def record(self, scheduler_stats: Any) -> None:
         with self._lock:
@@ -79,6 +86,8 @@ class EngineStats:
                 snap.prefix_hits += int(getattr(prefix, "hits", 0))
             if scheduler_stats.spec_decoding_stats is not None:
                 self.spec.add(scheduler_stats.spec_decoding_stats)
+        for recorded in self._watchers:
+            recorded()
 
 
 def make_stat_logger_factory(stats: EngineStats) -> type[StatLoggerBase]:

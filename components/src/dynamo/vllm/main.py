@@ -19,6 +19,7 @@ import uvloop
 from prometheus_client import REGISTRY
 
 from dynamo.llm.worker import ServedWorker, WorkerProcess, WorkerRegistration
+from dynamo.runtime.gc_tuning import tune_for_serving
 from dynamo.runtime.parent_death import (
     children_die_with_this_process,
     spawned_children_die_with_this_process,
@@ -109,4 +110,5 @@ def main(argv: list[str] | None = None) -> int:
     spawned_children_die_with_this_process(signal.SIGKILL)
     for line in resolved_config_lines(cfg):
         log.info("config: %s", line)
+    tune_for_serving()  # the engine core is another process: this is the output path's
     return uvloop.run(build_process(cfg).run())

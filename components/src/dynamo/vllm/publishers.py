@@ -57,7 +57,7 @@ async def relay_kv_events(
     relay = KvEventRelay(
         endpoint,
         KvEventConverter(publisher.worker_id, block_size),
-        publisher.publish,
+        publisher.publish_many,
         replay_endpoint=replay_endpoint,
         # vLLM connects its publisher to a named tcp://host:port: the relay listens there.
         listen=not publisher_binds(endpoint),

@@ -295,6 +295,19 @@ class RouterEvent(msgspec.Struct):
     data: KvEventData
 
 
+StreamedKvEvents = RouterEvent | list[RouterEvent]
+"""One message of the KV-event stream: an event, or several consecutive events of one
+worker published together (an engine step's events: one JetStream publish and one ack
+instead of one per event). A `KvAllCleared` always travels alone, since it purges the
+worker's subject first."""
+
+
+def kv_events_of(data: bytes) -> list[RouterEvent]:
+    """The events in one message of the KV-event stream, in order."""
+    decoded = msgspec.msgpack.decode(data, type=StreamedKvEvents)
+    return decoded if isinstance(decoded, list) else [decoded]
+
+
 class LoadMetrics(msgspec.Struct, omit_defaults=True):
     """Load snapshot a worker publishes on its core-NATS metrics subject."""
 
@@ -304,6 +317,88 @@ class LoadMetrics(msgspec.Struct, omit_defaults=True):
     active_blocks: int = 0  # includes speculative slots
     total_blocks: int = 0
     kv_usage: float = 0.0
+
+
+# --------------------------------------------------------------------------- router replica sync
+# Frontend replicas share the KV router's books of requests in flight
+# (`dynamo.llm.kv_router.replica_sync`): one `ReplicaSyncMessage` per publish on the
+# endpoint's core subject (`kv_router.subjects.router_sync_subject`).
+
+
+class SequenceBooked(msgspec.Struct, tag="booked", omit_defaults=True):
+    """A replica booked a request on a worker: what `KvScheduler` needs to book it too."""
+
+    request_id: str
+    worker_id: int
+    block_size: int  # of the worker's books, which the hashes were computed with
+    prompt_len: int
+    block_hashes: list[int] = msgspec.field(default_factory=list)  # the prompt's full blocks
+    overlap_blocks: int = 0  # prompt blocks the worker had (or was getting) on arrival
+    cached_blocks: int = 0  # of those, the ones its KV events had reported
+    num_speculative_tokens: int = 0
+    # Snapshots only: the request's first output already arrived, with this many tokens.
+    first_output_tokens: int | None = None
+
+
+class SequencePrefilled(msgspec.Struct, tag="prefilled", omit_defaults=True):
+    """A booked request's first output arrived (its prefill is done), with `new_tokens`."""
+
+    request_id: str
+    new_tokens: int = 0
+
+
+class SequenceFreed(msgspec.Struct, tag="freed"):
+    """A booked request ended (finished, failed, cancelled, or its worker left)."""
+
+    request_id: str
+
+
+BookingChange = SequenceBooked | SequencePrefilled | SequenceFreed
+
+
+class BookingChanges(msgspec.Struct, tag="changes"):
+    """The changes of one replica's books since its previous message, in order."""
+
+    changes: list[BookingChange]
+
+
+class BookingSnapshot(msgspec.Struct, tag="snapshot", omit_defaults=True):
+    """Every request a replica has booked now (one chunk of them when `replace` is False:
+    a first chunk replaces what receivers hold of the sender, later chunks add to it)."""
+
+    bookings: list[SequenceBooked] = msgspec.field(default_factory=list)
+    replace: bool = True
+
+
+class SnapshotRequest(msgspec.Struct, tag="snapshot_request", omit_defaults=True):
+    """Asks `replica_id` (None: every replica) to publish a `BookingSnapshot`."""
+
+    replica_id: str | None = None
+
+
+class ReplicaHeartbeat(msgspec.Struct, tag="heartbeat"):
+    """A replica is alive, beats every `interval_s`, and holds `bookings` requests whose
+    ids' CRC-32s XOR to `fingerprint` (a receiver holding something else resyncs)."""
+
+    interval_s: float
+    bookings: int
+    fingerprint: int
+
+
+class ReplicaLeaving(msgspec.Struct, tag="leaving"):
+    """A replica is shutting down: drop its bookings now, not after missed heartbeats."""
+
+
+ReplicaSyncData = (
+    BookingChanges | BookingSnapshot | SnapshotRequest | ReplicaHeartbeat | ReplicaLeaving
+)
+
+
+class ReplicaSyncMessage(msgspec.Struct):
+    """One message of a router replica on its endpoint's sync subject."""
+
+    replica_id: str
+    data: ReplicaSyncData
 
 
 class ClearKvBlocksResult(msgspec.Struct):

@@ -25,6 +25,8 @@ layer's engine client re-places or migrates through its router). The stream only
 * `ConnectionLostError` (an `InstanceGoneError`) when this process's own NATS connection
   dropped while the stream was open: on a cluster the client reconnects to another node
   at once, but what was published to its inbox in between is lost;
+* `FramesLostError` (a `ConnectionLostError`) when the frame numbers skip: the instance's
+  connection dropped and took frames it had written;
 * `ClientClosedError` when the `Client` is closed while the stream is open: a closed
   client no longer watches the instances, so it could not report the instance's loss and
   the stream would wait forever.
@@ -45,14 +47,11 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
-from nats.aio.client import NO_RESPONDERS_STATUS
-from nats.aio.msg import Msg
-from nats.js.api import Header
-
 from dynamo.runtime import naming, wire
 from dynamo.runtime.errors import (
     ClientClosedError,
     ConnectionLostError,
+    FramesLostError,
     InstanceGoneError,
     NoInstancesError,
     StreamProtocolError,
@@ -330,6 +329,7 @@ class ResponseStream(Generic[T]):
         self.request_id = request_id or uuid.uuid4().hex
         self._payload = wire.encode_request(self.request_id, request)
         self._decoder = wire.decoder_for(response_type)
+        self._batch_decoder = wire.batch_decoder_for(response_type)
         self._first_item_timeout = first_item_timeout
         self._item_timeout = item_timeout
         self._received_item = False
@@ -408,7 +408,7 @@ class ResponseStream(Generic[T]):
             raise InstanceGoneError(
                 self.instance_id, f"not registered on {client.endpoint.path} (any more)"
             )
-        self._reply = client.runtime.inbox.open(self._on_message)
+        self._reply = client.runtime.inbox.open(self._on_frame)
         client.track(self, self.instance_id)
         await client.runtime.nc.publish(
             client.request_subject(self.instance_id), self._payload, reply=self._reply
@@ -428,17 +428,17 @@ class ResponseStream(Generic[T]):
             self._error = StreamProtocolError(f"malformed frame: {exc}")
             return False
         if seq != self._seq:
-            self._error = StreamProtocolError(
-                f"expected frame {self._seq}, got {seq} (frames lost)"
-            )
+            if seq > self._seq:  # lost in transit: the stream cannot be trusted to go on
+                self._error = FramesLostError(self.instance_id, self._seq, seq)
+            else:
+                self._error = StreamProtocolError(f"expected frame {self._seq}, got {seq}")
             return False
         self._seq += 1
         if kind is wire.FrameKind.DATA:
             self._items.append(self._decoder.decode(body))
             return True
         if kind is wire.FrameKind.BATCH:
-            decode = self._decoder.decode
-            self._items.extend(decode(raw) for raw in wire.decode_batch(body))
+            self._items.extend(self._batch_decoder.decode(body))
             return bool(self._items)
         if kind is wire.FrameKind.END:
             self._done = True
@@ -483,13 +483,9 @@ class ResponseStream(Generic[T]):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _on_message(self, msg: Msg) -> None:
-        """Each message of this stream, handed over by the runtime's inbox."""
-        headers = msg.headers
-        if headers and headers.get(Header.STATUS) == NO_RESPONDERS_STATUS:
-            self._frames.append(None)
-        else:
-            self._frames.append(msg.data)
+    def _on_frame(self, frame: bytes | None) -> None:
+        """Each frame of this stream (None: "no responders"), handed over by the inbox."""
+        self._frames.append(frame)
         self._wake()
 
     async def _cancel_remote(self) -> None:

@@ -52,6 +52,22 @@ class ConnectionLostError(InstanceGoneError):
         )
 
 
+class FramesLostError(ConnectionLostError):
+    """Frames of the stream never arrived: their numbers skip. The instance's own NATS
+    connection dropped and took what it had written but the server had not routed yet
+    (after reconnecting it sends a late frame to each stream that ended just before, so a
+    lost END shows as a skip too). Handled as a cut stream: placed again or migrated,
+    without blaming the instance, which is alive."""
+
+    def __init__(self, instance_id: int, expected: int, got: int) -> None:
+        self.instance_id = instance_id
+        DynamoRuntimeError.__init__(
+            self,
+            f"stream from instance {instance_id:016x} lost frames {expected} to {got - 1} "
+            "in transit (its NATS connection dropped)",
+        )
+
+
 class InstanceOverloadedError(DynamoRuntimeError):
     """The instance refused the request before running any of it: it already serves as
     many requests as it accepts. Nothing happened there, so another instance may take it."""

@@ -5,6 +5,10 @@ stream. A single subscription on `<prefix>.*` receives them all (nats-py's own
 request/reply does the same), and `Inbox` is the only owner of the token -> receiver
 table: a stream asks for a reply subject with `open(receiver)` and gives it back with
 `close(reply)`; nobody else reads or writes the table.
+
+A worker sends the frames of several of our streams that were ready together as one MUX
+message on `<prefix>mux` (`dynamo.runtime.coalesce`); the inbox unpacks it and hands each
+frame to its stream, in order, exactly as if it had arrived alone.
 """
 
 from __future__ import annotations
@@ -12,17 +16,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from nats.aio.client import NO_RESPONDERS_STATUS
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.api import Header
 
-from dynamo.runtime import naming
+from dynamo.runtime import naming, wire
 from dynamo.runtime.errors import RuntimeClosedError
 
 log = logging.getLogger(__name__)
 
-Receiver = Callable[[Msg], None]
-"""Called (on the event loop, in arrival order) with each message of one stream."""
+Receiver = Callable[[bytes | None], None]
+"""Called (on the event loop, in arrival order) with each frame of one stream; None when
+NATS answered the request with "no responders" instead."""
 
 
 class Inbox:
@@ -63,8 +70,30 @@ class Inbox:
         return len(self._receivers)
 
     async def _on_message(self, msg: Msg) -> None:
-        receiver = self._receivers.get(msg.subject[len(self.prefix) :])
+        token = msg.subject[len(self.prefix) :]
+        if token == naming.MUX_TOKEN:
+            self._unpack(msg.data)
+            return
+        receiver = self._receivers.get(token)
         if receiver is None:
             log.debug("message on closed inbox subject %s dropped", msg.subject)
             return
-        receiver(msg)
+        headers = msg.headers
+        if headers and headers.get(Header.STATUS) == NO_RESPONDERS_STATUS:
+            receiver(None)
+        else:
+            receiver(msg.data)
+
+    def _unpack(self, data: bytes) -> None:
+        try:
+            frames = wire.decode_mux(data)
+        except Exception as exc:
+            log.warning("malformed MUX message on %s dropped: %s", self.prefix, exc)
+            return
+        receivers = self._receivers
+        for token, frame in frames:
+            receiver = receivers.get(token)
+            if receiver is None:
+                log.debug("frame for closed inbox subject %s%s dropped", self.prefix, token)
+                continue
+            receiver(bytes(frame))

@@ -57,3 +57,16 @@ def control_subject(instance_id: int) -> str:
 def inbox_prefix(runtime_token: str) -> str:
     """Prefix of the reply subjects of one runtime's response streams."""
     return f"{INBOX_ROOT}.{runtime_token}."
+
+
+MUX_TOKEN = "mux"
+"""The inbox token of MUX messages (frames of several streams); stream tokens are hex
+counters, so it names no stream."""
+
+
+def inbox_of(reply: str) -> str | None:
+    """The inbox prefix of a reply subject one of our runtimes opened, None for any other
+    reply subject (a plain NATS request's)."""
+    if not reply.startswith(INBOX_ROOT + "."):
+        return None
+    return reply[: reply.rfind(".") + 1]

@@ -534,11 +534,20 @@ class ServedEndpoint:
             max_inflight=self.max_inflight,
         )
         await self.server.start()
+        runtime.add_reconnect_listener(self._probe_recent_ends)
         await runtime.put_leased(naming.INSTANCES_BUCKET, self.key, wire.encode_instance(info))
         runtime._add_served(self)
         log.info(
             "serving %s as instance %s", self.endpoint.path, naming.instance_hex(self.instance_id)
         )
+
+    def _probe_recent_ends(self) -> None:
+        """After a reconnect: a stream whose END was lost with the old connection learns
+        it from a late END (`ReplyCoalescer.probe_recent_ends`)."""
+        if self.server is not None:
+            sent = self.server.coalescer.probe_recent_ends()
+            if sent:
+                log.info("%s: reconnected; re-ended %d recent streams", self.endpoint.path, sent)
 
     async def mark_draining(self) -> None:
         """Stay alive but leave every client's routing set; new requests see no responder."""
@@ -569,5 +578,6 @@ class ServedEndpoint:
                 cancelled,
                 drain_timeout,
             )
+        runtime.remove_reconnect_listener(self._probe_recent_ends)
         await runtime.delete_leased(naming.INSTANCES_BUCKET, self.key)
         runtime._remove_served(self)

@@ -1,15 +1,18 @@
 """The serving side of an endpoint: receive requests, run the handler, stream frames back.
 
 A handler is an async generator `handler(request, context)` yielding response items. Each
-request runs in its own task, split in two so a fast handler does not pay one NATS message
-per item:
+request runs in its own task, the *producer*, which iterates the handler and appends each
+encoded item to the request's `ReplyStream`; the request's own task only waits for the
+producer to finish and then ends the stream (END, or an error frame).
 
-* the *producer* iterates the handler and appends each encoded item to an outbox;
-* the *sender* wakes when the outbox has items and publishes everything queued as one
-  frame (DATA for one item, BATCH for several), so an engine that yields one output per
-  step sends one frame per step, while a burst is coalesced.
+Items are not sent one by one: the endpoint's `ReplyCoalescer` takes every stream's
+waiting items once per event-loop turn, packs each stream's into frames (DATA for one
+item, BATCH for several, so a burst is coalesced) and publishes the frames bound for one
+process's inbox as one NATS message: an engine step that advances many streams read by
+one frontend costs one message, and no task wakes per item to forward it.
 
-The outbox is bounded (`_HIGH_WATER_BYTES`): a handler that outruns the connection waits.
+A stream's waiting items are bounded (`coalesce.STREAM_HIGH_WATER_BYTES`), and so is the
+coalescer's queue: a handler that outruns the connection waits.
 
 Cancellation: a control message names the stream's reply subject; the request's
 `Context` turns stopped and the producer task is cancelled, which closes the handler's
@@ -43,14 +46,13 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from dynamo.runtime import wire
+from dynamo.runtime.coalesce import ReplyCoalescer, ReplyStream
 from dynamo.runtime.errors import RequestRefusedError
 from dynamo.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Any, "Context"], AsyncIterator[Any]]
-
-_HIGH_WATER_BYTES = 256 * 1024
 
 PUBLISH_FLUSH_TIMEOUT_S = 2.0
 """How long a publish may wait for nats-py to flush a full outbound buffer (the runtime
@@ -80,39 +82,6 @@ class Context:
 
     def stop_generating(self) -> None:
         self._stopped.set()
-
-
-class _Outbox:
-    """Encoded items waiting to be sent, plus the terminal state of the producer."""
-
-    __slots__ = ("error", "finished", "items", "nbytes", "ready", "space")
-
-    def __init__(self) -> None:
-        self.items: list[bytes] = []
-        self.nbytes = 0
-        self.ready = asyncio.Event()
-        self.space = asyncio.Event()
-        self.space.set()
-        self.finished = False
-        self.error: BaseException | None = None
-
-    def push(self, item: bytes) -> None:
-        self.items.append(item)
-        self.nbytes += len(item)
-        self.ready.set()
-        if self.nbytes >= _HIGH_WATER_BYTES:
-            self.space.clear()
-
-    def take(self) -> list[bytes]:
-        items, self.items, self.nbytes = self.items, [], 0
-        self.ready.clear()
-        self.space.set()
-        return items
-
-    def close(self, error: BaseException | None = None) -> None:
-        self.finished = True
-        self.error = error
-        self.ready.set()
 
 
 class InflightRequest:
@@ -182,6 +151,7 @@ class EndpointServer:
         if max_inflight is not None and max_inflight < 0:
             raise ValueError(f"max_inflight must be >= 0, got {max_inflight}")
         self._nc = nc
+        self.coalescer = ReplyCoalescer(nc)
         self.subject = subject
         self.instance_id = instance_id
         self._handler = handler
@@ -203,6 +173,7 @@ class EndpointServer:
         return self.max_inflight is not None and len(self._tasks) >= self.max_inflight
 
     async def start(self) -> None:
+        self.coalescer.start()
         self._sub = await self._nc.subscribe(self.subject, cb=self._on_request)
 
     async def stop_accepting(self) -> None:
@@ -221,6 +192,7 @@ class EndpointServer:
             await asyncio.wait(set(self._tasks), timeout=timeout)
         leftover = list(self._tasks)
         await asyncio.gather(*(cancel_and_wait(task) for task in leftover))
+        await self.coalescer.close()  # the last frames (ENDs, shutdown errors) go out
         return len(leftover)
 
     async def _on_request(self, msg: Msg) -> None:
@@ -228,7 +200,7 @@ class EndpointServer:
             log.warning("request on %s without a reply subject dropped", self.subject)
             return
         if self.is_full():
-            await self._refuse(msg.reply)
+            self._refuse(msg.reply)
             return
         task = asyncio.create_task(self._serve(msg.reply, msg.data))
         self._tasks.add(task)
@@ -242,7 +214,7 @@ class EndpointServer:
                 "%s: below %d requests in flight, accepting again", self.subject, self.max_inflight
             )
 
-    async def _refuse(self, reply: str) -> None:
+    def _refuse(self, reply: str) -> None:
         """Answer at once, without a task: the caller places the request elsewhere."""
         self.requests_refused += 1
         if not self._refusing:  # once per episode, not once per request
@@ -253,18 +225,12 @@ class EndpointServer:
                 self.max_inflight,
             )
         message = f"the worker is serving its limit of {self.max_inflight} requests"
-        await self._send_quietly(
-            reply, wire.encode_kind_error(0, wire.ErrorKind.OVERLOADED, message)
-        )
+        self._send_quietly(reply, wire.encode_kind_error(0, wire.ErrorKind.OVERLOADED, message))
 
-    async def _send_quietly(self, reply: str, frame: bytes) -> bool:
-        """Publish a last frame when possible; False (logged at debug) when not."""
-        try:
-            await self._nc.publish(reply, frame)
-        except Exception as exc:
-            log.debug("frame to %s not sent: %s", reply, _describe(exc))
-            return False
-        return True
+    def _send_quietly(self, reply: str, frame: bytes) -> None:
+        """Queue a last frame; if it cannot be published, that is logged at debug (the
+        client's own deadline ends its wait)."""
+        self.coalescer.send(reply, frame)
 
     async def _serve(self, reply: str, data: bytes) -> None:
         self.requests_served += 1
@@ -272,105 +238,84 @@ class EndpointServer:
             request_id, raw = wire.decode_request(data)
             request = self._decoder.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            await self._send_quietly(
+            self._send_quietly(
                 reply, wire.encode_error(0, "BadRequest", f"undecodable request: {exc}")
             )
             return
         inflight = InflightRequest(Context(request_id, self.instance_id))
         self._registry.add(reply, inflight)
-        outbox = _Outbox()
-        inflight.producer = asyncio.create_task(self._produce(request, inflight.context, outbox))
-        sender = _FrameSender(self._nc, reply)
+        settled = asyncio.Event()  # the handler is done, or a frame could not be sent
+        stream = ReplyStream(self.coalescer, reply, on_failure=settled.set)
+        producer = asyncio.create_task(self._produce(request, inflight.context, stream, settled))
+        inflight.producer = producer
         try:
-            await _forward(outbox, sender)
+            await settled.wait()
+            if stream.error is not None:
+                raise stream.error
             if inflight.context.is_stopped():
-                return  # the client is gone; nobody reads a terminal frame
-            error = outbox.error
-            await sender.send(
-                wire.encode_end(sender.seq) if error is None else _error_frame(sender.seq, error)
-            )
+                return  # the client is gone (its producer was cancelled): no terminal frame
+            error = await producer
+            stream.finish(wire.encode_end if error is None else _terminal_error(error))
         except asyncio.CancelledError:
             inflight.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await inflight.producer
+                await producer
             message = "it shut down before the request finished"
-            await self._send_quietly(
-                reply, wire.encode_kind_error(sender.seq, wire.ErrorKind.SHUTDOWN, message)
-            )
+            stream.finish(lambda seq: wire.encode_kind_error(seq, wire.ErrorKind.SHUTDOWN, message))
             raise
         except Exception as exc:  # a frame could not be published
-            await self._abandon(inflight, sender, exc)
+            await self._abandon(inflight, stream, exc)
         finally:
             self._registry.remove(reply)
 
     async def _abandon(
-        self, inflight: InflightRequest, sender: _FrameSender, exc: Exception
+        self, inflight: InflightRequest, stream: ReplyStream, exc: Exception
     ) -> None:
         """A frame could not be sent: stop the producer (its handler's `finally` aborts
         the request in the engine) and tell the client, if a small frame still gets out
         (during an outage it does not: the client's own deadline ends its wait)."""
-        what = f"{sender.last_size} bytes: {_describe(exc)}"
+        what = f"{stream.failed_size} bytes: {_describe(exc)}"
         log.warning(
             "request %s on %s: response frame %d not sent (%s); cancelling the request",
             inflight.context.id,
             self.subject,
-            sender.seq,
+            stream.failed_seq,
             what,
         )
         inflight.cancel()
         await cancel_and_wait(inflight.producer)
         message = f"the worker could not send its response ({what})"
-        await self._send_quietly(
-            sender.reply, wire.encode_error(sender.seq, type(exc).__name__, message)
+        self._send_quietly(
+            stream.reply, wire.encode_error(stream.failed_seq, type(exc).__name__, message)
         )
 
-    async def _produce(self, request: Any, context: Context, outbox: _Outbox) -> None:
+    async def _produce(
+        self, request: Any, context: Context, stream: ReplyStream, settled: asyncio.Event
+    ) -> BaseException | None:
+        """Push the handler's items on `stream`; returns the exception the handler raised
+        (None when it finished), which becomes the stream's terminal frame."""
         agen = self._handler(request, context)
         encode = wire.encode
+        push = stream.push
         try:
             async for item in agen:
-                outbox.push(encode(item))
-                if not outbox.space.is_set():
-                    await outbox.space.wait()
+                push(encode(item))
+                if not stream.space.is_set() or not self.coalescer.has_space():
+                    await stream.wait_for_space()
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await agen.aclose()
-            outbox.close()
             raise
         except Exception as exc:
             log.debug("handler on %s raised %r", self.subject, exc)
-            outbox.close(exc)
-            return
-        outbox.close()
+            return exc
+        finally:
+            settled.set()
+        return None
 
 
-class _FrameSender:
-    """Publishes one request's frames in order and remembers how far it got (the number
-    of the next frame, the size of the last one tried)."""
-
-    __slots__ = ("_nc", "last_size", "reply", "seq")
-
-    def __init__(self, nc: NatsClient, reply: str) -> None:
-        self._nc = nc
-        self.reply = reply
-        self.seq = 0
-        self.last_size = 0
-
-    async def send(self, frame: bytes) -> None:
-        self.last_size = len(frame)
-        await self._nc.publish(self.reply, frame)
-        self.seq += 1
-
-
-async def _forward(outbox: _Outbox, sender: _FrameSender) -> None:
-    """Send what the producer queues, one frame per wake-up (BATCH for several items),
-    until it finished and everything is out."""
-    while True:
-        await outbox.ready.wait()
-        for frame in wire.pack_frames(sender.seq, outbox.take()):
-            await sender.send(frame)
-        if outbox.finished and not outbox.items:
-            return
+def _terminal_error(error: BaseException) -> Callable[[int], bytes]:
+    return lambda seq: _error_frame(seq, error)
 
 
 def _error_frame(seq: int, error: BaseException) -> bytes:

@@ -10,6 +10,11 @@ Response stream, one NATS message per frame, published to the request's reply in
     [seq, END,   nil]              the handler finished
     [seq, ERROR, [type, message]]  the request failed (terminal)
 
+Frames of several streams bound for one process's inbox in the same event-loop turn
+travel together as one MUX message on `<inbox prefix>mux` (see `coalesce`):
+
+    [[token, frame], ...]          each frame as above, for the stream `<prefix><token>`
+
 `seq` counts frames from 0 so a receiver detects a lost frame. An ERROR frame's `type` is
 the handler's exception class name, or one of the reserved names of `ErrorKind` that tell
 the caller what it may do next (send the request elsewhere, or report the client's error).
@@ -65,6 +70,7 @@ _batch_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _error_decoder = msgspec.msgpack.Decoder(tuple[str, str])
 _control_decoder = msgspec.msgpack.Decoder(tuple[str, ControlAction])
 _instance_decoder = msgspec.msgpack.Decoder(InstanceInfo)
+_mux_decoder = msgspec.msgpack.Decoder(list[tuple[str, msgspec.Raw]])
 
 
 def encode(obj: Any) -> bytes:
@@ -173,6 +179,20 @@ def decode_error(body: msgspec.Raw) -> tuple[str, str]:
     return _error_decoder.decode(body)
 
 
+MUX_OVERHEAD_BYTES = 16
+"""Upper bound on what a MUX message adds per frame beyond the frame and its token
+(msgpack array and string headers), for sizing messages under the server's limit."""
+
+
+def encode_mux(frames: list[tuple[str, bytes]]) -> bytes:
+    """One MUX message carrying `(token, frame)` pairs, in order."""
+    return _encoder.encode([(token, msgspec.Raw(frame)) for token, frame in frames])
+
+
+def decode_mux(data: bytes) -> list[tuple[str, msgspec.Raw]]:
+    return _mux_decoder.decode(data)
+
+
 def encode_control(reply_subject: str, action: ControlAction) -> bytes:
     return _encoder.encode((reply_subject, action))
 
@@ -189,7 +209,19 @@ def decode_instance(data: bytes) -> InstanceInfo:
     return _instance_decoder.decode(data)
 
 
+_typed_batch_decoders: dict[Any, msgspec.msgpack.Decoder] = {}
 _typed_decoders: dict[Any, msgspec.msgpack.Decoder] = {}
+
+
+def batch_decoder_for(type_: Any) -> msgspec.msgpack.Decoder:
+    """A cached decoder of a BATCH frame's body straight into a list of `type_` (None =
+    plain builtins): one C call for the whole batch, where `decode_batch` and then one
+    decode per item would parse every item twice."""
+    decoder = _typed_batch_decoders.get(type_)
+    if decoder is None:
+        item = Any if type_ is None else type_
+        decoder = _typed_batch_decoders[type_] = msgspec.msgpack.Decoder(list[item])
+    return decoder
 
 
 def decoder_for(type_: Any) -> msgspec.msgpack.Decoder:

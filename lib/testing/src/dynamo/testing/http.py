@@ -18,7 +18,7 @@ import json
 import re
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -74,10 +74,62 @@ def kv_router_view(base_url: str, model: str, endpoint_path: str) -> dict[str, A
     return json.loads(body)["models"][model][endpoint_path]
 
 
+def debug_kv_views(base_url: str, *, attempts: int = 400) -> list[dict[str, Any]]:
+    """`GET /debug/kv` of every process of the frontend at `base_url`, in process order.
+
+    A frontend run with `--http-workers N` is N processes sharing one port, each with its
+    own routers: the kernel hands each new connection to one of them, and the answer says
+    which (`http_worker: {index, count}`). New connections are made until all N have
+    answered; a single-process frontend answers once. `AssertionError` unless every
+    answer is 200 and every process answered within `attempts` connections."""
+    views: dict[int, dict[str, Any]] = {}
+    count = 1
+    for _ in range(attempts):
+        status, body = http_get(f"{base_url}/debug/kv")
+        if status != 200:
+            raise AssertionError(f"GET {base_url}/debug/kv: {status} {body[:500]}")
+        view = json.loads(body)
+        slot = view.get("http_worker")
+        if slot is None:
+            return [view]
+        views[slot["index"]] = view
+        count = slot["count"]
+        if len(views) == count:
+            return [views[index] for index in range(count)]
+    raise AssertionError(
+        f"{base_url}: only processes {sorted(views)} of {count} answered GET /debug/kv "
+        f"in {attempts} connections"
+    )
+
+
+def kv_router_views(base_url: str, model: str, endpoint_path: str) -> list[dict[str, Any]]:
+    """`kv_router_view` of every process of the frontend at `base_url` (one per
+    `--http-workers` process)."""
+    return [view["models"][model][endpoint_path] for view in debug_kv_views(base_url)]
+
+
 def routed_requests(router_view: Mapping[str, Any]) -> dict[str, int]:
     """Requests a KV router sent to each worker so far (by instance hex), from its
     `kv_router_view`."""
     return {hex_id: view["routed"]["requests"] for hex_id, view in router_view["workers"].items()}
+
+
+def routed_totals(views: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """Requests placed on each worker (by instance hex) by all of a frontend's
+    processes together, from their `kv_router_views`."""
+    totals: dict[str, int] = {}
+    for view in views:
+        for worker, count in routed_requests(view).items():
+            totals[worker] = totals.get(worker, 0) + count
+    return totals
+
+
+def predicted_hit_rate(views: Sequence[Mapping[str, Any]]) -> float:
+    """The routers' predicted prefix-cache hit rate over every process's decisions
+    (overlapping blocks over prompt blocks)."""
+    blocks = sum(view["routing"]["request_blocks"] for view in views)
+    overlap = sum(view["routing"]["overlap_blocks"] for view in views)
+    return overlap / blocks if blocks else 0.0
 
 
 def metric_values(text: str, name: str, labels: Mapping[str, str] | None = None) -> list[float]:

@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
+
 from dynamo.runtime.ports import free_port
 from dynamo.testing.http import (
     http_get,
@@ -289,6 +291,14 @@ class WorkerProcess(ManagedProcess):
         return sum(values)
 
 
+def serving_pids(frontend_pid: int) -> list[int]:
+    """The processes of the frontend `frontend_pid` that serve HTTP and hold NATS
+    connections: the frontend itself, or, when it runs with `--http-workers N`
+    (`$DYN_HTTP_WORKERS`), its N children."""
+    children = psutil.Process(frontend_pid).children()
+    return [child.pid for child in children] or [frontend_pid]
+
+
 class FrontendProcess(ManagedProcess):
     """`python -m dynamo.frontend` on 127.0.0.1 and a free port."""
 
@@ -310,6 +320,11 @@ class FrontendProcess(ManagedProcess):
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def serving_pids(self) -> list[int]:
+        """The processes that serve HTTP and hold NATS connections: the frontend itself,
+        or, when it runs with `--http-workers N` (`$DYN_HTTP_WORKERS`), its N children."""
+        return serving_pids(self.pid)
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of series `name` on the frontend's `/metrics` whose labels

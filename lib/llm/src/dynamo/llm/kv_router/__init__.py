@@ -2,9 +2,11 @@
 
 The core (hashing, indexer, active sequences, scheduler, `KvRouter`) is NATS-free: the
 relay hands events to a callback and the router takes its inputs by call or from injected
-async iterables, so it is tested without a broker. The NATS wiring lives in three modules
-of its own: `subjects` (names), `publisher` (`KvEventPublisher`, `LoadPublisher`: worker
-side) and `nats_feed` (`create_kv_router`: frontend side).
+async iterables, so it is tested without a broker. The NATS wiring lives in modules of
+its own: `subjects` (names), `publisher` (`KvEventPublisher`, `LoadPublisher`: worker
+side), `nats_feed` (`create_kv_router`: frontend side) and `replica_sync`
+(`RouterReplicaSync`: bookings shared among frontend replicas, whose rules are the
+NATS-free `replica_books.ReplicaBooks`).
 """
 
 from dynamo.llm.kv_router.active_sequences import (
@@ -20,6 +22,8 @@ from dynamo.llm.kv_router.hashing import compute_block_hashes, hash_block
 from dynamo.llm.kv_router.indexer import KvIndexer, OverlapScores
 from dynamo.llm.kv_router.nats_feed import KvRouterFeed, create_kv_router
 from dynamo.llm.kv_router.publisher import KvEventPublisher, LoadPublisher
+from dynamo.llm.kv_router.replica_books import ReplicaBooks
+from dynamo.llm.kv_router.replica_sync import ReplicaSyncSettings, RouterReplicaSync
 from dynamo.llm.kv_router.scheduler import (
     KvRouter,
     KvScheduler,
@@ -44,6 +48,9 @@ __all__ = [
     "LoadPublisher",
     "MultiWorkerSequences",
     "OverlapScores",
+    "ReplicaBooks",
+    "ReplicaSyncSettings",
+    "RouterReplicaSync",
     "RoutingDecision",
     "RoutingTally",
     "SequenceState",

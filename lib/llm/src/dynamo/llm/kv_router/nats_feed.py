@@ -12,6 +12,10 @@ A `KvRouter` (NATS-free, `scheduler.py`) is fed by three subscriptions, owned he
 In approximate mode (`CachePrediction(kv_events=False)`, the frontend's `--no-kv-events`)
 there is no event subscription: the router predicts caches from its own decisions alone.
 
+With `ReplicaSyncSettings(enabled=True)` (the frontend's default) the router also shares
+its bookings of requests in flight with the other routers of the endpoint
+(`replica_sync.RouterReplicaSync`).
+
 A broker restarted without its store comes back with an empty stream whose sequence
 numbers start again at 1. The subscription notices (`StreamSubscription`, `on_reset`):
 the feed then forgets every cached block it learnt (the events that would have told it
@@ -38,6 +42,7 @@ from dynamo.llm.kv_router.anticipation import CachePrediction
 from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.membership import DEFAULT_GRACE_S, WorkerMembership
 from dynamo.llm.kv_router.publisher import kv_events_stream
+from dynamo.llm.kv_router.replica_sync import ReplicaSyncSettings, RouterReplicaSync
 from dynamo.llm.kv_router.scheduler import (
     DEFAULT_OVERLAP_SCORE_WEIGHT,
     KvRouter,
@@ -47,8 +52,16 @@ from dynamo.llm.kv_router.subjects import (
     instance_of_subject,
     kv_events_filter,
     load_metrics_filter,
+    router_sync_subject,
 )
-from dynamo.llm.protocols import KvAllCleared, LoadMetrics, ModelCard, RouterEvent, decode
+from dynamo.llm.protocols import (
+    KvAllCleared,
+    LoadMetrics,
+    ModelCard,
+    RouterEvent,
+    decode,
+    kv_events_of,
+)
 from dynamo.runtime.client import Client
 from dynamo.runtime.events import EventStream, StreamSubscription
 from dynamo.runtime.runtime import DistributedRuntime
@@ -185,21 +198,23 @@ class KvRouterFeed:
             self.stats.replay_complete = True
             self._replayed.set()
         try:
-            event = decode(payload, RouterEvent)
+            events = kv_events_of(payload)
         except msgspec.MsgspecError as exc:
             self.stats.events_malformed += 1
             log.warning("kv router: undecodable event #%d on %s: %s", sequence, subject, exc)
             return
-        if event.worker_id != instance_of_subject(subject):
-            self.stats.events_malformed += 1
-            log.warning("kv router: event of worker %x on %s dropped", event.worker_id, subject)
-            return
-        if not self.membership.accepts(event.worker_id):
-            self.stats.events_ignored += 1
-            return
-        self._router.apply_event(event)
-        self._indexed.add(event.worker_id)
-        self.stats.events += 1
+        worker_id = instance_of_subject(subject)
+        for event in events:
+            if event.worker_id != worker_id:
+                self.stats.events_malformed += 1
+                log.warning("kv router: event of worker %x on %s dropped", event.worker_id, subject)
+                continue
+            if not self.membership.accepts(event.worker_id):
+                self.stats.events_ignored += 1
+                continue
+            self._router.apply_event(event)
+            self._indexed.add(event.worker_id)
+            self.stats.events += 1
 
     def _on_stream_reset(self) -> None:
         """The stream was recreated empty: forget every worker's cached blocks (not the
@@ -269,10 +284,12 @@ async def create_kv_router(
     grace_s: float = DEFAULT_GRACE_S,
     busy: BusyThresholds | None = None,
     prediction: CachePrediction | None = None,
+    replica_sync: ReplicaSyncSettings | None = None,
 ) -> KvRouter:
     """A `KvRouter` for the model of `card`, fed from NATS, with the stream's history of
-    the card's namespace/component already applied (none read in approximate mode).
-    `router.close()` unsubscribes."""
+    the card's namespace/component already applied (none read in approximate mode), and
+    sharing its bookings with the endpoint's other routers unless `replica_sync` is
+    disabled (None: enabled, default timing). `router.close()` unsubscribes."""
     prediction = prediction if prediction is not None else CachePrediction()
     router = build_kv_router(
         card,
@@ -291,7 +308,13 @@ async def create_kv_router(
         kv_events=prediction.kv_events,
     )
     router.attach(feed)
+    sync_settings = replica_sync if replica_sync is not None else ReplicaSyncSettings()
     try:
+        if sync_settings.enabled:
+            subject = router_sync_subject(card.namespace, card.component, card.endpoint)
+            sync = RouterReplicaSync(runtime, router.scheduler, subject, sync_settings)
+            router.attach(sync)
+            await sync.start()
         await feed.start(replay_timeout_s)
     except BaseException:
         await router.close()

@@ -3,9 +3,10 @@
 * `KvEventPublisher` puts a worker's `RouterEvent`s on its JetStream subject
   (`subjects.kv_events_subject`). It is the callback a `KvEventRelay` (vLLM) or the mocker
   engine hands events to.
-* `LoadPublisher` publishes `LoadMetrics` snapshots on the worker's core subject, on change
-  and at least every `interval_s`, so routers see load without polling and can tell a
-  live worker's stale report from a fresh one.
+* `LoadPublisher` publishes `LoadMetrics` snapshots on the worker's core subject when the
+  engine says its load may have changed (after a step), and at least every `interval_s`,
+  so routers see load without polling and can tell a live worker's stale report from a
+  fresh one.
 
 Engine-agnostic on purpose: where the events and the load numbers come from (vLLM's ZMQ
 publisher and stat logger, or a simulation) is the caller's business.
@@ -14,9 +15,10 @@ publisher and stat logger, or a simulation) is the caller's business.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,16 +45,23 @@ from dynamo.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LOAD_INTERVAL_S = 0.25
-"""Longest time between two load reports of a live worker."""
-DEFAULT_LOAD_POLL_S = 0.05
-"""How often the load source is sampled for changes (reported at once when changed)."""
+DEFAULT_LOAD_INTERVAL_S = 1.0
+"""Longest time between two load reports of a live worker (routers ignore reports older
+than five of these, `scheduler.DEFAULT_LOAD_METRICS_TTL_S`)."""
+DEFAULT_LOAD_MIN_GAP_S = 0.05
+"""Shortest time between two load reports: an engine stepping hundreds of times a second
+reports at most this often, with the load of its latest step."""
 
 
 def kv_events_stream() -> EventStream:
     """The stream every worker publishes to and every KV router replays."""
     return EventStream(KV_EVENTS_STREAM, kv_events_stream_subjects(), max_age_s=KV_EVENTS_MAX_AGE_S)
 
+
+MAX_EVENTS_PER_MESSAGE = 64
+"""Most events published together as one message of the stream (an engine step's events
+rarely reach it; a long prompt's `KvBlockStored` holds a few hundred hashes, so 64 of
+them stay far below NATS' default 1 MB message limit)."""
 
 RESYNC_CHUNK_BLOCKS = 4096
 """Most block hashes in one `KvBlockStored` of a re-announcement (about 37 KB of
@@ -129,20 +138,29 @@ class KvEventPublisher:
 
     async def publish(self, event: RouterEvent) -> None:
         """Publish one event (in call order); raises when NATS did not take it."""
+        await self.publish_many([event])
+
+    async def publish_many(self, events: Sequence[RouterEvent]) -> None:
+        """Publish consecutive events of the worker (in call order), as few messages as
+        the rules allow: each run of events between clears is one message (up to
+        `MAX_EVENTS_PER_MESSAGE`). Raises when NATS did not take them."""
+        if not events:
+            return
         async with self._lock:
-            _apply(self.cached, event.data)  # the engine's truth, whether NATS takes it or not
+            for event in events:  # the engine's truth, whether NATS takes it or not
+                _apply(self.cached, event.data)
             try:
-                await self._publish(event)
+                await self._publish(events)
                 return
             except Exception:
                 self._dirty = True
                 if not await self._recreated_stream():
-                    self.stats.failures += 1
+                    self.stats.failures += len(events)
                     raise
             try:
-                await self._publish(event)
+                await self._publish(events)
             except Exception:
-                self.stats.failures += 1
+                self.stats.failures += len(events)
                 raise
 
     async def resync(self) -> None:
@@ -186,19 +204,25 @@ class KvEventPublisher:
             self._stream.name,
         )
 
-    async def _publish(self, event: RouterEvent) -> None:
-        if isinstance(event.data, KvAllCleared):
-            await self._purge()
-            await self._send(event.data, event.event_id)
-        elif self._dirty:
-            # Routers may have missed events: tell them everything, this event included
-            # (the mirror already holds its effect).
+    async def _publish(self, events: Sequence[RouterEvent]) -> None:
+        if self._dirty and not any(isinstance(e.data, KvAllCleared) for e in events):
+            # Routers may have missed events: tell them everything, these events included
+            # (the mirror already holds their effect).
             await self._announce_cache()
             log.warning("kv events: publishing resumed, re-announced the cache to routers")
         else:
-            await self._send(event.data, event.event_id)
+            run: list[RouterEvent] = []
+            for event in events:
+                if isinstance(event.data, KvAllCleared):
+                    await self._send_run(run)
+                    run = []
+                    await self._purge()
+                    await self._send(event.data, event.event_id)
+                else:
+                    run.append(event)
+            await self._send_run(run)
         self._dirty = False
-        self.stats.published += 1
+        self.stats.published += len(events)
 
     async def _announce_cache(self) -> None:
         await self._purge()
@@ -215,11 +239,36 @@ class KvEventPublisher:
 
     async def _send(self, data: KvEventData, event_id: int | None = None) -> None:
         """Put one event on the wire with an id above every id sent before."""
-        floor = -1 if self._last_id is None else self._last_id + 1
-        wire_id = max(floor, event_id if event_id is not None else floor)
-        event = RouterEvent(self.worker_id, wire_id, data)
+        event = self._numbered(data, event_id)
         await self._stream.publish(self._runtime, self.subject, encode(event))
-        self._last_id = wire_id
+        self._last_id = event.event_id
+
+    async def _send_run(self, run: Sequence[RouterEvent]) -> None:
+        """Put events on the wire as messages of up to `MAX_EVENTS_PER_MESSAGE`, ids
+        raised as `_send` does."""
+        for start in range(0, len(run), MAX_EVENTS_PER_MESSAGE):
+            chunk = run[start : start + MAX_EVENTS_PER_MESSAGE]
+            if len(chunk) == 1:
+                await self._send(chunk[0].data, chunk[0].event_id)
+                continue
+            last_id = self._last_id
+            numbered = []
+            for event in chunk:
+                numbered.append(self._numbered(event.data, event.event_id, last_id))
+                last_id = numbered[-1].event_id
+            await self._stream.publish(self._runtime, self.subject, encode(numbered))
+            self._last_id = last_id
+
+    def _numbered(
+        self, data: KvEventData, event_id: int | None, after: int | None = None
+    ) -> RouterEvent:
+        """The event as it goes on the wire: its id, raised above `after` (default: the
+        last id sent) where a re-announcement took ids."""
+        last = self._last_id if after is None else after
+        floor = -1 if last is None else last + 1
+        return RouterEvent(
+            self.worker_id, max(floor, event_id if event_id is not None else floor), data
+        )
 
 
 def _apply(cached: set[int], data: KvEventData) -> None:
@@ -244,8 +293,14 @@ Clock = Callable[[], float]
 
 
 class LoadPublisher:
-    """Publishes a worker's `LoadMetrics` on its core subject: whenever the sampled value
-    changes, and at least every `interval_s` (a heartbeat routers can age out).
+    """Publishes a worker's `LoadMetrics` on its core subject: soon after the engine says
+    its load may have changed (`changed()`, called after each engine step), and at least
+    every `interval_s` (a heartbeat routers can age out).
+
+    Event-driven rather than sampled on a timer: an idle worker costs one wake-up per
+    heartbeat, and a busy one reports within a step of a change instead of within a
+    polling period. `min_gap_s` bounds the rate: a change within `min_gap_s` of the last
+    report waits out the gap, then goes out as the load at that moment.
 
     `clock` decides when the heartbeat is due. It defaults to `time.monotonic` (what
     asyncio's own loop clock reads) and is a parameter so the change/heartbeat rules can be
@@ -261,22 +316,28 @@ class LoadPublisher:
         source: LoadSource,
         *,
         interval_s: float = DEFAULT_LOAD_INTERVAL_S,
-        poll_s: float = DEFAULT_LOAD_POLL_S,
+        min_gap_s: float = DEFAULT_LOAD_MIN_GAP_S,
         clock: Clock = time.monotonic,
     ) -> None:
-        if interval_s <= 0 or poll_s <= 0:
-            raise ValueError("interval_s and poll_s must be positive")
+        if interval_s <= 0 or min_gap_s <= 0:
+            raise ValueError("interval_s and min_gap_s must be positive")
         self._runtime = runtime
         self.subject = load_metrics_subject(namespace, component, worker_id)
         self._source = source
         self._interval = interval_s
-        self._poll = min(poll_s, interval_s)
+        self._min_gap = min(min_gap_s, interval_s)
         self._clock = clock
         self._last: LoadMetrics | None = None
         self._last_sent = 0.0
+        self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.published = 0
         self.failures = 0
+
+    def changed(self) -> None:
+        """The engine's load may have changed: sample and report it within `min_gap_s`.
+        Cheap enough to call after every engine step; call it on the event loop's thread."""
+        self._changed.set()
 
     async def start(self) -> LoadPublisher:
         """Publish the current load now and keep publishing in the background."""
@@ -301,7 +362,7 @@ class LoadPublisher:
             return False
         try:
             await self._runtime.publish(self.subject, encode(metrics))
-        except Exception as exc:  # broker away: the next tick tries again
+        except Exception as exc:  # broker away: the next change or heartbeat tries again
             self.failures += 1
             log.debug("load metrics not published: %s", exc)
             return False
@@ -311,5 +372,11 @@ class LoadPublisher:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self._poll)
+            heartbeat_in = self._interval - (self._clock() - self._last_sent)
+            if heartbeat_in > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(heartbeat_in):
+                        await self._changed.wait()
+            self._changed.clear()
             await self.publish_if_due()
+            await asyncio.sleep(self._min_gap)  # later changes wait out the gap, together

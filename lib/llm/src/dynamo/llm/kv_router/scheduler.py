@@ -26,6 +26,12 @@ load balance (low: spread decode load). ``router_temperature`` 0 picks the lowes
 `KvScheduler` is the NATS-free core; `KvRouter` implements the `dynamo.llm.router.Router`
 protocol over it and is fed cache events, worker cards and load metrics by whoever owns
 the subscriptions (injected async iterables or direct calls).
+
+Books shared among router replicas (docs/kv_router.md, "Replica sync"): every change of
+the scheduler's own bookings goes to its `BookingObserver`s as a wire record
+(`SequenceBooked`, `SequencePrefilled`, `SequenceFreed`), and another replica's records
+are applied with `apply_booking` / `apply_prefill` / `release`, which tell no observer
+(so a replica never echoes what it learnt). `replica_sync` wires the two over NATS.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.hashing import compute_block_hashes, num_blocks_spanned
 from dynamo.llm.kv_router.indexer import KvIndexer
 from dynamo.llm.protocols import (
+    BookingChange,
     KvAllCleared,
     KvBlockStored,
     LLMEngineOutput,
@@ -53,6 +60,9 @@ from dynamo.llm.protocols import (
     PreprocessedRequest,
     RouterEvent,
     RoutingHints,
+    SequenceBooked,
+    SequenceFreed,
+    SequencePrefilled,
     SpeculativeInfo,
 )
 from dynamo.llm.router import AllWorkersBusyError, Router
@@ -145,6 +155,13 @@ class RoutingTally:
         }
 
 
+class BookingObserver(Protocol):
+    """Told every change of the scheduler's own books (not of bookings applied from other
+    replicas), in the order they happen: what a replica publishes to the others."""
+
+    def booking_changed(self, change: BookingChange) -> None: ...
+
+
 def choose(scores: Sequence[WorkerScore], temperature: float, rng: random.Random) -> WorkerScore:
     """Lowest cost at temperature 0 (random among ties), otherwise softmax sampling over
     negative costs normalised to [0, 1] so the temperature means the same at any load."""
@@ -215,6 +232,21 @@ class KvScheduler:
         self.busy_refusals = 0  # requests refused because every candidate was busy
         self.prediction = prediction if prediction is not None else CachePrediction()
         self.anticipated = AnticipatedBlocks(self.prediction.resolved_ttl_s, clock)
+        self._observers: list[BookingObserver] = []
+
+    # ------------------------------------------------------------------ observers
+
+    def add_booking_observer(self, observer: BookingObserver) -> None:
+        """Tell `observer` of every change of this scheduler's own bookings from now on."""
+        self._observers.append(observer)
+
+    def remove_booking_observer(self, observer: BookingObserver) -> None:
+        if observer in self._observers:
+            self._observers.remove(observer)
+
+    def _notify(self, change: BookingChange) -> None:
+        for observer in self._observers:
+            observer.booking_changed(change)
 
     # ------------------------------------------------------------------ inputs
 
@@ -235,8 +267,12 @@ class KvScheduler:
         self._metrics.pop(worker_id, None)
         self._released_at.pop(worker_id, None)
         self.indexer.remove_worker(worker_id)
-        self.sequences.remove_worker(worker_id)
+        orphaned = self.sequences.remove_worker(worker_id)
         self.anticipated.remove_worker(worker_id)
+        # Their requests end without a `free` that finds them: tell observers now (an
+        # observer ignores the keys of bookings it did not make).
+        for request_id in orphaned:
+            self._notify(SequenceFreed(request_id))
 
     def apply_event(self, event: RouterEvent) -> None:
         """A worker's KV cache event (from its relay). Stored blocks the router was
@@ -308,14 +344,60 @@ class KvScheduler:
     def mark_prefill_completed(self, request_id: str, num_new_tokens: int = 0) -> None:
         """The request's first output arrived: its prefill is no longer pending, and the
         `num_new_tokens` it produced grow its context."""
-        self.sequences.mark_prefill_completed(request_id)
-        self.sequences.append_tokens(request_id, num_new_tokens)
+        if self.apply_prefill(request_id, num_new_tokens):
+            self._notify(SequencePrefilled(request_id, num_new_tokens))
 
     def free(self, request_id: str) -> bool:
-        """The request ended (finished, failed or cancelled): release its blocks. One
-        that ended before its first output may never have computed its prompt, so the
-        blocks it brought stop counting as coming (unless a request still in flight
-        there holds them)."""
+        """The request ended (finished, failed or cancelled): release its blocks (see
+        `release`) and tell the observers. False when it was not booked."""
+        freed = self.release(request_id)
+        if freed:
+            self._notify(SequenceFreed(request_id))
+        return freed
+
+    def apply_booking(self, key: str, booking: SequenceBooked) -> bool:
+        """Book `booking` under `key` (replacing what `key` held): this scheduler's own
+        decision, or one another replica made (then `key` is namespaced by the replica, so
+        it cannot meet a local request id). Its blocks count on the worker as if routed
+        from here, and its not yet reported blocks as coming there. False (nothing booked)
+        when the booking's block size is not the one this scheduler keeps the worker's
+        books in; `ValueError` when its hashes do not fit its prompt length."""
+        config = self.worker_spec(booking.worker_id)
+        if booking.block_size != config.block_size:
+            return False
+        self.release(key)  # a retried or re-announced request is re-booked, not doubled
+        self.sequences.ensure_worker(
+            booking.worker_id, config.block_size, speculative_depth(config.speculative)
+        )
+        self.sequences.add_request(
+            booking.worker_id,
+            key,
+            booking.prompt_len,
+            block_hashes=booking.block_hashes,
+            overlap_blocks=booking.overlap_blocks,
+            num_speculative_tokens=booking.num_speculative_tokens,
+        )
+        # Everything the events have not reported there yet will be (or stays) cached:
+        # refreshed on every use, so without events a prefix in use does not expire.
+        self.anticipated.add(booking.worker_id, booking.block_hashes[booking.cached_blocks :])
+        if booking.first_output_tokens is not None:
+            self.apply_prefill(key, booking.first_output_tokens)
+        return True
+
+    def apply_prefill(self, key: str, num_new_tokens: int = 0) -> bool:
+        """`mark_prefill_completed` without telling observers; False if `key` is not
+        booked."""
+        if self.sequences.worker_of(key) is None:
+            return False
+        self.sequences.mark_prefill_completed(key)
+        self.sequences.append_tokens(key, num_new_tokens)
+        return True
+
+    def release(self, request_id: str) -> bool:
+        """Release a booking's blocks without telling observers. One that ended before
+        its first output may never have computed its prompt, so the blocks it brought
+        stop counting as coming (unless a request still in flight there holds them).
+        False when it was not booked."""
         worker_id = self.sequences.worker_of(request_id)
         if worker_id is None:
             return False
@@ -464,17 +546,18 @@ class KvScheduler:
         config = self.worker_spec(best.worker_id)
         if config.block_size != self.block_size:
             hashes = compute_block_hashes(token_ids, config.block_size)
-        self.sequences.add_request(
-            best.worker_id,
-            request_id,
-            len(token_ids),
+        booking = SequenceBooked(
+            request_id=request_id,
+            worker_id=best.worker_id,
+            block_size=config.block_size,
+            prompt_len=len(token_ids),
             block_hashes=hashes,
             overlap_blocks=best.overlap_blocks,
+            cached_blocks=best.cached_blocks,
             num_speculative_tokens=best.num_speculative_tokens,
         )
-        # Everything the events have not reported there yet will be (or stays) cached:
-        # refreshed on every use, so without events a prefix in use does not expire.
-        self.anticipated.add(best.worker_id, hashes[best.cached_blocks :])
+        self.apply_booking(request_id, booking)
+        self._notify(booking)
 
 
 RouterInput = RouterEvent | LoadMetrics | ModelCard

@@ -5,6 +5,10 @@
   subject) so a frontend started after the workers replays what they cached.
 * Load metrics: core NATS, ``dyn_load.<namespace>.<component>.<instance_hex>``: periodic
   snapshots where only the latest value matters, so nothing is stored.
+* Router replica sync: core NATS, ``dyn_router_sync.<namespace>.<component>.<endpoint>``:
+  every frontend replica's KV router of that endpoint publishes its booking changes,
+  heartbeats and snapshots there and applies the others' (`replica_sync`). Core, not a
+  stream: bookings live as long as requests, and a late joiner asks for a snapshot.
 
 The roots are deliberately *not* under the runtime's ``dyn.`` tree: request subjects are
 ``dyn.<namespace>.<component>.<endpoint>.<instance>``, and a stream capturing
@@ -22,6 +26,7 @@ KV_EVENTS_STREAM = "dyn_kv_events"
 
 KV_EVENTS_ROOT = "dyn_kv"
 LOAD_METRICS_ROOT = "dyn_load"
+ROUTER_SYNC_ROOT = "dyn_router_sync"
 
 KV_EVENTS_MAX_AGE_S = 3600.0
 """Events older than this are dropped by the stream. Safe: a store is always older than its
@@ -57,6 +62,12 @@ def load_metrics_subject(namespace: str, component: str, instance_id: int) -> st
 def load_metrics_filter(namespace: str, component: str) -> str:
     """Subject filter matching the load metrics of every worker of a component."""
     return f"{_component_prefix(LOAD_METRICS_ROOT, namespace, component)}.*"
+
+
+def router_sync_subject(namespace: str, component: str, endpoint: str) -> str:
+    """The core subject the KV routers of one worker endpoint share their bookings on."""
+    prefix = _component_prefix(ROUTER_SYNC_ROOT, namespace, component)
+    return f"{prefix}.{check_name('endpoint', endpoint)}"
 
 
 def instance_of_subject(subject: str) -> int:

@@ -29,7 +29,9 @@ the subscription is still being set up ("slow joiner"), or the last batches befo
 engine goes idle, would stay missing until the engine's next step, which may never
 come. So after `idle_probe_s` without a live message the relay asks the replay endpoint
 for anything from the expected ``seq`` on (an idle engine answers with just the end
-marker).
+marker). Each quiet probe that finds nothing doubles the wait for the next one, up to
+`max_idle_probe_s`, and a batch (live or replayed) resets it: a worker idle for an hour
+asks a few times a minute, not every second.
 
 Which side listens follows the configured endpoint, as vLLM reads it
 (`publisher_binds`): vLLM binds a wildcard (`tcp://*:5557`), IPv6 or ipc endpoint and the
@@ -38,14 +40,17 @@ worker, always on this host); a named `tcp://host:port` is one vLLM *connects* t
 relay is created with `listen=True` and binds its SUB socket there. The replay socket is
 always bound by vLLM and dialled by the relay at its configured host.
 
-Publishing is injected (`on_event`): the worker wires it to NATS; tests collect.
+Publishing is injected (`on_events`): the worker wires it to NATS; tests collect. It is
+handed the events of one batch (one engine step) together, so the worker publishes them
+as one JetStream message and waits for one ack, not one per event: at c=16 the requests
+of a step fill their blocks in the same step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import zmq
@@ -61,7 +66,8 @@ from dynamo.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
-EventCallback = Callable[[RouterEvent], Awaitable[None]]
+EventCallback = Callable[[Sequence[RouterEvent]], Awaitable[None]]
+"""Takes the consecutive events of one batch (or a lone clear), in order."""
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 """The sequence frame vLLM sends after the last replayed batch."""
@@ -78,7 +84,7 @@ class RelayStats:
     replayed_batches: int = 0  # batches applied from the replay endpoint
     resyncs: int = 0  # gaps that could not be filled (cache announced cleared)
     malformed: int = 0  # messages or batches that could not be decoded
-    callback_errors: int = 0  # events the callback failed to take
+    callback_errors: int = 0  # batches of events the callback failed to take
     probes: int = 0  # replay requests sent because the live stream was quiet
 
 
@@ -122,13 +128,14 @@ class KvEventRelay:
         self,
         endpoint: str,
         converter: KvEventConverter,
-        on_event: EventCallback,
+        on_events: EventCallback,
         *,
         replay_endpoint: str | None = None,
         listen: bool = False,
         topic: str = "",
         replay_timeout_s: float = 2.0,
         idle_probe_s: float = 1.0,
+        max_idle_probe_s: float = 8.0,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         # `listen`: bind the SUB socket at `endpoint` (the publisher connects to it, as
@@ -138,10 +145,12 @@ class KvEventRelay:
         self.replay_endpoint = connect_address(replay_endpoint) if replay_endpoint else None
         self.converter = converter
         self.stats = RelayStats()
-        self._on_event = on_event
+        self._on_events = on_events
         self._topic = topic.encode()
         self._replay_timeout = replay_timeout_s
-        self._idle_probe_ms = int(idle_probe_s * 1000) if self.replay_endpoint else None
+        self._first_probe_ms = int(idle_probe_s * 1000) if self.replay_endpoint else None
+        self._max_probe_ms = max(int(max_idle_probe_s * 1000), self._first_probe_ms or 0)
+        self._idle_probe_ms = self._first_probe_ms
         # Not `Context.instance()`: once a plain zmq context singleton exists in the
         # process (vLLM's publisher makes one), the asyncio subclass would return it.
         self._own_ctx = context is None
@@ -155,6 +164,12 @@ class KvEventRelay:
         self._delivery = asyncio.Lock()
 
     @property
+    def next_probe_s(self) -> float | None:
+        """How long the live stream may now stay quiet before the next replay probe
+        (None: no replay endpoint, no probes)."""
+        return None if self._idle_probe_ms is None else self._idle_probe_ms / 1000
+
+    @property
     def next_seq(self) -> int:
         """The publisher sequence number the relay expects next."""
         return self._expected_seq
@@ -165,7 +180,7 @@ class KvEventRelay:
         """Announce an empty cache, connect, and start forwarding in the background."""
         if self._task is not None:
             raise RuntimeError("relay already started")
-        await self._deliver(self.converter.clear())
+        await self._deliver([self.converter.clear()])
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
@@ -197,7 +212,7 @@ class KvEventRelay:
         when it comes, is one more (harmless) clear.
         """
         async with self._delivery:
-            await self._deliver(self.converter.clear())
+            await self._deliver([self.converter.clear()])
 
     async def __aenter__(self) -> KvEventRelay:
         await self.start()
@@ -214,6 +229,7 @@ class KvEventRelay:
             if not await self._sub.poll(self._idle_probe_ms):
                 await self._probe()
                 continue
+            self._idle_probe_ms = self._first_probe_ms
             frames = await self._sub.recv_multipart()
             try:
                 await self.handle_message(frames)
@@ -223,10 +239,17 @@ class KvEventRelay:
     async def _probe(self) -> None:
         """Quiet for a while: fetch batches the live stream may have dropped."""
         self.stats.probes += 1
+        before = self._expected_seq
         try:
             await self._fill_gap(quiet=True)
         except Exception:
             log.exception("kv relay: idle replay probe failed")
+        if self._idle_probe_ms is None:
+            return
+        if self._expected_seq == before:  # nothing missed: ask again later than now
+            self._idle_probe_ms = min(2 * self._idle_probe_ms, self._max_probe_ms)
+        else:  # batches were missed: the engine is publishing again
+            self._idle_probe_ms = self._first_probe_ms
 
     async def handle_message(self, frames: list[bytes]) -> None:
         """Apply one live ``[topic, seq, payload]`` message, filling a gap first."""
@@ -284,7 +307,7 @@ class KvEventRelay:
         log.warning("kv relay: batches %d..%d lost, resynchronising", self._expected_seq, seq - 1)
         self.stats.resyncs += 1
         self._expected_seq = seq
-        await self._deliver(self.converter.clear())
+        await self._deliver([self.converter.clear()])
 
     def _replay_socket(self) -> zmq.asyncio.Socket:
         if self._replay is None:
@@ -313,20 +336,26 @@ class KvEventRelay:
             log.warning("kv relay: undecodable batch %d: %s", seq, exc)
             return
         self.stats.batches += 1
+        events = self.converter.convert_batch(batch)
+        if not events:
+            return
         async with self._delivery:
-            for event in self.converter.convert_batch(batch):
-                await self._deliver(event)
+            await self._deliver(events)
 
-    async def _deliver(self, event: RouterEvent) -> None:
-        """Hand one event to the callback; a failure is counted and logged, not fatal
-        (the next event, or the next resync, still reaches the router)."""
+    async def _deliver(self, events: Sequence[RouterEvent]) -> None:
+        """Hand a batch's events to the callback; a failure is counted and logged, not
+        fatal (the next batch, or the next resync, still reaches the router)."""
         try:
-            await self._on_event(event)
+            await self._on_events(events)
         except Exception:
             self.stats.callback_errors += 1
-            log.exception("kv relay: event callback failed for event %d", event.event_id)
+            log.exception(
+                "kv relay: event callback failed for events %d..%d",
+                events[0].event_id,
+                events[-1].event_id,
+            )
             return
-        self.stats.events_out += 1
+        self.stats.events_out += len(events)
 
 
 def _allow_ipv6(sock: zmq.asyncio.Socket, endpoint: str) -> None:

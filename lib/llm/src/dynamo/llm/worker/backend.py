@@ -3,7 +3,7 @@ plain data on either side of it (`EngineDescription`, `WorkerRegistration`)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -114,7 +114,15 @@ class EngineBackend(Protocol):
         ...
 
     def load_metrics(self, worker_id: int) -> LoadMetrics:
-        """The engine's load now, as routers read it (sampled several times a second)."""
+        """The engine's load now, as routers read it (sampled after each `watch_load` call
+        and at every heartbeat)."""
+        ...
+
+    def watch_load(self, changed: Callable[[], None]) -> None:
+        """Call `changed` (on the event loop) whenever the load may have changed: after
+        every engine step, and when a request leaves between steps. The worker's load
+        reports are driven by it; a backend that never calls it is reported once a
+        heartbeat."""
         ...
 
     async def start_kv_events(self, publisher: KvEventPublisher) -> Stoppable | None:

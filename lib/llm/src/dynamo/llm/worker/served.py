@@ -132,6 +132,7 @@ class ServedWorker(Generic[B]):
             worker_id,
             lambda: self.backend.load_metrics(worker_id),
         )
+        self.backend.watch_load(load.changed)
         self._publishers.append(await load.start())
         card = self._model_card(description)
         await publish_model_card(self.runtime, card, reg.model_path)

@@ -1,0 +1,209 @@
+"""`--http-workers N`: N frontend processes serving one HTTP port.
+
+One Python process tops out at one core of tokenizing, detokenizing and SSE writing. With
+N > 1, `python -m dynamo.frontend` becomes a small supervisor that starts N children,
+each a complete frontend (`python -m dynamo.frontend ... --http-workers 1`): its own NATS
+connection, model-card watcher, KV router and HTTP server. Every child binds its own
+listening socket to the same host:port with SO_REUSEPORT
+(`http_listener.share_port_across_processes`), and the kernel spreads new connections
+over the N sockets. Nothing is forked from a parent holding an event loop or NATS
+connection, so each child starts as clean as a single frontend does.
+
+Across the children:
+
+* KV routing stays consistent: each child's router shares its bookings of requests in
+  flight with the others over NATS (`dynamo.llm.kv_router.replica_sync`), as separate
+  frontend replicas do.
+* `/metrics` answers for the whole frontend from any child: the parent creates a private
+  `PROMETHEUS_MULTIPROC_DIR` for prometheus_client's multiprocess mode and removes it
+  on exit (`metrics.FrontendMetrics`).
+* What stays per process: `--max-inflight-requests` / `--max-waiting-requests` (the
+  frontend's admission bounds are N times the flag), and `GET /debug/kv` (one child's
+  view, which says which child answered: `http_worker: {index, count}`; a new connection
+  may reach another child).
+
+The supervisor: SIGTERM or SIGINT is passed on to every child and waited for (a child
+still running after `CHILD_STOP_TIMEOUT_S` is killed); the parent then exits 0. A child
+that exits on its own (crashed, killed, failed to start) makes the parent stop the
+others and exit 1, naming it in the log: a frontend never runs at part capacity
+unnoticed. The children are tied to the parent (`PR_SET_PDEATHSIG`, SIGTERM), so a
+SIGKILLed parent takes them along.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+from dynamo.frontend.http_listener import port_sharing_supported
+from dynamo.runtime.cli import ConfigError
+from dynamo.runtime.parent_death import preexec_die_with_parent
+
+log = logging.getLogger(__name__)
+
+HTTP_WORKERS_ENV = "DYN_HTTP_WORKERS"
+"""Default of `--http-workers` (a test suite can run every frontend with N processes)."""
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus_client's multiprocess directory, read by the library at import."""
+WORKER_INDEX_FLAG = "--http-worker-index"
+"""Hidden flag the supervisor gives each child: its index, and that it shares the port."""
+WORKER_COUNT_FLAG = "--http-worker-count"
+"""Hidden flag the supervisor gives each child: how many children share the port."""
+CHILD_STOP_TIMEOUT_S = 30.0
+"""How long a child may drain after SIGTERM before it is killed."""
+POLL_INTERVAL_S = 0.1
+
+
+def check_http_workers(count: int) -> None:
+    """ConfigError when `count` processes cannot share a port here."""
+    if count < 1:
+        raise ConfigError(f"--http-workers must be at least 1, got {count}")
+    if count > 1 and not port_sharing_supported():
+        raise ConfigError(
+            "--http-workers above 1 needs SO_REUSEPORT, which this platform lacks; "
+            "run one frontend per port behind a load balancer instead"
+        )
+
+
+@dataclass(frozen=True)
+class HttpWorkerSlot:
+    """Which of a supervisor's `count` children this process is."""
+
+    index: int
+    count: int
+
+    def describe(self) -> dict[str, int]:
+        return {"index": self.index, "count": self.count}
+
+
+def child_argv(argv: Sequence[str], index: int, count: int) -> list[str]:
+    """The command line of child `index` of `count`: the parent's own arguments, one
+    worker each."""
+    return [
+        sys.executable,
+        "-m",
+        "dynamo.frontend",
+        *argv,
+        "--http-workers",
+        "1",
+        WORKER_INDEX_FLAG,
+        str(index),
+        WORKER_COUNT_FLAG,
+        str(count),
+    ]
+
+
+def metrics_dir_of_child() -> Path | None:
+    """In a child, the shared metrics directory its parent made (None outside one)."""
+    value = os.environ.get(METRICS_DIR_ENV)
+    return Path(value) if value else None
+
+
+@dataclass
+class _Child:
+    index: int
+    popen: subprocess.Popen[bytes]
+
+
+class HttpWorkers:
+    """Starts and supervises the N children (see the module)."""
+
+    def __init__(self, count: int, argv: Sequence[str]) -> None:
+        check_http_workers(count)
+        self.count = count
+        self.argv = list(argv)
+        self.children: list[_Child] = []
+        self._signal: int | None = None
+
+    def run(self) -> int:
+        """Start the children and supervise them; the parent's exit status."""
+        metrics_dir = Path(tempfile.mkdtemp(prefix="dynamo-frontend-metrics-"))
+        previous = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
+        try:
+            self._start(metrics_dir)
+            return self._supervise()
+        finally:
+            self._stop_all()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._signal = signum
+
+    def _start(self, metrics_dir: Path) -> None:
+        env = {**os.environ, METRICS_DIR_ENV: str(metrics_dir), HTTP_WORKERS_ENV: "1"}
+        for index in range(self.count):
+            if self._signal is not None:
+                return
+            popen = subprocess.Popen(
+                child_argv(self.argv, index, self.count),
+                env=env,
+                preexec_fn=preexec_die_with_parent(signal.SIGTERM),
+            )
+            self.children.append(_Child(index, popen))
+        log.info(
+            "frontend: %d http worker processes (pids %s) sharing one port",
+            self.count,
+            ", ".join(str(child.popen.pid) for child in self.children),
+        )
+
+    def _supervise(self) -> int:
+        while True:
+            if self._signal is not None:
+                log.info(
+                    "frontend: %s, stopping %d http workers",
+                    signal.Signals(self._signal).name,
+                    len(self.children),
+                )
+                return 0
+            for child in self.children:
+                code = child.popen.poll()
+                if code is not None:
+                    log.error(
+                        "frontend: http worker %d (pid %d) exited with %s; stopping the other "
+                        "%d and exiting",
+                        child.index,
+                        child.popen.pid,
+                        _describe_exit(code),
+                        len(self.children) - 1,
+                    )
+                    return 1
+            time.sleep(POLL_INTERVAL_S)
+
+    def _stop_all(self) -> None:
+        """SIGTERM to every child still running, then wait; kill the stragglers."""
+        running = [child for child in self.children if child.popen.poll() is None]
+        for child in running:
+            child.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + CHILD_STOP_TIMEOUT_S
+        for child in running:
+            try:
+                child.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning(
+                    "frontend: http worker %d (pid %d) still running after %.0fs; killing it",
+                    child.index,
+                    child.popen.pid,
+                    CHILD_STOP_TIMEOUT_S,
+                )
+                child.popen.kill()
+                child.popen.wait()
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        return f"signal {signal.Signals(-code).name}"
+    return f"code {code}"

@@ -1,0 +1,304 @@
+"""The bookings of the other KV-router replicas of one endpoint, and what to tell them.
+
+Each frontend's router books the requests it sends (`KvScheduler`): a worker's load is the
+blocks its requests in flight hold. With several frontends (`--http-workers N`, or
+replicas on other hosts behind a load balancer) each would see only its own share, and a
+burst arriving at two replicas at once would go, from both, to the same idle worker.
+`ReplicaBooks` is the NATS-free state machine that keeps one replica's books complete:
+
+* **Own changes out.** Every change of the local books (`SequenceBooked`,
+  `SequencePrefilled`, `SequenceFreed`) is recorded (`local_change`), and published while
+  at least one other replica is known: a lone replica sends heartbeats only, so sync is
+  cheap enough to be on by default.
+* **Others' changes in.** A remote booking is applied to the scheduler (`BookingLedger`)
+  under the key ``<replica id>:<request id>``: a local request id (``cmpl-<hex>``,
+  ``chatcmpl-<hex>``, made by the frontend) never contains ``:``, so the two cannot
+  collide, and two replicas' equal request ids do not either. Messages from this replica
+  itself (NATS echoes them back) are ignored.
+* **Liveness: heartbeats.** Every replica beats every `interval_s` with the number of its
+  bookings and a fingerprint of their ids (XOR of CRC-32s). A replica unheard of for
+  `miss_limit` of its own intervals is dead and its bookings are released: a crashed
+  frontend's requests stop weighing on their workers within seconds. Heartbeats were
+  chosen over a per-booking expiry because a request may legitimately run for many
+  minutes (long generations), so no expiry bound would be both safe and short; a
+  graceful shutdown (`ReplicaLeaving`) drops the bookings at once.
+* **Repair: snapshots.** Core NATS delivers at most once. Messages of one publisher
+  arrive in order, so when a heartbeat arrives every change published before it has been
+  applied, and the receiver's count and fingerprint for that replica must equal the
+  heartbeat's; if not (a lost message, or a replica met for the first time), the
+  receiver asks that replica for a `BookingSnapshot` (at most once per its interval),
+  which replaces what it held. A new replica asks every replica for one as it starts
+  (`hello`), so it routes with the others' current bookings from its first requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+
+from dynamo.llm.protocols import (
+    BookingChange,
+    BookingChanges,
+    BookingSnapshot,
+    ReplicaHeartbeat,
+    ReplicaLeaving,
+    ReplicaSyncData,
+    ReplicaSyncMessage,
+    SequenceBooked,
+    SequenceFreed,
+    SequencePrefilled,
+    SnapshotRequest,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+"""How often a replica tells the others it lives (and what it holds)."""
+DEFAULT_MISS_LIMIT = 3
+"""Missed heartbeats after which a replica counts as dead and its bookings are dropped."""
+MAX_HASHES_PER_MESSAGE = 40_000
+"""Block hashes (at most 9 bytes each in msgpack) one message may carry: keeps a
+snapshot or a burst of bookings under NATS's default 1 MiB payload limit."""
+
+REMOTE_KEY_SEPARATOR = ":"
+
+
+def remote_key(replica_id: str, request_id: str) -> str:
+    """The key a remote replica's booking has in the local books."""
+    return f"{replica_id}{REMOTE_KEY_SEPARATOR}{request_id}"
+
+
+def request_fingerprint(request_id: str) -> int:
+    """One request id's share of a replica's fingerprint (XORed over its bookings)."""
+    return zlib.crc32(request_id.encode())
+
+
+class BookingLedger(Protocol):
+    """Where remote bookings are applied: what `KvScheduler` offers for it."""
+
+    def apply_booking(self, key: str, booking: SequenceBooked) -> bool: ...
+
+    def apply_prefill(self, key: str, num_new_tokens: int = 0) -> bool: ...
+
+    def release(self, request_id: str) -> bool: ...
+
+
+@dataclass(slots=True)
+class SyncStats:
+    """Counters for `GET /debug/kv`."""
+
+    changes_in: int = 0  # remote booking changes received
+    changes_out: int = 0  # own booking changes handed out for publishing
+    snapshots_in: int = 0
+    snapshots_out: int = 0
+    resyncs: int = 0  # snapshots asked for because a heartbeat disagreed
+    rejected: int = 0  # remote bookings the local books could not take
+    replicas_expired: int = 0
+    replicas_left: int = 0
+
+
+@dataclass(slots=True)
+class _Peer:
+    """What this replica holds of another one."""
+
+    last_seen: float
+    interval_s: float
+    requests: set[str] = field(default_factory=set)
+    fingerprint: int = 0
+    snapshot_asked_at: float = -math.inf
+
+
+class ReplicaBooks:
+    """One replica's side of the sync: its own bookings and the others', see the module."""
+
+    def __init__(
+        self,
+        ledger: BookingLedger,
+        replica_id: str,
+        *,
+        interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
+        miss_limit: int = DEFAULT_MISS_LIMIT,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if interval_s <= 0 or miss_limit < 1:
+            raise ValueError("interval_s must be positive and miss_limit at least 1")
+        if REMOTE_KEY_SEPARATOR in replica_id:
+            raise ValueError(f"a replica id cannot contain {REMOTE_KEY_SEPARATOR!r}")
+        self._ledger = ledger
+        self.replica_id = replica_id
+        self.interval_s = interval_s
+        self.miss_limit = miss_limit
+        self._clock = clock
+        self._own: dict[str, SequenceBooked] = {}
+        self._own_fingerprint = 0
+        self._peers: dict[str, _Peer] = {}
+        self.stats = SyncStats()
+
+    # ------------------------------------------------------------------ own books
+
+    @property
+    def has_peers(self) -> bool:
+        return bool(self._peers)
+
+    def local_change(self, change: BookingChange) -> bool:
+        """Record a change of the local books; True when it should be published (it
+        concerns an own booking and another replica is listening)."""
+        request_id = change.request_id
+        if isinstance(change, SequenceBooked):
+            if request_id not in self._own:
+                self._own_fingerprint ^= request_fingerprint(request_id)
+            self._own[request_id] = change
+        elif isinstance(change, SequencePrefilled):
+            booking = self._own.get(request_id)
+            if booking is None:
+                return False
+            tokens = (booking.first_output_tokens or 0) + change.new_tokens
+            self._own[request_id] = msgspec.structs.replace(booking, first_output_tokens=tokens)
+        else:
+            if self._own.pop(request_id, None) is None:
+                return False  # a remote booking's key, released with its worker
+            self._own_fingerprint ^= request_fingerprint(request_id)
+        if not self._peers:
+            return False
+        self.stats.changes_out += 1
+        return True
+
+    def heartbeat(self) -> ReplicaHeartbeat:
+        return ReplicaHeartbeat(self.interval_s, len(self._own), self._own_fingerprint)
+
+    def hello(self) -> SnapshotRequest:
+        """What a starting replica sends: every replica's snapshot, please."""
+        return SnapshotRequest()
+
+    def snapshot(self) -> list[BookingSnapshot]:
+        """Every own booking, in chunks of at most `MAX_HASHES_PER_MESSAGE` hashes."""
+        self.stats.snapshots_out += 1
+        chunks: list[BookingSnapshot] = [BookingSnapshot([], replace=True)]
+        hashes = 0
+        for booking in self._own.values():
+            size = len(booking.block_hashes) + 1
+            if chunks[-1].bookings and hashes + size > MAX_HASHES_PER_MESSAGE:
+                chunks.append(BookingSnapshot([], replace=False))
+                hashes = 0
+            chunks[-1].bookings.append(booking)
+            hashes += size
+        return chunks
+
+    # ------------------------------------------------------------------ others' books
+
+    def receive(self, message: ReplicaSyncMessage) -> list[ReplicaSyncData]:
+        """Apply another replica's message; returns what to publish in answer (a
+        snapshot asked for, or a request for the sender's snapshot)."""
+        sender, data = message.replica_id, message.data
+        if sender == self.replica_id or REMOTE_KEY_SEPARATOR in sender:
+            return []  # our own message echoed back (or a malformed id)
+        if isinstance(data, ReplicaLeaving):
+            if self.drop_replica(sender):
+                self.stats.replicas_left += 1
+                log.info("router replica %s left; its bookings are released", sender)
+            return []
+        now = self._clock()
+        peer = self._peers.get(sender)
+        if peer is None:
+            peer = self._peers[sender] = _Peer(last_seen=now, interval_s=self.interval_s)
+            log.info("router replica %s joined; sharing bookings with it", sender)
+        peer.last_seen = now
+        if isinstance(data, BookingChanges):
+            for change in data.changes:
+                self._apply(sender, peer, change)
+            self.stats.changes_in += len(data.changes)
+        elif isinstance(data, BookingSnapshot):
+            self.stats.snapshots_in += 1
+            if data.replace:
+                self._release_all(sender, peer)
+            for booking in data.bookings:
+                self._apply(sender, peer, booking)
+        elif isinstance(data, ReplicaHeartbeat):
+            peer.interval_s = data.interval_s if data.interval_s > 0 else self.interval_s
+            if (len(peer.requests), peer.fingerprint) != (data.bookings, data.fingerprint):
+                if now - peer.snapshot_asked_at >= peer.interval_s:
+                    peer.snapshot_asked_at = now
+                    self.stats.resyncs += 1
+                    return [SnapshotRequest(sender)]
+        elif isinstance(data, SnapshotRequest):
+            if data.replica_id is None or data.replica_id == self.replica_id:
+                return list(self.snapshot())
+        return []
+
+    def expire(self) -> list[str]:
+        """Drop every replica silent for `miss_limit` of its heartbeat intervals; returns
+        their ids."""
+        now = self._clock()
+        dead = [
+            replica_id
+            for replica_id, peer in self._peers.items()
+            if now - peer.last_seen > self.miss_limit * peer.interval_s
+        ]
+        for replica_id in dead:
+            log.warning(
+                "router replica %s missed %d heartbeats; releasing its %d bookings",
+                replica_id,
+                self.miss_limit,
+                len(self._peers[replica_id].requests),
+            )
+            self.drop_replica(replica_id)
+            self.stats.replicas_expired += 1
+        return dead
+
+    def drop_replica(self, replica_id: str) -> bool:
+        """Release every booking of `replica_id` and forget it; False if unknown."""
+        peer = self._peers.pop(replica_id, None)
+        if peer is None:
+            return False
+        self._release_all(replica_id, peer)
+        return True
+
+    def replicas(self) -> dict[str, int]:
+        """Known other replicas and how many bookings each holds."""
+        return {replica_id: len(peer.requests) for replica_id, peer in self._peers.items()}
+
+    def debug_state(self) -> dict[str, Any]:
+        return {
+            "replica_id": self.replica_id,
+            "interval_s": self.interval_s,
+            "own_bookings": len(self._own),
+            "replicas": self.replicas(),
+            **asdict(self.stats),
+        }
+
+    # ------------------------------------------------------------------ internals
+
+    def _apply(self, sender: str, peer: _Peer, change: BookingChange) -> None:
+        request_id = change.request_id
+        key = remote_key(sender, request_id)
+        if isinstance(change, SequenceBooked):
+            if request_id not in peer.requests:
+                peer.requests.add(request_id)
+                peer.fingerprint ^= request_fingerprint(request_id)
+            try:
+                applied = self._ledger.apply_booking(key, change)
+            except ValueError as exc:
+                applied = False
+                log.debug("remote booking %s not applied: %s", key, exc)
+            if not applied:
+                self.stats.rejected += 1
+        elif isinstance(change, SequencePrefilled):
+            if request_id in peer.requests:
+                self._ledger.apply_prefill(key, change.new_tokens)
+        elif isinstance(change, SequenceFreed) and request_id in peer.requests:
+            peer.requests.discard(request_id)
+            peer.fingerprint ^= request_fingerprint(request_id)
+            self._ledger.release(key)
+
+    def _release_all(self, sender: str, peer: _Peer) -> None:
+        for request_id in peer.requests:
+            self._ledger.release(remote_key(sender, request_id))
+        peer.requests.clear()
+        peer.fingerprint = 0

@@ -1,0 +1,166 @@
+"""`python -m dynamo.frontend --http-workers 2`: two processes on one port, supervised.
+
+Claims, over a real nats-server and a mocker worker: the parent starts two children that
+both take requests on the one port (each child's KV router is a replica of its own, and
+each routed some of them), the children's routers share their bookings (each knows the
+other), and `/metrics` from either child counts every request of both, in the shape one
+process gives (help texts, unobserved families declared); SIGTERM to the
+parent stops both children and the parent exits 0 (a frontend per test costs seconds,
+so serving and stopping share one); a child killed from outside makes the
+parent stop the other one and exit non-zero with a log line naming the dead child.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from dynamo.testing.http import http_get, http_post_json, metric_values
+from dynamo.testing.processes import FrontendProcess, ManagedProcess, running
+from dynamo.testing.waiting import wait_until
+
+MODEL = "smollm2-http-workers"
+REQUESTS = 30
+STOP_TIMEOUT_S = 40.0
+
+
+class Stack:
+    def __init__(self, nats_url: str, logs: Path, namespace: str) -> None:
+        self.nats_url = nats_url
+        self.logs = logs
+        self.namespace = namespace
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/backend/generate"
+
+    def frontend(self, name: str) -> FrontendProcess:
+        """A kv-mode frontend of two processes, serving the model with both."""
+        frontend = FrontendProcess(
+            name,
+            self.nats_url,
+            self.logs,
+            namespace=self.namespace,
+            extra=["--http-workers", "2", "--router-mode", "kv"],
+        )
+        try:
+            frontend.wait_for_model(MODEL, timeout=90)
+            wait_until(
+                lambda: both_children_route(frontend, self.key),
+                timeout=60,
+                what="both http workers to route with a peer",
+                retry_on=(OSError, ValueError, KeyError),
+            )
+        except BaseException:
+            frontend.stop()
+            raise
+        return frontend
+
+
+@pytest.fixture(scope="module")
+def stack(
+    nats_url: str, embedded_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    logs = tmp_path_factory.mktemp("http-workers")
+    namespace = "hw" + uuid.uuid4().hex[:8]
+    argv = [
+        sys.executable, "-m", "dynamo.mocker",
+        "--model", str(embedded_model),
+        "--served-model-name", MODEL,
+        "--namespace", namespace,
+        "--nats-server", nats_url,
+        "--speed-up", "1000",
+    ]  # fmt: skip
+    with running([ManagedProcess("mocker", argv, logs)]):
+        yield Stack(nats_url, logs, namespace)
+
+
+def children(frontend: FrontendProcess) -> list[psutil.Process]:
+    return psutil.Process(frontend.pid).children()
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def router_view(frontend: FrontendProcess, key: str) -> dict:
+    """The KV router's debug view of whichever child answers this connection."""
+    _, body = http_get(f"{frontend.base_url}/debug/kv")
+    return json.loads(body)["models"][MODEL][key]
+
+
+def both_children_route(frontend: FrontendProcess, key: str) -> bool:
+    """Two children, and the (random) one answering knows one worker and one peer."""
+    view = router_view(frontend, key)
+    return (
+        len(children(frontend)) == 2
+        and len(view["feed"]["live_workers"]) == 1
+        and len(view["replica_sync"]["replicas"]) == 1
+    )
+
+
+def complete(frontend: FrontendProcess, i: int) -> None:
+    status, body = http_post_json(
+        f"{frontend.base_url}/v1/completions",
+        {"model": MODEL, "prompt": f"request {i}: say something", "max_tokens": 4},
+        timeout=30,
+    )
+    assert status == 200, body
+
+
+def test_two_processes_serve_one_port_and_stop_on_sigterm(stack: Stack) -> None:
+    frontend = stack.frontend("frontend-serve")
+    pids = [child.pid for child in children(frontend)]
+    try:
+        assert len(pids) == 2
+        for i in range(REQUESTS):  # a new connection each: the kernel spreads them
+            complete(frontend, i)
+        routed: dict[str, int] = {}
+        peers: dict[str, list[str]] = {}
+        for _ in range(40):  # new connections: both children answer some
+            view = router_view(frontend, stack.key)
+            replica = view["replica_sync"]["replica_id"]
+            routed[replica] = view["routing"]["requests"]
+            peers[replica] = list(view["replica_sync"]["replicas"])
+            if len(routed) == 2:
+                break
+        assert len(routed) == 2, routed
+        assert sum(routed.values()) == REQUESTS and min(routed.values()) > 0, routed
+        first, second = routed
+        assert peers == {first: [second], second: [first]}
+        for _ in range(4):  # whichever child answers, /metrics counts both
+            _, text = http_get(f"{frontend.base_url}/metrics")
+            counted = metric_values(text, "dynamo_frontend_requests_total", {"model": MODEL})
+            assert sum(counted) == REQUESTS, counted
+        # The single-process shape: own help texts, and families no request moved yet.
+        assert "Multiprocess metric" not in text
+        assert "# TYPE dynamo_frontend_migrations_total counter" in text
+        frontend.popen.send_signal(signal.SIGTERM)
+        assert frontend.popen.wait(STOP_TIMEOUT_S) == 0
+        assert all(gone(pid) for pid in pids), pids
+    finally:
+        frontend.stop()
+
+
+def test_a_dead_child_stops_the_frontend(stack: Stack) -> None:
+    frontend = stack.frontend("frontend-child-killed")
+    victim, other = children(frontend)
+    victim.kill()
+    try:
+        code = frontend.popen.wait(STOP_TIMEOUT_S)
+    finally:
+        frontend.stop()
+    assert code != 0
+    assert gone(other.pid)
+    log = frontend.log_path.read_text()
+    assert f"(pid {victim.pid}) exited with signal SIGKILL" in log, frontend.log_tail()
