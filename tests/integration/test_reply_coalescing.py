@@ -66,6 +66,17 @@ async def serve(
     return await endpoint.serve(engine.generate)
 
 
+async def one_reader(
+    worker: DistributedRuntime, reader: DistributedRuntime
+) -> tuple[SteppedEngine, ServedEndpoint, Client]:
+    """An engine served by `worker` in a namespace of its own, and `reader`'s client of it."""
+    namespace = "mux" + uuid.uuid4().hex[:8]
+    engine = SteppedEngine()
+    served = await serve(worker, namespace, engine)
+    assert served.server is not None
+    return engine, served, await client_of(reader, namespace)
+
+
 async def client_of(rt: DistributedRuntime, namespace: str) -> Client:
     client = await rt.namespace(namespace).component("mux").endpoint("generate").client()
     await client.wait_for_instances(timeout=TIMEOUT_S)
@@ -101,12 +112,8 @@ def expected(stream: str) -> list[dict[str, Any]]:
 
 
 async def test_one_step_of_many_streams_is_one_message(runtimes: list[DistributedRuntime]) -> None:
-    worker, reader = runtimes[0], runtimes[1]
-    namespace = "mux" + uuid.uuid4().hex[:8]
-    engine = SteppedEngine()
-    served = await serve(worker, namespace, engine)
-    assert served.server is not None
-    client = await client_of(reader, namespace)
+    worker = runtimes[0]
+    engine, served, client = await one_reader(worker, runtimes[1])
 
     received = await run_streams(engine, [client], 12, worker.instance_id)
 
@@ -140,12 +147,8 @@ async def test_two_readers_each_get_only_their_own_streams(
 async def test_ends_lost_with_the_workers_connection_are_noticed_after_it_reconnects(
     runtimes: list[DistributedRuntime], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    worker, reader = runtimes[0], runtimes[1]
-    namespace = "mux" + uuid.uuid4().hex[:8]
-    engine = SteppedEngine()
-    served = await serve(worker, namespace, engine)
-    assert served.server is not None
-    client = await client_of(reader, namespace)
+    worker = runtimes[0]
+    engine, served, client = await one_reader(worker, runtimes[1])
     streams = [client.direct({"stream": f"lost-{s}"}, worker.instance_id) for s in range(3)]
     readers = [asyncio.ensure_future(_collect(stream)) for stream in streams]
     while engine.running < len(streams):
