@@ -4,8 +4,13 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+RUNS ?= 5
+# Two pytest workers: the e2e tests (real engines) in one lane, unit and integration tests
+# beside them (tests/conftest.py, ENGINE_LANE; docs/testing.md). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+MODULE ?= tests/integration tests/e2e
 
-.PHONY: help setup run test test-unit test-integration test-e2e lint format bench eagle3 clean
+.PHONY: help setup run test test-unit test-integration test-e2e flake-hunt lint format bench eagle3 clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -17,7 +22,7 @@ run: setup  ## serve the embedded model with n-gram speculative decoding on :800
 	@PATH=$(CURDIR)/$(VENV)/bin:$$PATH launch/agg_spec_decoding.sh
 
 test: setup  ## run the whole test suite (unit, integration with nats-server, e2e with vLLM)
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --module-durations 30 $(PYTEST_ARGS)
 
 test-unit: setup  ## fast subset: pure logic only
 	$(PY) -m pytest tests -m unit $(PYTEST_ARGS)
@@ -27,6 +32,9 @@ test-integration: setup  ## tests against a real nats-server (no engine)
 
 test-e2e: setup  ## tests with real vLLM engines on the embedded model
 	$(PY) -m pytest tests -m e2e $(PYTEST_ARGS)
+
+flake-hunt: setup  ## run each test module in MODULE (files or folders) RUNS times (5) with one core kept busy
+	$(PY) scripts/flake_hunt.py --runs $(RUNS) $(MODULE)
 
 lint: setup  ## ruff
 	$(VENV)/bin/ruff check .

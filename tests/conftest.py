@@ -7,6 +7,7 @@ tests/e2e → `e2e`, so `pytest -m unit` is the fast subset.
 from __future__ import annotations
 
 import os
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,12 +28,56 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+ENGINE_LANE = pytest.mark.xdist_group("engines")
+"""`make test` runs two pytest workers (`-n 2 --dist loadgroup`): every e2e test goes to
+one of them, in file order, so the session's shared vLLM engines start once and each
+module's engines start while the other worker runs the unit and integration tests. vLLM
+pins an engine's compute threads to one core and leaves the other to its server, so the
+two lanes share the machine's two cores rather than fight over one."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         parts = Path(str(item.fspath)).parts
         for folder, mark in _FOLDER_MARKS.items():
             if folder in parts:
                 item.add_marker(mark)
+        if "e2e" in parts:
+            item.add_marker(ENGINE_LANE)
+
+
+MODULE_DURATIONS_SHOWN = 30
+"""How many of the slowest modules the terminal summary lists (`--module-durations`)."""
+
+_module_seconds: dict[str, float] = defaultdict(float)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--module-durations",
+        type=int,
+        default=0,
+        metavar="N",
+        help="list the N slowest test modules (setup, call and teardown summed) at the end",
+    )
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _module_seconds[report.nodeid.split("::", 1)[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    """The time each module took and its share of the run: where a slow suite's time goes
+    (module-scoped engines start in their module's first test, so per-test durations
+    scatter it)."""
+    shown = config.getoption("--module-durations")
+    if not shown or not _module_seconds:
+        return
+    total = sum(_module_seconds.values())
+    slowest = sorted(_module_seconds.items(), key=lambda item: -item[1])[:shown]
+    terminalreporter.write_sep("=", f"slowest {len(slowest)} modules ({total:.0f} s in all)")
+    for module, seconds in slowest:
+        terminalreporter.write_line(f"{seconds:8.1f} s {100 * seconds / total:5.1f}%  {module}")
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,13 @@
 """Session-wide real vLLM workers on the embedded model.
 
-Engines take ~30 s to start on 2 cores, so the workers most tests need are started once
-per session, in parallel, and shared: one with n-gram speculation and one without, in
-separate components of the `e2e` namespace. `frontend` serves that namespace over HTTP;
-both workers register the same model name, and the frontend serves a model through the
-endpoint whose card it saw first, so a test that needs to know which worker ran a
-request looks at both.
+Engines take 20-30 s to start on 2 cores (and about 6 s to stop), so the workers most
+tests need are started once per session, in parallel, and shared: one with n-gram
+speculation (`e2e/spec`, the speculative config `make run` uses) and one without
+(`e2e-plain/plain`), each in a namespace of its own so that a frontend over one of them
+routes to that worker only. `frontend` serves the n-gram worker's namespace over HTTP; a
+module that needs a frontend with other flags over a shared worker starts its own over
+that worker's namespace. A module starts engines of its own only for a configuration no
+shared worker has (docs/testing.md lists which and why).
 """
 
 from __future__ import annotations
@@ -15,15 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from e2e_engines import NGRAM_SPEC
 
-from dynamo.testing.processes import FrontendProcess, WorkerProcess
-
-NGRAM_SPEC = {
-    "method": "ngram",
-    "num_speculative_tokens": 3,
-    "prompt_lookup_max": 3,
-    "prompt_lookup_min": 1,
-}
+from dynamo.testing.processes import FrontendProcess, WorkerProcess, stop_all
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +46,7 @@ def _shared_workers(
             embedded_model,
             nats_url,
             e2e_log_dir,
-            namespace="e2e",
+            namespace="e2e-plain",
             component="plain",
         ),
     }
@@ -59,8 +55,7 @@ def _shared_workers(
             w.wait_ready()
         yield workers
     finally:
-        for w in workers.values():
-            w.stop()
+        stop_all(workers.values())
 
 
 @pytest.fixture(scope="session")
@@ -77,10 +72,12 @@ def plain_worker(_shared_workers: dict[str, WorkerProcess]) -> WorkerProcess:
 def frontend(
     _shared_workers: dict[str, WorkerProcess], nats_url: str, e2e_log_dir: Path
 ) -> Iterator[FrontendProcess]:
-    """`python -m dynamo.frontend` over the `e2e` namespace, ready once it lists the model."""
+    """`python -m dynamo.frontend` over the n-gram worker's namespace, ready once it lists
+    the model."""
     from dynamo.llm.models import DEFAULT_MODEL
 
-    proc = FrontendProcess("frontend", nats_url, e2e_log_dir, namespace="e2e")
+    namespace = _shared_workers["ngram"].namespace
+    proc = FrontendProcess("frontend", nats_url, e2e_log_dir, namespace=namespace)
     try:
         proc.wait_for_model(DEFAULT_MODEL)
         yield proc

@@ -39,7 +39,7 @@ from dynamo.llm.protocols import (
 )
 from dynamo.runtime import DistributedRuntime
 from dynamo.testing.http import http_post_json, kv_router_views, routed_totals
-from dynamo.testing.processes import FrontendProcess, WorkerProcess
+from dynamo.testing.processes import FrontendProcess, WorkerProcess, stop_all
 from dynamo.testing.waiting import wait_until, wait_until_async
 from dynamo.vllm.kv_storage_check import (
     PROBE_PREFIX,
@@ -91,17 +91,20 @@ def disagg(
     os.environ["DYN_KV_TRANSFER_TTL"] = str(TRANSFER_TTL_S)
     prefills: list[WorkerProcess] = []
     procs: dict[str, object] = {"prefill": prefills}
+    workers: list[WorkerProcess] = []  # started ones, stopped side by side
     try:
         for i in range(2):
             prefills.append(WorkerProcess(
                 f"disagg-prefill-{i}", embedded_model, nats_url, e2e_log_dir,
                 namespace=NAMESPACE, component="prefill", extra=["--is-prefill-worker"],
             ))  # fmt: skip
+        workers.extend(prefills)
         decode = procs["decode"] = WorkerProcess(
             "disagg-decode", embedded_model, nats_url, e2e_log_dir, namespace=NAMESPACE,
             component="backend", extra=["--is-decode-worker", "--speculative-config", json.dumps(NGRAM)],
         )  # fmt: skip
-        for worker in [*prefills, decode]:
+        workers.append(decode)
+        for worker in workers:
             worker.wait_ready()
         frontend = procs["frontend"] = FrontendProcess(
             "disagg-frontend", nats_url, e2e_log_dir, namespace=NAMESPACE,
@@ -111,9 +114,10 @@ def disagg(
         frontend.wait_kv_router_workers(DEFAULT_MODEL, PREFILL_ENDPOINT, 2)
         yield procs
     finally:
-        for proc in [procs.get("frontend"), *prefills, procs.get("decode")]:
-            if proc is not None:
-                proc.stop()
+        frontend = procs.get("frontend")
+        if isinstance(frontend, FrontendProcess):
+            frontend.stop()  # first, so the workers drain nothing new
+        stop_all(workers)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -1,7 +1,7 @@
 """The Eagle3 head shipped for the embedded model, and the tool that trains heads, end to end.
 
 Three engines on the real embedded model, each behind its own frontend:
-- the target alone (no speculation): the greedy reference;
+- the target alone (no speculation; the session's shared worker): the greedy reference;
 - the target with the shipped head (`smollm2-135m-instruct-eagle3`, prepared by `make
   setup`), K=3, named by the head's name in `--speculative-config`;
 - the target with a head the training tool has just made in a short smoke run, started as
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamo.llm.models import model_dir
+from dynamo.llm.models import DEFAULT_MODEL, model_dir
 from dynamo.testing.greedy import (
     ReferenceToken,
     first_divergence,
@@ -81,6 +81,22 @@ class Stacks:
 
 
 @pytest.fixture(scope="module")
+def shipped_worker(nats_url: str, e2e_log_dir: Path) -> Iterator[WorkerProcess]:
+    """The target with the shipped head. Started, not waited for: `stacks` asks for it
+    before `smoke_run`, so the engine loads while the smoke run trains."""
+    spec = json.dumps({"method": "eagle3", "model": HEAD, "num_speculative_tokens": K})
+    worker = WorkerProcess(
+        "worker-eagle3-shipped", "smollm2-135m-instruct", nats_url, e2e_log_dir,
+        namespace="e2e-eagle3-shipped", engine_flags=cpu_engine_flags(MAX_MODEL_LEN),
+        extra=["--served-model-name", "shipped", "--speculative-config", spec],
+    )  # fmt: skip
+    try:
+        yield worker
+    finally:
+        worker.stop()
+
+
+@pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory: pytest.TempPathFactory, embedded_model: Path) -> Path:
     """A short training run of the tool on a handful of bundled prompts."""
     out = tmp_path_factory.mktemp("eagle3-smoke") / "head"
@@ -92,34 +108,35 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory, embedded_model: Path) ->
 
 
 @pytest.fixture(scope="module")
-def stacks(smoke_run: Path, nats_url: str, e2e_log_dir: Path) -> Iterator[Stacks]:
-    spec = json.dumps({"method": "eagle3", "model": HEAD, "num_speculative_tokens": K})
-    flags = cpu_engine_flags(MAX_MODEL_LEN)
-    configs = {
-        "plain": ("smollm2-135m-instruct", []),
-        "shipped": ("smollm2-135m-instruct", ["--speculative-config", spec]),
-        "smoke": (str(smoke_run), []),
-    }
+def stacks(
+    shipped_worker: WorkerProcess,
+    smoke_run: Path,
+    plain_worker: WorkerProcess,
+    nats_url: str,
+    e2e_log_dir: Path,
+) -> Iterator[Stacks]:
+    """Each worker behind a frontend of its own; the reference is the session's worker
+    without speculation (its longer context does not change a greedy answer)."""
     started: list[WorkerProcess | FrontendProcess] = []
     try:
-        workers = {}
-        for name, (model, extra) in configs.items():
-            workers[name] = WorkerProcess(
-                f"worker-eagle3-{name}", model, nats_url, e2e_log_dir,
-                namespace=f"e2e-eagle3-{name}", engine_flags=flags,
-                extra=["--served-model-name", name, *extra],
-            )  # fmt: skip
-            started.append(workers[name])
-        for worker in workers.values():
+        smoke = WorkerProcess(
+            "worker-eagle3-smoke", str(smoke_run), nats_url, e2e_log_dir,
+            namespace="e2e-eagle3-smoke", engine_flags=cpu_engine_flags(MAX_MODEL_LEN),
+            extra=["--served-model-name", "smoke"],
+        )  # fmt: skip
+        started.append(smoke)
+        for worker in (shipped_worker, smoke):
             worker.wait_ready()
+        models = {"plain": DEFAULT_MODEL, "shipped": "shipped", "smoke": "smoke"}
+        workers = {"plain": plain_worker, "shipped": shipped_worker, "smoke": smoke}
         served = {}
         for name, worker in workers.items():
             frontend = FrontendProcess(
                 f"frontend-eagle3-{name}", nats_url, e2e_log_dir, namespace=worker.namespace
             )
             started.append(frontend)
-            frontend.wait_for_model(name)
-            served[name] = Served(worker, frontend, name)
+            frontend.wait_for_model(models[name])
+            served[name] = Served(worker, frontend, models[name])
         yield Stacks(**served)
     finally:
         stop_all(reversed(started))

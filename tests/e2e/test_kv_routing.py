@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from dynamo.testing.http import kv_router_views, predicted_hit_rate, routed_totals
-from dynamo.testing.processes import FrontendProcess, WorkerProcess
+from dynamo.testing.processes import FrontendProcess, WorkerProcess, stop_all
 from dynamo.testing.waiting import wait_until
 
 NAMESPACE = "e2e-kv"
@@ -49,8 +49,7 @@ def kv_cluster(
         yield frontend, workers
     finally:
         frontend.stop()
-        for worker in workers:
-            worker.stop()
+        stop_all(workers)
 
 
 def router_states(frontend: FrontendProcess) -> list[dict[str, Any]]:

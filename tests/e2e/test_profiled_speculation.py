@@ -36,7 +36,13 @@ from e2e_prompts import chat_ids, greedy_request
 from dynamo.llm.protocols import LLMEngineOutput
 from dynamo.runtime import DistributedRuntime
 from dynamo.testing.http import http_get, kv_router_view, metric_values
-from dynamo.testing.processes import FrontendProcess, WorkerProcess, child_env, cpu_engine_flags
+from dynamo.testing.processes import (
+    FrontendProcess,
+    WorkerProcess,
+    child_env,
+    cpu_engine_flags,
+    stop_all,
+)
 from dynamo.vllm.speculation_profile import (
     SpeculationProfile,
     choose_schedule,
@@ -126,8 +132,7 @@ def cluster(
         yield Cluster(frontend, workers[0], workers[1], refusal)
     finally:
         frontend.stop()
-        for worker in workers:
-            worker.stop()
+        stop_all(workers)
 
 
 def test_profile_schedule_is_the_best_for_its_own_measurements(

@@ -11,36 +11,28 @@ per-request generator makes seeded sampling repeatable): leaving the fields out 
 exactly what an explicit temperature 0.2 / top_p 0.7 gives, while an explicit temperature
 1.5 with the same seed gives another text, and the same text again when repeated.
 
-One worker with n-gram speculation (as `make run` starts it) behind one frontend, in this
-module's own namespace.
+The session's worker with n-gram speculation (the speculative config `make run` starts it
+with) behind the session's frontend.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+from e2e_engines import NGRAM_SPEC, make_run_ngram_preset
 from openai.types.chat import ChatCompletionTokenLogprob
 
 from dynamo.llm.models import DEFAULT_MODEL
 from dynamo.testing.http import http_post_json
-from dynamo.testing.processes import FrontendProcess, WorkerProcess, cpu_engine_flags
+from dynamo.testing.processes import FrontendProcess
 
-NAMESPACE = "e2e-sampling"
 REPO = Path(__file__).resolve().parents[2]
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "n"}
-# The speculative config `make run` uses (launch/agg_spec_decoding.sh).
-MAKE_RUN_SPEC = {
-    "method": "ngram",
-    "num_speculative_tokens": 3,
-    "prompt_lookup_max": 3,
-    "prompt_lookup_min": 1,
-}
 
 
 def make_run_request(model: str) -> dict[str, Any]:
@@ -54,25 +46,11 @@ def make_run_request(model: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def served(embedded_model: Path, nats_url: str, tmp_path_factory) -> Iterator[FrontendProcess]:
-    logs = tmp_path_factory.mktemp("sampling-logs")
-    worker = WorkerProcess(
-        "worker-sampling",
-        embedded_model,
-        nats_url,
-        logs,
-        namespace=NAMESPACE,
-        engine_flags=cpu_engine_flags(4096),
-        extra=["--speculative-config", json.dumps(MAKE_RUN_SPEC)],
-    )
-    frontend = FrontendProcess("frontend-sampling", nats_url, logs, namespace=NAMESPACE)
-    try:
-        worker.wait_ready()
-        frontend.wait_for_model(DEFAULT_MODEL)
-        yield frontend
-    finally:
-        frontend.stop()
-        worker.stop()
+def served(frontend: FrontendProcess) -> FrontendProcess:
+    """The session's frontend over its n-gram worker, whose speculative config is
+    `make run`'s."""
+    assert make_run_ngram_preset() == NGRAM_SPEC
+    return frontend
 
 
 def answer(frontend: FrontendProcess, body: dict[str, Any]) -> str:

@@ -9,57 +9,34 @@ alone its numbers equal the change of the worker's `vllm:spec_decode_num_drafts`
 `..._num_accepted_tokens_per_pos{position=i}` counters; without the field the response
 carries no `metrics`.
 
-One n-gram worker and one frontend, in this module's own namespace.
+The session's n-gram worker behind the session's frontend (no other traffic reaches them
+while a test runs: the e2e tests run one at a time).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from e2e_engines import NGRAM_K
 
 from dynamo.llm.models import DEFAULT_MODEL
 from dynamo.testing.http import http_get, http_post_json, metric_values
-from dynamo.testing.processes import FrontendProcess, WorkerProcess, cpu_engine_flags
+from dynamo.testing.processes import FrontendProcess, WorkerProcess
 from dynamo.testing.waiting import wait_until
 
-NAMESPACE = "e2e-spec-stats"
-K = 3
-NGRAM_SPEC = {
-    "method": "ngram",
-    "num_speculative_tokens": K,
-    "prompt_lookup_max": 3,
-    "prompt_lookup_min": 1,
-}
+K = NGRAM_K
 # A prompt that invites repetition, so the n-gram proposer finds drafts.
 PROMPT = "Repeat this list exactly three times: apple, banana, cherry, apple, banana, cherry."
 
 
 @pytest.fixture(scope="module")
 def served(
-    embedded_model: Path, nats_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[WorkerProcess, FrontendProcess]]:
-    logs = tmp_path_factory.mktemp("spec-stats-logs")
-    worker = WorkerProcess(
-        "worker-spec-stats",
-        embedded_model,
-        nats_url,
-        logs,
-        namespace=NAMESPACE,
-        engine_flags=cpu_engine_flags(2048),
-        extra=["--speculative-config", json.dumps(NGRAM_SPEC)],
-    )
-    frontend = FrontendProcess("frontend-spec-stats", nats_url, logs, namespace=NAMESPACE)
-    try:
-        worker.wait_ready()
-        frontend.wait_for_model(DEFAULT_MODEL)
-        yield worker, frontend
-    finally:
-        frontend.stop()
-        worker.stop()
+    ngram_worker: WorkerProcess, frontend: FrontendProcess
+) -> tuple[WorkerProcess, FrontendProcess]:
+    """The session's n-gram worker (K=3, `NGRAM_SPEC`) and the frontend over it alone."""
+    return ngram_worker, frontend
 
 
 def counters(worker: WorkerProcess) -> dict[str, Any]:

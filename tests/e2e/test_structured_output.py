@@ -28,7 +28,7 @@ from e2e_prompts import chat_ids, greedy_request
 from dynamo.llm.models import DEFAULT_MODEL
 from dynamo.llm.protocols import LLMEngineOutput, StructuredOutput
 from dynamo.runtime import DistributedRuntime
-from dynamo.testing.processes import FrontendProcess
+from dynamo.testing.processes import FrontendProcess, WorkerProcess
 
 MODEL = DEFAULT_MODEL
 PERSON = {
@@ -143,9 +143,10 @@ def _valid(text: str) -> bool:
 
 
 async def _structured_greedy(
-    runtime: DistributedRuntime, component: str, token_ids: list[int]
+    runtime: DistributedRuntime, worker: WorkerProcess, token_ids: list[int]
 ) -> list[int]:
-    client = await runtime.namespace("e2e").component(component).endpoint("generate").client()
+    endpoint = runtime.namespace(worker.namespace).component(worker.component)
+    client = await endpoint.endpoint("generate").client()
     await client.wait_for_instances(timeout=30)
     req = greedy_request(token_ids, 96, model="test")
     req.structured_output = StructuredOutput(json_schema=json.dumps(PERSON))
@@ -161,8 +162,8 @@ async def test_ngram_structured_output_equals_no_speculation(
     drafted_before = ngram_worker.metric("vllm:spec_decode_num_draft_tokens_total")
     for who in PEOPLE[:4]:
         ids = chat_ids(tokenizer, f"Describe {who} as JSON with name, age and city.")
-        spec = await _structured_greedy(runtime, "spec", ids)
-        plain = await _structured_greedy(runtime, "plain", ids)
+        spec = await _structured_greedy(runtime, ngram_worker, ids)
+        plain = await _structured_greedy(runtime, plain_worker, ids)
         assert spec == plain, (
             f"speculation changed structured output for {who!r}:\n"
             f"spec : {tokenizer.decode(spec)!r}\nplain: {tokenizer.decode(plain)!r}"

@@ -92,7 +92,7 @@ def tools_frontend(
         "frontend-tools",
         nats_url,
         e2e_log_dir,
-        namespace="e2e",
+        namespace=plain_worker.namespace,
         extra=["--chat-template", str(TEMPLATE), "--tool-call-parser", "hermes"],
     )
     try:

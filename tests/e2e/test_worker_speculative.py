@@ -20,6 +20,7 @@ from dynamo.llm.protocols import (
     StopConditions,
 )
 from dynamo.runtime import DistributedRuntime
+from dynamo.testing.processes import WorkerProcess
 from dynamo.testing.waiting import wait_until_async
 
 # Prompts that invite repetition, so the n-gram proposer finds matches in the context.
@@ -32,9 +33,10 @@ PROMPTS = [
 
 
 async def generate(
-    runtime: DistributedRuntime, component: str, token_ids: list[int], max_tokens: int = 64
+    runtime: DistributedRuntime, worker: WorkerProcess, token_ids: list[int], max_tokens: int = 64
 ):
-    client = await runtime.namespace("e2e").component(component).endpoint("generate").client()
+    endpoint = runtime.namespace(worker.namespace).component(worker.component)
+    client = await endpoint.endpoint("generate").client()
     await client.wait_for_instances(timeout=30)
     req = greedy_request(token_ids, max_tokens, model="test")
     outputs: list[LLMEngineOutput] = []
@@ -49,8 +51,8 @@ async def test_ngram_greedy_output_equals_no_speculation(
     multi_token_steps = 0
     for prompt in PROMPTS:
         ids = chat_ids(tokenizer, prompt)
-        spec = await generate(runtime, "spec", ids)
-        plain = await generate(runtime, "plain", ids)
+        spec = await generate(runtime, ngram_worker, ids)
+        plain = await generate(runtime, plain_worker, ids)
         spec_tokens = [t for o in spec for t in o.token_ids]
         plain_tokens = [t for o in plain for t in o.token_ids]
         assert spec_tokens == plain_tokens, (
@@ -65,7 +67,7 @@ async def test_ngram_greedy_output_equals_no_speculation(
 
 async def test_tokyo_through_the_worker(runtime, ngram_worker, tokenizer):
     outputs = await generate(
-        runtime, "spec", chat_ids(tokenizer, "What is the capital of Japan?"), 32
+        runtime, ngram_worker, chat_ids(tokenizer, "What is the capital of Japan?"), 32
     )
     text = tokenizer.decode([t for o in outputs for t in o.token_ids])
     assert "Tokyo" in text
@@ -107,7 +109,7 @@ async def test_sampled_tokens_under_speculation_are_plausible(runtime, ngram_wor
 
 async def test_final_output_has_usage_and_spec_stats(runtime, ngram_worker, tokenizer):
     ids = chat_ids(tokenizer, PROMPTS[0])
-    outputs = await generate(runtime, "spec", ids, 48)
+    outputs = await generate(runtime, ngram_worker, ids, 48)
     final = outputs[-1]
     produced = sum(len(o.token_ids) for o in outputs)
     assert final.completion_usage is not None
@@ -125,7 +127,7 @@ async def test_final_output_has_usage_and_spec_stats(runtime, ngram_worker, toke
 
 
 async def test_metrics_show_accepted_draft_tokens(runtime, ngram_worker, tokenizer):
-    await generate(runtime, "spec", chat_ids(tokenizer, PROMPTS[3]), 48)
+    await generate(runtime, ngram_worker, chat_ids(tokenizer, PROMPTS[3]), 48)
     assert ngram_worker.metric("vllm:spec_decode_num_accepted_tokens_total") > 0
     assert ngram_worker.metric("vllm:spec_decode_num_draft_tokens_total") > 0
     assert ngram_worker.metric("dynamo_worker_spec_decode_mean_acceptance_length") > 1.0
@@ -164,7 +166,7 @@ async def test_worker_exports_every_worker_metric_of_the_dashboard(
     from dynamo.testing.dashboard import VLLM_WORKER, exported_names, names_from
     from dynamo.testing.http import http_get
 
-    await generate(runtime, "spec", chat_ids(tokenizer, PROMPTS[0]), 16)
+    await generate(runtime, ngram_worker, chat_ids(tokenizer, PROMPTS[0]), 16)
     status, text = http_get(ngram_worker.metrics_url)
     assert status == 200
     wanted = names_from(VLLM_WORKER)

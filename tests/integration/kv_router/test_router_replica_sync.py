@@ -13,17 +13,20 @@ Frontends and mockers run on the test's event loop (in-loop frontends, each with
 NATS connection, as separate processes would have); the mockers run at real speed (8 ms
 a step), so requests sent together are in flight together.
 
-Workers report their load after each engine step, as vLLM's stats come, so a router also
-learns of another replica's requests from the workers, one step after they arrive. The
-burst test makes that step a slow prefill (`BURST_TIMING`), so that what it measures is
-the sync: the other replica places its burst within that step.
+Workers report their load after each engine step, as vLLM's stats come (and once a
+heartbeat), so a router also learns of another replica's requests from the workers, one
+step after they arrive. Whether such a report reaches replica B before B places its burst
+is a race on a busy machine, so the burst test holds the reports: its mockers always
+report themselves idle (`IdleReportingMocker`), and what B knows of A's requests is only
+what the sync tells it. A's requests are held too: long enough to outlast any delay, and
+cancelled once B's are done, so they are in flight whenever B places.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +36,9 @@ import openai
 
 from dynamo.frontend.frontend import FrontendConfig
 from dynamo.frontend.routing import RouterMode
+from dynamo.llm.protocols import LoadMetrics
 from dynamo.mocker.args import WorkerSettings
-from dynamo.mocker.backend import mocker_worker
+from dynamo.mocker.backend import MockerBackend, mocker_worker
 from dynamo.mocker.timing import TimingModel
 from dynamo.runtime.ports import free_port
 from dynamo.testing.frontends import InLoopFrontend
@@ -51,13 +55,25 @@ TENANT_MAX_TOKENS = 64
 """About half a second at real speed: every request of a round is still in flight when
 the round's last one arrives, so placements follow the books (load, pinned prefixes),
 not ties between idle workers."""
-BURST_TIMING = TimingModel(prefill_ms_per_token=1.0)
-"""A burst prompt (about 300 tokens) takes about 0.3 s to prefill: no load report of A's
-requests reaches B before B places its own, which takes milliseconds."""
+HELD_MAX_TOKENS = 1200
+"""A's burst requests would run for about 10 s: they are cancelled once B's are done, so
+they are in flight whenever B places, however slow the machine."""
 BURST_ROUNDS = 8
 """Without sync, each round spreads perfectly only if B's tie-break among four idle
 workers happens to pick the two A did not: probability 1/6, so all eight rounds do with
 probability below 1e-6."""
+
+
+class IdleReportingMocker(MockerBackend):
+    """A mocker whose load reports always say it is idle (its heartbeat still goes out):
+    a router learns nothing of the requests another replica sent it from the worker."""
+
+    def load_metrics(self, worker_id: int) -> LoadMetrics:
+        pool = self.engine.pool
+        return LoadMetrics(worker_id=worker_id, total_blocks=pool.num_blocks)
+
+    def watch_load(self, changed: Callable[[], None]) -> None:
+        """No report after a step: only the heartbeat, which says idle."""
 
 
 @dataclass
@@ -76,20 +92,23 @@ async def replica_stack(
     frontends: int,
     replica_sync: bool = True,
     timing: TimingModel = TimingModel(),
+    idle_reports: bool = False,
 ) -> AsyncIterator[Stack]:
-    """`workers` mockers and `frontends` kv-mode frontends in a namespace of their own."""
+    """`workers` mockers and `frontends` kv-mode frontends in a namespace of their own;
+    with `idle_reports`, mockers whose load reports always say idle."""
     namespace = "rsync" + uuid.uuid4().hex[:8]
     settings = WorkerSettings(namespace=namespace, nats_server=nats_url, lease_ttl=10.0)
-    mockers = [
-        mocker_worker(
-            settings,
-            mock_engine_config(model_path, timing=timing),
-            model_path=model_path,
-            served_model_name=MODEL,
-            name=f"m{i}",
+    mockers = []
+    for i in range(workers):
+        engine_config = mock_engine_config(model_path, timing=timing)
+        worker = mocker_worker(
+            settings, engine_config, model_path=model_path, served_model_name=MODEL, name=f"m{i}"
         )
-        for i in range(workers)
-    ]
+        if idle_reports:
+            worker.backend = IdleReportingMocker(
+                engine_config, speculative_method=settings.speculative_method
+            )
+        mockers.append(worker)
     async with AsyncExitStack() as stack:
         for worker in mockers:
             await worker.start()
@@ -219,12 +238,12 @@ async def test_two_replicas_match_one_frontend(
     assert sorted(spread_two.values()) == sorted(spread_one.values()), (spread_one, spread_two)
 
 
-def send(target: openai.AsyncOpenAI, tag: str) -> asyncio.Future[Any]:
+def send(target: openai.AsyncOpenAI, tag: str, max_tokens: int = 20) -> asyncio.Future[Any]:
     """A request with a prompt of its own (no prefix shared with any other), in flight
-    for its prefill and 20 decode steps."""
+    for its prefill and `max_tokens` decode steps."""
     prompt = tenant_prompt(f"burst-{tag}", tag)
     return asyncio.ensure_future(
-        target.completions.create(model=MODEL, prompt=prompt, max_tokens=20)
+        target.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens)
     )
 
 
@@ -237,7 +256,7 @@ async def burst_collisions(stack: Stack, *, wait_for_sync: bool) -> list[int]:
     try:
         for round_ in range(BURST_ROUNDS):
             before = await routed(stack)
-            first = [send(clients[0], f"{round_}-a1"), send(clients[0], f"{round_}-a2")]
+            first = [send(clients[0], f"{round_}-{tag}", HELD_MAX_TOKENS) for tag in ("a1", "a2")]
             await wait_until_async(
                 lambda: books_hold(a, stack.key, 2), timeout=10, what="A's burst", interval=0.005
             )
@@ -249,7 +268,10 @@ async def burst_collisions(stack: Stack, *, wait_for_sync: bool) -> list[int]:
                     interval=0.005,
                 )
             second = [send(clients[1], f"{round_}-b1"), send(clients[1], f"{round_}-b2")]
-            await asyncio.gather(*first, *second)
+            await asyncio.gather(*second)
+            for request in first:  # held until B's are placed and done: cancelled now
+                request.cancel()
+            await asyncio.gather(*first, return_exceptions=True)
             after = await routed(stack)
             worst.append(max(after[w] - before.get(w, 0) for w in after))
             for base in (a, b):  # every booking released before the next round
@@ -268,7 +290,7 @@ async def test_sync_is_what_spreads_a_burst_over_idle_workers(
     nats_url: str, embedded_model: Path, tmp_path: Path
 ) -> None:
     async with replica_stack(
-        nats_url, embedded_model, tmp_path / "tok", workers=4, frontends=2, timing=BURST_TIMING
+        nats_url, embedded_model, tmp_path / "tok", workers=4, frontends=2, idle_reports=True
     ) as synced:
         with_sync = await burst_collisions(synced, wait_for_sync=True)
     async with replica_stack(
@@ -278,7 +300,7 @@ async def test_sync_is_what_spreads_a_burst_over_idle_workers(
         workers=4,
         frontends=2,
         replica_sync=False,
-        timing=BURST_TIMING,
+        idle_reports=True,
     ) as blind:
         states = [await debug_state(base, blind.key) for base in blind.frontends]
         assert all("replica_sync" not in state for state in states)
