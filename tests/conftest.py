@@ -36,18 +36,34 @@ pins an engine's compute threads to one core and leaves the other to its server,
 two lanes share the machine's two cores rather than fight over one."""
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        parts = Path(str(item.fspath)).parts
-        for folder, mark in _FOLDER_MARKS.items():
-            if folder in parts:
-                item.add_marker(mark)
-        if "e2e" in parts:
-            item.add_marker(ENGINE_LANE)
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Marks by folder, as each test is collected: pytest-xdist reads `xdist_group` marks
+    in its own `pytest_collection_modifyitems`, which may run before any of ours."""
+    parts = Path(str(item.fspath)).parts
+    for folder, mark in _FOLDER_MARKS.items():
+        if folder in parts:
+            item.add_marker(mark)
+    if "e2e" in parts:
+        item.add_marker(ENGINE_LANE)
 
 
-MODULE_DURATIONS_SHOWN = 30
-"""How many of the slowest modules the terminal summary lists (`--module-durations`)."""
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Refuse to run when pytest-xdist's `loadgroup` ignores the lane (it does, silently,
+    under pytest 9.2: pytest-xdist issue 1386): each pytest worker would then start the
+    session's engines of its own and the suite would take far longer."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return  # not a pytest-xdist worker with --dist loadgroup
+    ungrouped = [
+        item.nodeid
+        for item in session.items
+        if item.get_closest_marker("xdist_group") and not item.nodeid.endswith("@engines")
+    ]
+    if ungrouped:
+        raise pytest.UsageError(
+            f"pytest-xdist does not group the e2e tests in one lane ({ungrouped[0]}); "
+            "run with a pytest it supports (pyproject.toml pins one) or TEST_WORKERS=0"
+        )
+
 
 _module_seconds: dict[str, float] = defaultdict(float)
 
