@@ -509,11 +509,14 @@ async def test_a_card_whose_files_are_missing_is_retried_until_they_come(
         )
         assert MODEL not in manager
         await upload_tokenizer_files(worker_rt, embedded_model)
-        # Loading the real tokenizer takes seconds on a busy host.
+        # Loading the real tokenizer takes seconds on a busy host. The model joins the
+        # manager a moment before its retry is forgotten (the load finishes first), so
+        # the two are waited for together rather than read one after the other.
         await wait_until_async(
-            lambda: MODEL in manager, timeout=30, what="the model once its files are there"
+            lambda: MODEL in manager and len(sync.retries) == 0,
+            timeout=30,
+            what="the model once its files are there, and its retry forgotten",
         )
-        assert len(sync.retries) == 0
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

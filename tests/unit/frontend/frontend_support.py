@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,21 @@ def completion_request(**fields: Any) -> CompletionRequest:
     fields.setdefault("model", MODEL)
     fields.setdefault("prompt", "Once upon a time")
     return msgspec.convert(fields, CompletionRequest)
+
+
+@contextmanager
+def replaced_render(tokenizer: Any, render: Callable[..., Any]) -> Iterator[None]:
+    """`tokenizer.apply_chat_template` is `render` on this one object inside the block.
+
+    Not `monkeypatch.setattr`: its undo sets the original *bound method* back as an
+    attribute of the object, and a later `copy.copy` of the session's tokenizer (what
+    `--chat-template` does) then carries a render bound to the original, with the
+    original's template."""
+    tokenizer.apply_chat_template = render
+    try:
+        yield
+    finally:
+        del tokenizer.apply_chat_template
 
 
 def openai_error_of(call: Callable[[], object]) -> OpenAIError:

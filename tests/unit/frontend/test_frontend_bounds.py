@@ -16,6 +16,7 @@ from frontend_support import (
     completion_request,
     make_card,
     openai_error_of,
+    replaced_render,
 )
 from http_support import assert_openai_error, chat, send
 
@@ -107,9 +108,7 @@ def test_call_flags_may_come_through_template_kwargs(preprocessor: Preprocessor)
     assert err.param == "chat_template_kwargs.add_generation_prompt"
 
 
-async def test_chat_templates_render_off_the_event_loop(
-    frontend: Frontend, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_chat_templates_render_off_the_event_loop(frontend: Frontend, tokenizer: Any) -> None:
     """A render that blocks (a slow template) must not stop the server answering others."""
     started, gate = threading.Event(), threading.Event()
     released: list[bool] = []
@@ -120,16 +119,16 @@ async def test_chat_templates_render_off_the_event_loop(
         released.append(gate.wait(GATE_TIMEOUT_S))  # False: nobody could release it
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(tokenizer, "apply_chat_template", blocking_render)
-    try:
-        request = asyncio.create_task(send(frontend.url, "/v1/chat/completions", chat()))
-        await wait_until_async(started.is_set, timeout=10, what="the chat template render")
-        live = await send(frontend.url, "/live", method="GET")
-        assert live.status == 200, "the event loop serves while the template renders"
-        gate.set()
-        reply = await request
-    finally:
-        gate.set()
+    with replaced_render(tokenizer, blocking_render):
+        try:
+            request = asyncio.create_task(send(frontend.url, "/v1/chat/completions", chat()))
+            await wait_until_async(started.is_set, timeout=10, what="the chat template render")
+            live = await send(frontend.url, "/live", method="GET")
+            assert live.status == 200, "the event loop serves while the template renders"
+            gate.set()
+            reply = await request
+        finally:
+            gate.set()
     assert reply.status == 200, reply.raw
     assert released == [True], "the render was released by the test, so it ran off-loop"
 
@@ -161,24 +160,22 @@ def test_an_overlong_stop_string_is_400(preprocessor: Preprocessor, as_list: boo
     ).plan.stop_strings == (ok,)
 
 
-def test_too_many_messages_are_400_before_rendering(
-    preprocessor: Preprocessor, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_too_many_messages_are_400_before_rendering(preprocessor: Preprocessor) -> None:
     renders: list[int] = []
 
     def counting_render(messages: list[Any], **_kwargs: Any) -> str:
         renders.append(len(messages))
         return "hi"
 
-    monkeypatch.setattr(preprocessor.tokenizer, "apply_chat_template", counting_render)
     messages = [{"role": "user", "content": "hi"}] * (limits.MAX_MESSAGES + 1)
-    err = openai_error_of(
-        lambda: preprocessor.prepare_chat_sync(chat_request(messages=messages), "r")
-    )
-    assert (err.status, err.param) == (400, "messages")
-    assert str(limits.MAX_MESSAGES) in err.message
-    assert renders == [], "refused before the template ran"
-    preprocessor.prepare_chat_sync(chat_request(messages=messages[1:]), "r")
+    with replaced_render(preprocessor.tokenizer, counting_render):
+        err = openai_error_of(
+            lambda: preprocessor.prepare_chat_sync(chat_request(messages=messages), "r")
+        )
+        assert (err.status, err.param) == (400, "messages")
+        assert str(limits.MAX_MESSAGES) in err.message
+        assert renders == [], "refused before the template ran"
+        preprocessor.prepare_chat_sync(chat_request(messages=messages[1:]), "r")
     assert renders == [limits.MAX_MESSAGES]
 
 
