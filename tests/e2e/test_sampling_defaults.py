@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-from e2e_engines import NGRAM_SPEC, make_run_ngram_preset
+from e2e_engines import NGRAM_SPEC, REPO, make_run_ngram_preset
 from openai.types.chat import ChatCompletionTokenLogprob
 
 from dynamo.llm.models import DEFAULT_MODEL
 from dynamo.testing.http import http_post_json
 from dynamo.testing.processes import FrontendProcess
 
-REPO = Path(__file__).resolve().parents[2]
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "n"}
 
 
