@@ -216,9 +216,9 @@ async def test_large_prompts_are_tokenized_off_the_event_loop(
     pre = Preprocessor(make_card(context_length=100_000), preprocessor.tokenizer)
     original = pre.prepare_completion_sync
 
-    def recording(req: CompletionRequest, request_id: str) -> Any:
+    def recording(req: CompletionRequest, request_id: str, *args: Any) -> Any:
         threads.append(threading.current_thread().name)
-        return original(req, request_id)
+        return original(req, request_id, *args)
 
     monkeypatch.setattr(preprocessor_module, "LARGE_INPUT_CHARS", 100)
     monkeypatch.setattr(pre, "prepare_completion_sync", recording)

@@ -10,25 +10,34 @@ Claims:
   `response_format.type` are a 400 naming the field, decided before any worker is
   touched (the scripted engine sees no request);
 * through the official `openai` client, `response_format` and `extra_body` reach the
-  worker as sent.
+  worker as sent;
+* a `$schema` that is not a string is a 400 on every path a schema takes (it was a 500);
+* what a constraint may cost is bounded (schema size and depth, regex, grammar, choices),
+  and schemas are checked in a pool of their own: while schema checks block, `/live`
+  answers and a chat request without a schema is templated and served.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import msgspec
 import openai
 import pytest
 from frontend_support import MODEL, Frontend, chat_request, completion_request, openai_error_of
+from http_support import assert_openai_error, chat, completion, send
 
+from dynamo.frontend import structured_output
 from dynamo.frontend.errors import from_validation_error
 from dynamo.frontend.openai_types import ChatCompletionRequest
 from dynamo.frontend.preprocessor import Preprocessor
 from dynamo.frontend.structured_output import structured_output_of
 from dynamo.llm.protocols import StructuredOutput
+from dynamo.testing.waiting import wait_until_async
 
 PERSON = {
     "type": "object",
@@ -240,3 +249,173 @@ async def test_invalid_schema_is_400_before_any_worker(
     assert "not a valid JSON schema" in str(info.value)
     assert "objekt" in str(info.value)
     assert frontend.client.requests == []
+
+
+# ---------------------------------------------------------------------- hostile schemas
+
+
+@pytest.mark.parametrize("meta", [[], {}, 5], ids=["list", "object", "number"])
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        (lambda schema: {"response_format": json_schema_format(schema)}, "response_format"),
+        (lambda schema: {"guided_json": schema}, "guided_json"),
+        (lambda schema: {"structured_outputs": {"json": schema}}, "structured_outputs"),
+        (
+            lambda schema: {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+            },
+            "tools[0].function.parameters",
+        ),
+    ],
+    ids=["response_format", "guided_json", "structured_outputs", "tool_parameters"],
+)
+def test_a_schema_naming_a_non_string_meta_schema_is_400(
+    preprocessor: Preprocessor, fields: Any, param: str, meta: Any
+) -> None:
+    schema = {"$schema": meta, "type": "object"}
+    err = openai_error_of(
+        lambda: preprocessor.prepare_chat_sync(chat_request(**fields(schema)), "r")
+    )
+    assert (err.status, err.param) == (400, param)
+    assert "$schema` must be a string" in err.message
+
+
+async def test_a_responses_text_format_with_a_non_string_meta_schema_is_400(
+    frontend: Frontend,
+) -> None:
+    body = {
+        "model": MODEL,
+        "input": "Who?",
+        "text": {"format": {"type": "json_schema", "name": "p", "schema": {"$schema": []}}},
+    }
+    reply = await send(frontend.url, "/v1/responses", body)
+    error = assert_openai_error(reply, 400)
+    assert "$schema" in error["message"]
+    assert frontend.client.requests == []
+
+
+def nested_schema(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        (
+            {
+                "guided_json": {
+                    "type": "object",
+                    "properties": {
+                        f"p{i}": {"type": "string"}
+                        for i in range(structured_output.MAX_SCHEMA_CHARS // 20)
+                    },
+                }
+            },
+            "guided_json",
+            f"at most {structured_output.MAX_SCHEMA_CHARS}",
+        ),
+        (
+            {
+                "response_format": json_schema_format(
+                    nested_schema(structured_output.MAX_SCHEMA_DEPTH)
+                )
+            },
+            "response_format",
+            f"more than {structured_output.MAX_SCHEMA_DEPTH} levels",
+        ),
+        (
+            {"guided_choice": ["x" * 1000] * (structured_output.MAX_CONSTRAINT_CHARS // 1000 + 1)},
+            "guided_choice",
+            f"at most {structured_output.MAX_CONSTRAINT_CHARS}",
+        ),
+        (
+            {"structured_outputs": {"regex": "a" * (structured_output.MAX_CONSTRAINT_CHARS + 1)}},
+            "structured_outputs",
+            f"at most {structured_output.MAX_CONSTRAINT_CHARS}",
+        ),
+        (
+            {"guided_grammar": "x" * (structured_output.MAX_CONSTRAINT_CHARS + 1)},
+            "guided_grammar",
+            f"at most {structured_output.MAX_CONSTRAINT_CHARS}",
+        ),
+    ],
+    ids=["schema_size", "schema_depth", "choices", "regex", "grammar"],
+)
+def test_constraints_beyond_their_bounds_are_400(
+    fields: dict[str, Any], param: str, words: str
+) -> None:
+    err = openai_error_of(lambda: constraint_of(**fields))
+    assert (err.status, err.param) == (400, param)
+    assert words in err.message
+
+
+def test_a_schema_just_inside_the_depth_bound_is_served() -> None:
+    # nested_schema(d) nests d arrays around a string: d + 1 levels of objects
+    depth = structured_output.MAX_SCHEMA_DEPTH - 1
+    got = constraint_of(guided_json=nested_schema(depth))
+    assert got is not None and json.loads(got.json_schema or "") == nested_schema(depth)
+
+
+GATE_TIMEOUT_S = 10.0
+"""How long a blocked schema check waits for the test to release it."""
+
+
+@pytest.fixture
+def blocked_schema_checks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[tuple[threading.Event, list[str], list[bool]]]:
+    """Every schema check blocks until the returned gate is set; the names of the threads
+    the checks ran on are recorded, and whether the test released each (False: the wait
+    timed out)."""
+    gate, threads, released = threading.Event(), [], []
+    original = structured_output.jsonschema.validators.validator_for
+
+    def blocking(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        released.append(gate.wait(GATE_TIMEOUT_S))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(structured_output.jsonschema.validators, "validator_for", blocking)
+    try:
+        yield gate, threads, released
+    finally:
+        gate.set()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_schemas_are_checked_off_the_loop_and_off_the_template_pool(
+    frontend: Frontend,
+    blocked_schema_checks: tuple[threading.Event, list[str], list[bool]],
+    path: str,
+) -> None:
+    """More schema requests than every pool has threads are held in their check; the
+    event loop still answers `/live`, and a chat request without a schema (rendered in
+    the templates' pool) is served meanwhile."""
+    gate, threads, released = blocked_schema_checks
+    body = completion if path == "/v1/completions" else chat
+    held = 12  # more than asyncio's default pool on any machine with up to 8 cores
+    pending = [
+        asyncio.create_task(send(frontend.url, path, body(guided_json=PERSON))) for _ in range(held)
+    ]
+    try:
+        await wait_until_async(
+            lambda: len(threads) == structured_output.CONSTRAINT_POOL_THREADS,
+            timeout=10,
+            what="the schema checks to start",
+        )
+        live = await asyncio.wait_for(send(frontend.url, "/live", method="GET"), 5)
+        assert live.status == 200
+        plain = await asyncio.wait_for(send(frontend.url, "/v1/chat/completions", chat()), 10)
+        assert plain.status == 200, plain.raw
+        assert not gate.is_set(), "the plain request was served while every check was held"
+    finally:
+        gate.set()
+    replies = await asyncio.gather(*pending)
+    assert [r.status for r in replies] == [200] * held
+    assert all(name.startswith("constraint-check") for name in threads), threads
+    # (a check calls `validator_for` again for its meta-schema: more calls than requests)
+    assert len(released) >= held and all(released), "checks were held until released"

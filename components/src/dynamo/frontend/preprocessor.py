@@ -9,7 +9,9 @@ formatting, usage in the stream) stays in the `OutputPlan`.
 Requests are untrusted: what they may ask of the frontend is bounded (`limits`) before
 the work is done, `chat_template_kwargs` may only fill the template's variables
 (`template_kwargs`), and chat templates are always rendered in a worker thread, so a slow
-template never stalls the event loop.
+template never stalls the event loop. Output constraints and tool schemas are checked in
+a pool of their own before that (`structured_output.constraint_pool`): a large schema
+costs its own request time, not the event loop's nor the templates' pool.
 """
 
 from __future__ import annotations
@@ -36,7 +38,11 @@ from dynamo.frontend.openai_types import (
     CompletionRequest,
     SamplingFields,
 )
-from dynamo.frontend.structured_output import structured_output_of
+from dynamo.frontend.structured_output import (
+    carries_constraint,
+    constraint_pool,
+    structured_output_of,
+)
 from dynamo.frontend.template_kwargs import TemplateKwargsPolicy
 from dynamo.frontend.tool_calls import (
     ToolRequest,
@@ -139,15 +145,26 @@ class Preprocessor:
 
     async def prepare_completion(self, req: CompletionRequest, request_id: str) -> Prepared:
         """Validate and tokenize a /v1/completions request (off-loop when large)."""
+        constraints = await checked_constraints_off_loop(req)
         size = _prompt_size(req.prompt)
-        return await _maybe_in_thread(size, self.prepare_completion_sync, req, request_id)
+        return await _maybe_in_thread(
+            size, self.prepare_completion_sync, req, request_id, constraints
+        )
 
     async def prepare_chat(self, req: ChatCompletionRequest, request_id: str) -> Prepared:
         """Validate, template and tokenize a /v1/chat/completions request, in a worker
         thread whatever its size (see `LARGE_INPUT_CHARS`)."""
-        return await asyncio.to_thread(self.prepare_chat_sync, req, request_id)
+        constraints = await checked_constraints_off_loop(req)
+        return await asyncio.to_thread(self.prepare_chat_sync, req, request_id, constraints)
 
-    def prepare_completion_sync(self, req: CompletionRequest, request_id: str) -> Prepared:
+    def prepare_completion_sync(
+        self,
+        req: CompletionRequest,
+        request_id: str,
+        constraints: CheckedConstraints | None = None,
+    ) -> Prepared:
+        """`constraints`: `checked_constraints(req)` when the caller already has them."""
+        constraints = constraints or checked_constraints(req)
         _check_common(req)
         token_ids, prompt_text = self._completion_prompt(req.prompt)
         echo_text = None
@@ -162,13 +179,21 @@ class Preprocessor:
             prompt_param="prompt",
             logprobs=req.logprobs,
             echo_text=echo_text,
+            structured_output=constraints.output,
         )
 
-    def prepare_chat_sync(self, req: ChatCompletionRequest, request_id: str) -> Prepared:
+    def prepare_chat_sync(
+        self,
+        req: ChatCompletionRequest,
+        request_id: str,
+        constraints: CheckedConstraints | None = None,
+    ) -> Prepared:
+        """`constraints`: `checked_constraints(req)` when the caller already has them."""
+        constraints = constraints or checked_constraints(req)
         _check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("`top_logprobs` requires `logprobs` to be true", "top_logprobs")
-        tools = tool_request(req)
+        tools = constraints.tools
         text = self.render_chat(req, tools)
         self.prompt_bound.check_text(len(text), self.context_length, "messages")
         token_ids = self._encode(text, False)
@@ -184,7 +209,9 @@ class Preprocessor:
             prompt_param="messages",
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             echo_text=None,
-            tool_constraint=tools.constraint if tools is not None else None,
+            structured_output=with_tool_constraint(
+                constraints.output, tools.constraint if tools is not None else None
+            ),
         )
 
     def render_chat(self, req: ChatCompletionRequest, tools: ToolRequest | None = None) -> str:
@@ -297,7 +324,7 @@ class Preprocessor:
         prompt_param: str,
         logprobs: int | None,
         echo_text: str | None,
-        tool_constraint: StructuredOutput | None = None,
+        structured_output: StructuredOutput | None,
     ) -> Prepared:
         max_tokens = self._checked_max_tokens(
             len(token_ids), max_tokens, max_tokens_param, prompt_param
@@ -325,7 +352,7 @@ class Preprocessor:
             ),
             output_options=OutputOptions(logprobs=logprobs),
             eos_token_ids=list(self.eos_token_ids),
-            structured_output=with_tool_constraint(structured_output_of(req), tool_constraint),
+            structured_output=structured_output,
         )
         hidden = set(stop_token_ids)
         if not req.ignore_eos:
@@ -368,6 +395,35 @@ class Preprocessor:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+@dataclass(frozen=True)
+class CheckedConstraints:
+    """A request's output constraint and tools, checked (schemas against their
+    meta-schemas): the part of preparing a request whose cost the client chooses."""
+
+    output: StructuredOutput | None
+    tools: ToolRequest | None
+
+
+def checked_constraints(req: CompletionRequest | ChatCompletionRequest) -> CheckedConstraints:
+    """`req`'s constraint and (chat) tools, checked; a 400 naming the field at fault."""
+    tools = tool_request(req) if isinstance(req, ChatCompletionRequest) else None
+    return CheckedConstraints(structured_output_of(req), tools)
+
+
+async def checked_constraints_off_loop(
+    req: CompletionRequest | ChatCompletionRequest,
+) -> CheckedConstraints:
+    """`checked_constraints(req)`, run in the constraint pool when `req` carries a
+    constraint or tools, so neither the event loop nor the templates' pool pays for it."""
+    has_tools = isinstance(req, ChatCompletionRequest) and (
+        bool(req.tools) or req.tool_choice is not None
+    )
+    if not has_tools and not carries_constraint(req):
+        return CheckedConstraints(None, None)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(constraint_pool(), checked_constraints, req)
 
 
 def _check_common(req: SamplingFields) -> None:

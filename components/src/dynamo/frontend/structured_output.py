@@ -20,11 +20,20 @@ worker as the client's error, also a 400.
 
 `strict` is accepted and needs no work: decoding is constrained to the schema whether or
 not it is set, which is what OpenAI's strict mode promises.
+
+What a constraint may cost is bounded before it is checked: a schema's JSON text at most
+`MAX_SCHEMA_CHARS` characters and `MAX_SCHEMA_DEPTH` levels deep, a regex, grammar or
+structural tag at most `MAX_CONSTRAINT_CHARS`, the choices of `choice` together at most
+`MAX_CONSTRAINT_CHARS`. Checking a schema is pure Python (about 3.5 us a character), so
+the preprocessor runs these checks in a pool of their own (`constraint_pool`), never on
+the event loop and never in the pool chat templates render in.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +54,33 @@ CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "struc
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 MAX_ERROR_CHARS = 300
 """A schema error message quotes the offending part of the schema: bounded."""
+MAX_SCHEMA_CHARS = 128 * 1024
+"""Largest JSON schema served, as compact JSON text. OpenAI bounds a strict schema's names
+and enum values to 120,000 characters together; checking this much takes about half a
+second of one core, and the engine compiles it into a grammar again."""
+MAX_SCHEMA_DEPTH = 64
+"""Deepest nesting of objects and arrays in a schema (OpenAI allows 10 levels of
+properties, each of which takes two here: the `properties` object and the property)."""
+MAX_CONSTRAINT_CHARS = 64 * 1024
+"""Largest regex, grammar or structural tag, and the most characters all `choice` entries
+may have together: each is compiled into a grammar on the worker."""
+CONSTRAINT_POOL_THREADS = 2
+"""Threads checking schemas. Requests that carry one queue here rather than in the pool
+chat templates use, so a burst of large schemas cannot delay every chat request."""
+
+log = logging.getLogger(__name__)
+_constraint_pool: ThreadPoolExecutor | None = None
+
+
+def constraint_pool() -> ThreadPoolExecutor:
+    """The process's pool for checking request constraints (created on first use, so a
+    forked HTTP worker process makes its own)."""
+    global _constraint_pool
+    if _constraint_pool is None:
+        _constraint_pool = ThreadPoolExecutor(
+            CONSTRAINT_POOL_THREADS, thread_name_prefix="constraint-check"
+        )
+    return _constraint_pool
 
 
 @dataclass(frozen=True)
@@ -85,6 +121,18 @@ def structured_output_of(req: SamplingFields) -> StructuredOutput | None:
             )
         return None
     return _with_options(found[0].output, options, req.guided_whitespace_pattern)
+
+
+def carries_constraint(req: SamplingFields) -> bool:
+    """Whether `req` sets any field `structured_output_of` checks (cheap: no checking)."""
+    return (
+        (req.response_format is not None and req.response_format.type != "text")
+        or req.structured_outputs is not None
+        or any(
+            value is not None
+            for value in (req.guided_json, req.guided_regex, req.guided_choice, req.guided_grammar)
+        )
+    )
 
 
 # ---------------------------------------------------------------------- the three spellings
@@ -231,10 +279,38 @@ def checked_json_schema(value: Any, where: str, param: str | None = None) -> str
             f"`{where}` must be a JSON schema object, got {type(value).__name__}", param
         )
     try:
-        validator = jsonschema.validators.validator_for(
-            value, default=jsonschema.Draft202012Validator
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    except RecursionError:
+        raise bad_request(f"`{where}` is nested too deeply", param) from None
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise bad_request(
+            f"`{where}` has {len(text)} characters as compact JSON; at most "
+            f"{MAX_SCHEMA_CHARS} are allowed",
+            param,
         )
-        validator.check_schema(value)
+    if _nesting_depth(value) > MAX_SCHEMA_DEPTH:
+        raise bad_request(
+            f"`{where}` nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels deep",
+            param,
+        )
+    meta = value.get("$schema")
+    if meta is not None and not isinstance(meta, str):
+        raise bad_request(
+            f"`{where}.$schema` must be a string naming a JSON schema draft, got "
+            f"{type(meta).__name__}",
+            param,
+        )
+    _check_against_meta_schema(value, where, param)
+    return text
+
+
+def _check_against_meta_schema(schema: dict[str, Any], where: str, param: str) -> None:
+    """`schema` checked against the meta-schema of the draft its `$schema` names."""
+    try:
+        validator = jsonschema.validators.validator_for(
+            schema, default=jsonschema.Draft202012Validator
+        )
+        validator.check_schema(schema)
     except jsonschema.exceptions.SchemaError as exc:
         at = "/".join(str(p) for p in exc.path)
         location = f" at `{at}`" if at else ""
@@ -243,13 +319,39 @@ def checked_json_schema(value: Any, where: str, param: str | None = None) -> str
         ) from None
     except RecursionError:
         raise bad_request(f"`{where}` is nested too deeply", param) from None
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    except Exception as exc:  # noqa: BLE001 (the schema is the client's, and so is its fault)
+        log.warning("checking a client's JSON schema raised %s: %s", type(exc).__name__, exc)
+        raise bad_request(
+            f"`{where}` could not be checked as a JSON schema: {_bounded(str(exc))}", param
+        ) from None
+
+
+def _nesting_depth(value: Any) -> int:
+    """How deeply objects and arrays nest in `value` (a scalar: 0), without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        depth += 1
+        if depth > deepest:
+            deepest = depth
+            if deepest > MAX_SCHEMA_DEPTH:
+                return deepest
+        stack.extend((child, depth) for child in children)
+    return deepest
 
 
 def _checked_regex(value: str, where: str) -> str:
     # A NUL is never meaningful in a pattern and the engine's regex converter mishandles
     # it; every other regex is judged by the engine's own compiler (its syntax is not
     # Python's).
+    _check_length(len(value), where)
     if "\x00" in value:
         raise bad_request(f"`{where}` must not contain a NUL character", where.split(".")[0])
     return value
@@ -258,13 +360,23 @@ def _checked_regex(value: str, where: str) -> str:
 def _checked_choice(value: list[str], where: str) -> list[str]:
     if not value:
         raise bad_request(f"`{where}` must list at least one choice", where.split(".")[0])
+    _check_length(sum(len(choice) for choice in value), where)
     return list(value)
 
 
 def _checked_text(value: str, where: str) -> str:
+    _check_length(len(value), where)
     if not value.strip():
         raise bad_request(f"`{where}` must not be empty", where.split(".")[0])
     return value
+
+
+def _check_length(chars: int, where: str) -> None:
+    if chars > MAX_CONSTRAINT_CHARS:
+        raise bad_request(
+            f"`{where}` has {chars} characters; at most {MAX_CONSTRAINT_CHARS} are allowed",
+            where.split(".")[0],
+        )
 
 
 def _bounded(text: str) -> str:
