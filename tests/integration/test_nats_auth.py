@@ -120,6 +120,24 @@ async def test_credentials_in_the_url_work_and_are_logged_redacted(
     assert PASSWORD not in caplog.text
 
 
+async def test_a_password_with_an_at_sign_in_the_url_is_logged_redacted_whole(
+    tmp_path: Path, connected: list[DistributedRuntime], caplog: pytest.LogCaptureFixture
+) -> None:
+    """nats-py splits a URL's credentials at the last `@`, so the password here is
+    `p@ss-...`: the log must show none of it (it used to show the part after the `@`)."""
+    tail = "ss-" + uuid.uuid4().hex
+    password = "p@" + tail
+    with NatsServer(
+        security=ServerSecurity(user=USER, password=password), store_dir=tmp_path
+    ) as server:
+        url = server.url.replace("nats://", f"nats://{USER}:{password}@")
+        with caplog.at_level("DEBUG"):
+            connected.append(await DistributedRuntime.connect(url, options=NatsConnectOptions()))
+            await connected.pop().shutdown(drain_timeout=0)
+    assert f"{USER}:***@127.0.0.1" in caplog.text
+    assert tail not in caplog.text
+
+
 async def test_credentials_from_the_environment_are_the_default(
     secured_server: NatsServer,
     connected: list[DistributedRuntime],

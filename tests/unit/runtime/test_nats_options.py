@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ssl
 import sys
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -221,11 +222,28 @@ def test_secrets_stay_out_of_repr_and_describe() -> None:
         ),
         ("nats://h:4222", "nats://h:4222"),
         ("nats://h:4222/path@odd", "nats://h:4222/path@odd"),
+        ("nats://u:p@ss@127.0.0.1:4222", "nats://u:***@127.0.0.1:4222"),
+        ("nats://to@k@en@h:1", "nats://***@h:1"),
+        ("nats://u:p@s:s@h:1?x=@", "nats://u:***@h:1?x=@"),
     ],
 )
 def test_redact_url(url: str, shown: str) -> None:
     assert redact_url(url) == shown
     assert url_has_credentials(url) == (shown != url)
+
+
+@pytest.mark.parametrize(
+    "url", ["nats://u:p@ss@127.0.0.1:4222", "nats://u:p@s:s@h:1", "tls://t@o@ken@h:4222"]
+)
+def test_redaction_hides_what_nats_py_sends_as_the_secret(url: str) -> None:
+    """nats-py takes the user and password (or token) from `urllib.parse`, which splits the
+    authority at its last `@`: none of that secret may survive redaction."""
+    parsed = urllib.parse.urlparse(url)
+    secret = parsed.password if parsed.password is not None else parsed.username
+    assert secret
+    shown_user = f"{parsed.username}:***" if parsed.password is not None else "***"
+    host = parsed.netloc.rpartition("@")[2]
+    assert redact_url(url) == f"{parsed.scheme}://{shown_user}@{host}"
 
 
 @pytest.mark.parametrize("build", [frontend_parser, mocker_parser, runtime_cli_parser])

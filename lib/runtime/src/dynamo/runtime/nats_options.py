@@ -404,7 +404,10 @@ def split_urls(url: str) -> list[str]:
     return [part.strip() for part in url.split(",") if part.strip()]
 
 
-_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)?(?P<userinfo>[^@/]*)@")
+# The user information is everything before the *last* `@` of the authority (which ends
+# at the first `/`, `?` or `#`): that is where `urllib.parse`, and so nats-py, splits it,
+# so a password containing `@` is redacted whole.
+_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)?(?P<userinfo>[^/?#]*)@")
 
 
 def url_has_credentials(url: str) -> bool:
