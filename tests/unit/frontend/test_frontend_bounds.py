@@ -64,6 +64,38 @@ async def test_chat_template_kwargs_outside_the_template_are_400(
     assert frontend.client.requests == [], "no worker saw the request"
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]},
+            "top-level `tools`",
+        ),
+        ({"documents": "not a list"}, "list of objects"),
+        ({"documents": [{"title": "t", "text": {"nested": 1}}]}, "list of objects"),
+        ({"reasoning_effort": "extreme"}, "must be one of"),
+        ({"reasoning_effort": ["low"]}, "must be one of"),
+    ],
+    ids=["tools", "documents_type", "documents_values", "effort_value", "effort_type"],
+)
+async def test_kwargs_that_shadow_top_level_fields_keep_their_rules(
+    frontend: Frontend, kwargs: dict[str, Any], words: str
+) -> None:
+    """`tools`, `documents` and `reasoning_effort` through `chat_template_kwargs` do not
+    skip the checks of their top-level counterparts."""
+    reply = await send(frontend.url, "/v1/chat/completions", chat(chat_template_kwargs=kwargs))
+    (key,) = kwargs
+    error = assert_openai_error(reply, 400, param=f"chat_template_kwargs.{key}")
+    assert words in error["message"]
+    assert frontend.client.requests == [], "no worker saw the request"
+
+
+async def test_valid_documents_and_reasoning_effort_kwargs_are_served(frontend: Frontend) -> None:
+    kwargs = {"documents": [{"title": "t", "text": "x"}], "reasoning_effort": "low"}
+    reply = await send(frontend.url, "/v1/chat/completions", chat(chat_template_kwargs=kwargs))
+    assert reply.status == 200, reply.raw
+
+
 def test_template_variables_and_common_switches_are_accepted(
     tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,6 +13,12 @@ A key is accepted when it is a variable the model's template reads (found with
 `jinja2.meta.find_undeclared_variables` on the template source, parsed once per model) or
 one of a few variables well-known templates read (`COMMON_TEMPLATE_VARIABLES`), and it is
 not one of the call's own parameters or the template's helper functions.
+
+Three accepted keys have top-level counterparts with rules of their own, and the kwargs
+spelling must not skip them (`check_shadowed_fields`): `tools` is refused here (the
+top-level field is where tool schemas are checked, rendered and parsed back out),
+`documents` must have the shape of vLLM's top-level field (objects of strings), and
+`reasoning_effort` one of the values vLLM's top-level field accepts.
 """
 
 from __future__ import annotations
@@ -73,6 +79,8 @@ ALWAYS_REFUSED = frozenset(
         "strftime_now",
     }
 )
+# The values vLLM's top-level `reasoning_effort` accepts.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # The preprocessor passes these to `apply_chat_template` itself.
 _CALL_FLAGS = ("add_generation_prompt", "continue_final_message")
 _MAX_KEY_SHOWN = 64
@@ -112,9 +120,39 @@ class TemplateKwargsPolicy:
                 raise _refused(key)
             if key not in self.accepted:
                 raise _unknown(key, self.accepted)
+        check_shadowed_fields(kwargs)
         variables = dict(kwargs)
         flags = {name: _flag(name, variables.pop(name, None)) for name in _CALL_FLAGS}
         return TemplateArguments(variables=variables, **flags)
+
+
+def check_shadowed_fields(kwargs: Mapping[str, Any]) -> None:
+    """The rules of the top-level fields that `tools`, `documents` and `reasoning_effort`
+    in `chat_template_kwargs` would otherwise bypass; a 400 naming the key."""
+    if "tools" in kwargs:
+        raise bad_request(
+            "`chat_template_kwargs.tools` is not allowed: send tools in the top-level "
+            "`tools` field, where their schemas are checked and calls are parsed back out",
+            "chat_template_kwargs.tools",
+        )
+    if "documents" in kwargs:
+        documents = kwargs["documents"]
+        if not isinstance(documents, list) or not all(
+            isinstance(doc, dict) and all(isinstance(v, str) for v in doc.values())
+            for doc in documents
+        ):
+            raise bad_request(
+                "`chat_template_kwargs.documents` must be a list of objects whose values "
+                "are strings",
+                "chat_template_kwargs.documents",
+            )
+    effort = kwargs.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise bad_request(
+            f"`chat_template_kwargs.reasoning_effort` must be one of "
+            f"{', '.join(REASONING_EFFORTS)}",
+            "chat_template_kwargs.reasoning_effort",
+        )
 
 
 def template_variables(sources: Iterable[str]) -> frozenset[str]:
