@@ -11,7 +11,8 @@ told to go silent after N tokens while it keeps heartbeating (a hung engine). Cl
 * a worker silent past `--inter-token-timeout`: the request is cancelled there and
   migrated to a healthy worker, and the client receives the complete, correct text (the
   migration is counted in `dynamo_frontend_migrations_total`); with no other worker it
-  ends with an error event instead, within the deadline plus a margin;
+  ends with an error event instead, within the deadline plus a margin; a request with
+  structured output is not migrated (its grammar cannot resume) but ends with an error;
 * a worker that never sends a first token within `--first-token-timeout`: HTTP 500 with
   a clear message, not a hang, and the request is cancelled on the worker;
 * the model's last worker drained gracefully (card removed first, then in-flight
@@ -75,10 +76,10 @@ class Cluster:
     serving: list[int] = field(default_factory=list)  # instance per request started
     cancelled: list[int] = field(default_factory=list)  # instance per request cancelled
 
-    async def stream(self, max_tokens: int, on_chunk=None) -> StreamOutcome:
+    async def stream(self, max_tokens: int, on_chunk=None, **fields: object) -> StreamOutcome:
         body = {
             "model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens,
-            "stream_options": {"include_usage": True},
+            "stream_options": {"include_usage": True}, **fields,
         }  # fmt: skip
         return await asyncio.wait_for(
             stream_completion(self.session, self.base_url, body, on_chunk=on_chunk), 60
@@ -238,6 +239,26 @@ async def test_a_silent_worker_is_cut_and_the_stream_migrates(
         gaps = [b - a for a, b in zip(outcome.chunk_times, outcome.chunk_times[1:], strict=False)]
         assert DEADLINE - 0.1 < max(gaps) < DEADLINE + MARGIN
         assert await c.migrations() == 1
+
+
+async def test_a_constrained_stream_fails_cleanly_instead_of_migrating(
+    nats_url: str, embedded_model: Path, tmp_path: Path
+) -> None:
+    """As above, but the request carries structured output: a continuation would start a
+    second document after the first one's prefix (the engine applies the grammar to new
+    output only), so the stream ends with an error naming why, and nothing migrates."""
+    stall = ["--stall-after", "5"]
+    async with cluster(
+        nats_url, embedded_model, tmp_path, [stall, stall], inter_token_s=DEADLINE
+    ) as c:
+        outcome = await c.stream(max_tokens=30, response_format={"type": "json_object"})
+        assert outcome.status == 200 and outcome.done
+        assert outcome.error is not None, f"completed: {outcome.text!r}"
+        assert "constrained" in outcome.error["message"], outcome.error
+        assert len(outcome.texts) == 5
+        assert len(c.serving) == 1, "no continuation was sent to the other worker"
+        await _wait_cancelled(c, c.serving[0])
+        assert await c.migrations() == 0
 
 
 async def test_a_silent_only_worker_ends_the_stream_with_an_error(

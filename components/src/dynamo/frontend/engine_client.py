@@ -383,10 +383,10 @@ class RequestLegs:
                 request_id, exc,
             )  # fmt: skip
             return False
-        # n > 1: the tokens streamed belong to n interleaved sequences, which one
-        # continuation prompt cannot carry on: such a request fails instead of migrating.
-        single = (self.request.sampling_options.n or 1) == 1
-        if self.generated and single and self.migrations < self.migration_limit:
+        unresumable = unresumable_reason(self.request)
+        if self.generated and unresumable is not None:
+            raise EngineFailedError(f"{_lost_message(exc)}; not migrated: {unresumable}") from exc
+        if self.generated and self.migrations < self.migration_limit:
             self.migrations += 1
             self.leg = continuation(self.request, self.generated)
             log.warning(
@@ -412,6 +412,22 @@ class RequestLegs:
             self.failed.add(target)
         self.lost = exc
         self._first_of_leg = True
+
+
+def unresumable_reason(request: PreprocessedRequest) -> str | None:
+    """Why `request` cannot continue on another worker once tokens were streamed (None: it
+    can). A continuation is one prompt extended by the tokens so far, so:
+
+    * n > 1: the tokens streamed belong to n interleaved sequences, which one prompt
+      cannot carry on;
+    * structured output: the engine applies the grammar to the new leg's output only, so
+      the continuation would start a second document after the first one's prefix.
+    """
+    if (request.sampling_options.n or 1) > 1:
+        return "the request generates n > 1 sequences"
+    if request.structured_output is not None:
+        return "its output is constrained (structured output), which cannot resume mid-document"
+    return None
 
 
 def engine_error(exc: DynamoRuntimeError, *, resuming: bool) -> Exception:

@@ -319,7 +319,7 @@ def _check_against_meta_schema(schema: dict[str, Any], where: str, param: str) -
         ) from None
     except RecursionError:
         raise bad_request(f"`{where}` is nested too deeply", param) from None
-    except Exception as exc:  # noqa: BLE001 (the schema is the client's, and so is its fault)
+    except Exception as exc:  # the schema is the client's, and so is its fault
         log.warning("checking a client's JSON schema raised %s: %s", type(exc).__name__, exc)
         raise bad_request(
             f"`{where}` could not be checked as a JSON schema: {_bounded(str(exc))}", param
