@@ -18,9 +18,11 @@ from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 from kv_cards import BLOCK_SIZE
 
+from dynamo.llm.kv_router import replica_books
 from dynamo.llm.kv_router.replica_books import ReplicaBooks, remote_key
 from dynamo.llm.kv_router.replica_sync import ReplicaSyncSettings, RouterReplicaSync
 from dynamo.llm.kv_router.scheduler import KvScheduler, KvWorkerSpec
@@ -233,6 +235,98 @@ def test_a_booking_in_another_block_size_is_rejected(clock: FakeClock) -> None:
     bad = SequenceBooked("cmpl-2", 1, block_size=B, prompt_len=64, block_hashes=[1])
     b.books.receive(ReplicaSyncMessage("a", BookingChanges([bad])))
     assert b.active(1) == (0, 0) and b.books.stats.rejected == 2
+
+
+# --------------------------------------------------------------------------- untrusted peers
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        ReplicaHeartbeat(float("inf"), 0, 0),
+        ReplicaHeartbeat(float("nan"), 0, 0),
+        ReplicaHeartbeat(3600.0, 0, 0),
+        ReplicaHeartbeat(-1.0, 0, 0),
+        ReplicaHeartbeat(1.0, -5, 0),
+        ReplicaHeartbeat(1.0, 0, 2**40),
+        BookingChanges([SequenceBooked("cmpl-1", 1, B, prompt_len=-1)]),
+        BookingChanges([SequenceBooked("cmpl-1", -1, B, prompt_len=64)]),
+        BookingChanges([SequenceBooked("cmpl-1", 1, 0, prompt_len=64)]),
+        BookingChanges([SequenceBooked("x" * 10_000, 1, B, prompt_len=64)]),
+        BookingChanges([SequenceBooked("cmpl-1", 1, B, 64, num_speculative_tokens=10**6)]),
+        BookingChanges([SequencePrefilled("cmpl-1", new_tokens=-3)]),
+        BookingChanges([SequenceFreed("")]),
+    ],
+    ids=[
+        "interval_inf", "interval_nan", "interval_hour", "interval_negative", "bookings",
+        "fingerprint", "prompt_len", "worker_id", "block_size", "request_id", "speculative",
+        "prefilled", "empty_id",
+    ],
+)  # fmt: skip
+def test_a_peer_message_out_of_bounds_fails_to_decode(data: ReplicaSyncData) -> None:
+    """Every number a peer sends is bounded by the wire type: an infinite heartbeat
+    interval (a replica that never expires) or a negative count never reaches the books."""
+    with pytest.raises(msgspec.ValidationError):
+        decode(encode(ReplicaSyncMessage("a", data)), ReplicaSyncMessage)
+    with pytest.raises(msgspec.ValidationError):
+        decode(encode(ReplicaSyncMessage("x" * 10_000, ReplicaLeaving())), ReplicaSyncMessage)
+
+
+def test_a_booking_on_an_unknown_worker_creates_no_worker_and_heals_by_snapshot(
+    clock: FakeClock,
+) -> None:
+    a, b = Replica("a", clock), Replica("b", clock)
+    a.scheduler.update_worker(KvWorkerSpec(3, B))  # a knows worker 3, b not yet
+    meet(a, b)
+    a.scheduler.schedule("cmpl-1", PROMPT, [3])
+    a.send_to(b)
+    assert b.scheduler.sequences.get(3) is None, "no ghost worker"
+    assert b.books.replicas() == {"a": 0} and b.books.stats.unknown_worker == 1
+    b.scheduler.update_worker(KvWorkerSpec(3, B))  # the card arrives
+    clock.now += 1.0
+    answers = b.books.receive(a.message(a.books.heartbeat()))
+    assert answers == [SnapshotRequest("a")]
+    for request in answers:
+        for snapshot in a.books.receive(b.message(request)):
+            b.books.receive(a.message(snapshot))
+    assert b.active(3) == (1, 4) and b.books.replicas() == {"a": 1}
+
+
+def test_made_up_worker_ids_never_become_workers(clock: FakeClock) -> None:
+    b = Replica("b", clock)
+    bookings = [SequenceBooked(f"cmpl-{i}", 10_000 + i, B, 64, [i, i + 1]) for i in range(100)]
+    b.books.receive(ReplicaSyncMessage("a", BookingChanges(bookings)))
+    assert set(b.scheduler.sequences.loads()) <= set(WORKERS)
+    assert b.books.stats.unknown_worker == 100 and b.books.replicas() == {"a": 0}
+
+
+def test_an_overlap_beyond_the_hashes_is_rejected(clock: FakeClock) -> None:
+    b = Replica("b", clock)
+    bad = SequenceBooked("cmpl-1", 1, B, 2 * B, [1, 2], overlap_blocks=5, cached_blocks=1)
+    b.books.receive(ReplicaSyncMessage("a", BookingChanges([bad])))
+    assert b.active(1) == (0, 0) and b.books.stats.rejected == 1
+
+
+def test_peers_and_their_bookings_are_bounded(
+    clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(replica_books, "MAX_PEERS", 2)
+    monkeypatch.setattr(replica_books, "MAX_REMOTE_BOOKINGS", 3)
+    b = Replica("b", clock)
+    for replica in ("p1", "p2", "p3"):
+        b.books.receive(ReplicaSyncMessage(replica, ReplicaHeartbeat(1.0, 0, 0)))
+    assert sorted(b.books.replicas()) == ["p1", "p2"] and b.books.stats.peers_ignored == 1
+    bookings = [SequenceBooked(f"cmpl-{i}", 1, B, B, [i]) for i in range(5)]
+    b.books.receive(ReplicaSyncMessage("p1", BookingChanges(bookings)))
+    assert b.books.replicas()["p1"] == 3 and b.active(1)[0] == 3
+    assert b.books.stats.rejected == 2
+
+
+def test_a_replica_refuses_an_interval_its_peers_would_refuse(clock: FakeClock) -> None:
+    scheduler = KvScheduler(B, rng=random.Random(0), clock=clock)
+    for interval in (0.0, 61.0, float("inf")):
+        with pytest.raises(ValueError, match="interval_s"):
+            ReplicaBooks(scheduler, "a", interval_s=interval, clock=clock)
 
 
 # --------------------------------------------------------------------------- over a bus

@@ -9,9 +9,10 @@ The runtime layer (`dynamo.runtime.wire`) owns only its own framing; it never lo
 from __future__ import annotations
 
 import enum
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
+from msgspec import Meta
 
 T = TypeVar("T")
 
@@ -322,35 +323,57 @@ class LoadMetrics(msgspec.Struct, omit_defaults=True):
 # --------------------------------------------------------------------------- router replica sync
 # Frontend replicas share the KV router's books of requests in flight
 # (`dynamo.llm.kv_router.replica_sync`): one `ReplicaSyncMessage` per publish on the
-# endpoint's core subject (`kv_router.subjects.router_sync_subject`).
+# endpoint's core subject (`kv_router.subjects.router_sync_subject`). A peer's numbers are
+# not trusted: every field is bounded here, so a message outside the bounds fails to
+# decode and is dropped whole (counted as malformed) before it reaches the books.
+
+MAX_SYNC_ID_CHARS = 256
+"""Longest replica or request id a sync message may carry (the frontend's are ~40)."""
+MAX_SYNC_TOKENS = 2**31 - 1
+"""Bound of every token count in a sync message (no context comes near it)."""
+MAX_SYNC_HASHES = 40_000
+"""Block hashes one booking may carry (`replica_books.MAX_HASHES_PER_MESSAGE`)."""
+MAX_SYNC_SPECULATIVE_TOKENS = 64
+"""Most speculative tokens a booking may reserve per step."""
+MIN_HEARTBEAT_INTERVAL_S = 0.01
+MAX_HEARTBEAT_INTERVAL_S = 60.0
+"""Heartbeat intervals a peer may announce: a longer one would keep a dead replica's
+bookings for minutes (an infinite one, forever)."""
+
+SyncId = Annotated[str, Meta(min_length=1, max_length=MAX_SYNC_ID_CHARS)]
+TokenCount = Annotated[int, Meta(ge=0, le=MAX_SYNC_TOKENS)]
 
 
 class SequenceBooked(msgspec.Struct, tag="booked", omit_defaults=True):
     """A replica booked a request on a worker: what `KvScheduler` needs to book it too."""
 
-    request_id: str
-    worker_id: int
-    block_size: int  # of the worker's books, which the hashes were computed with
-    prompt_len: int
-    block_hashes: list[int] = msgspec.field(default_factory=list)  # the prompt's full blocks
-    overlap_blocks: int = 0  # prompt blocks the worker had (or was getting) on arrival
-    cached_blocks: int = 0  # of those, the ones its KV events had reported
-    num_speculative_tokens: int = 0
+    request_id: SyncId
+    worker_id: Annotated[int, Meta(ge=0)]
+    # of the worker's books, which the hashes were computed with
+    block_size: Annotated[int, Meta(ge=1, le=65536)]
+    prompt_len: TokenCount
+    # the prompt's full blocks
+    block_hashes: Annotated[list[int], Meta(max_length=MAX_SYNC_HASHES)] = msgspec.field(
+        default_factory=list
+    )
+    overlap_blocks: TokenCount = 0  # prompt blocks the worker had (or was getting) on arrival
+    cached_blocks: TokenCount = 0  # of those, the ones its KV events had reported
+    num_speculative_tokens: Annotated[int, Meta(ge=0, le=MAX_SYNC_SPECULATIVE_TOKENS)] = 0
     # Snapshots only: the request's first output already arrived, with this many tokens.
-    first_output_tokens: int | None = None
+    first_output_tokens: TokenCount | None = None
 
 
 class SequencePrefilled(msgspec.Struct, tag="prefilled", omit_defaults=True):
     """A booked request's first output arrived (its prefill is done), with `new_tokens`."""
 
-    request_id: str
-    new_tokens: int = 0
+    request_id: SyncId
+    new_tokens: TokenCount = 0
 
 
 class SequenceFreed(msgspec.Struct, tag="freed"):
     """A booked request ended (finished, failed, cancelled, or its worker left)."""
 
-    request_id: str
+    request_id: SyncId
 
 
 BookingChange = SequenceBooked | SequencePrefilled | SequenceFreed
@@ -373,16 +396,16 @@ class BookingSnapshot(msgspec.Struct, tag="snapshot", omit_defaults=True):
 class SnapshotRequest(msgspec.Struct, tag="snapshot_request", omit_defaults=True):
     """Asks `replica_id` (None: every replica) to publish a `BookingSnapshot`."""
 
-    replica_id: str | None = None
+    replica_id: SyncId | None = None
 
 
 class ReplicaHeartbeat(msgspec.Struct, tag="heartbeat"):
     """A replica is alive, beats every `interval_s`, and holds `bookings` requests whose
     ids' CRC-32s XOR to `fingerprint` (a receiver holding something else resyncs)."""
 
-    interval_s: float
-    bookings: int
-    fingerprint: int
+    interval_s: Annotated[float, Meta(ge=MIN_HEARTBEAT_INTERVAL_S, le=MAX_HEARTBEAT_INTERVAL_S)]
+    bookings: Annotated[int, Meta(ge=0)]
+    fingerprint: Annotated[int, Meta(ge=0, le=2**32 - 1)]
 
 
 class ReplicaLeaving(msgspec.Struct, tag="leaving"):
@@ -397,7 +420,7 @@ ReplicaSyncData = (
 class ReplicaSyncMessage(msgspec.Struct):
     """One message of a router replica on its endpoint's sync subject."""
 
-    replica_id: str
+    replica_id: SyncId
     data: ReplicaSyncData
 
 

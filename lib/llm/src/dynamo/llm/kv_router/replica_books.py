@@ -29,6 +29,14 @@ burst arriving at two replicas at once would go, from both, to the same idle wor
   receiver asks that replica for a `BookingSnapshot` (at most once per its interval),
   which replaces what it held. A new replica asks every replica for one as it starts
   (`hello`), so it routes with the others' current bookings from its first requests.
+* **Peers are not trusted.** Every field is bounded where the wire types are declared
+  (`dynamo.llm.protocols`: ids, token counts, hashes, a heartbeat interval of at most a
+  minute), so an out-of-bounds message is dropped at decoding. Here: a booking on a worker
+  this replica does not know (no card) is not applied and not counted as held, so the next
+  heartbeat disagrees and a snapshot brings it once the worker's card arrives, and a
+  made-up worker id never becomes a worker in the books; a booking whose overlap exceeds
+  its hashes is refused; at most `MAX_PEERS` replicas and `MAX_REMOTE_BOOKINGS` bookings
+  per replica are held.
 """
 
 from __future__ import annotations
@@ -44,6 +52,8 @@ from typing import Any, Protocol
 import msgspec
 
 from dynamo.llm.protocols import (
+    MAX_HEARTBEAT_INTERVAL_S,
+    MIN_HEARTBEAT_INTERVAL_S,
     BookingChange,
     BookingChanges,
     BookingSnapshot,
@@ -67,6 +77,11 @@ MAX_HASHES_PER_MESSAGE = 40_000
 """Block hashes (at most 9 bytes each in msgpack) one message may carry: keeps a
 snapshot or a burst of bookings under NATS's default 1 MiB payload limit."""
 
+MAX_PEERS = 256
+"""Other replicas one replica keeps books for; more are ignored (logged once)."""
+MAX_REMOTE_BOOKINGS = 1 << 16
+"""Bookings held for one other replica (a frontend's in-flight bound is 1024 a model)."""
+
 REMOTE_KEY_SEPARATOR = ":"
 
 
@@ -82,6 +97,8 @@ def request_fingerprint(request_id: str) -> int:
 
 class BookingLedger(Protocol):
     """Where remote bookings are applied: what `KvScheduler` offers for it."""
+
+    def knows_worker(self, worker_id: int) -> bool: ...
 
     def apply_booking(self, key: str, booking: SequenceBooked) -> bool: ...
 
@@ -100,6 +117,8 @@ class SyncStats:
     snapshots_out: int = 0
     resyncs: int = 0  # snapshots asked for because a heartbeat disagreed
     rejected: int = 0  # remote bookings the local books could not take
+    unknown_worker: int = 0  # remote bookings on a worker this replica has no card of
+    peers_ignored: int = 0  # messages of replicas beyond MAX_PEERS
     replicas_expired: int = 0
     replicas_left: int = 0
 
@@ -127,8 +146,13 @@ class ReplicaBooks:
         miss_limit: int = DEFAULT_MISS_LIMIT,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if interval_s <= 0 or miss_limit < 1:
-            raise ValueError("interval_s must be positive and miss_limit at least 1")
+        if not MIN_HEARTBEAT_INTERVAL_S <= interval_s <= MAX_HEARTBEAT_INTERVAL_S:
+            raise ValueError(
+                f"interval_s must be within [{MIN_HEARTBEAT_INTERVAL_S}, "
+                f"{MAX_HEARTBEAT_INTERVAL_S}] (the bounds peers accept)"
+            )
+        if miss_limit < 1:
+            raise ValueError("miss_limit must be at least 1")
         if REMOTE_KEY_SEPARATOR in replica_id:
             raise ValueError(f"a replica id cannot contain {REMOTE_KEY_SEPARATOR!r}")
         self._ledger = ledger
@@ -207,6 +231,14 @@ class ReplicaBooks:
         now = self._clock()
         peer = self._peers.get(sender)
         if peer is None:
+            if len(self._peers) >= MAX_PEERS:
+                self.stats.peers_ignored += 1
+                if self.stats.peers_ignored == 1:
+                    log.warning(
+                        "router replica %s ignored: already sharing books with %d replicas",
+                        sender, MAX_PEERS,
+                    )  # fmt: skip
+                return []
             peer = self._peers[sender] = _Peer(last_seen=now, interval_s=self.interval_s)
             log.info("router replica %s joined; sharing bookings with it", sender)
         peer.last_seen = now
@@ -221,7 +253,7 @@ class ReplicaBooks:
             for booking in data.bookings:
                 self._apply(sender, peer, booking)
         elif isinstance(data, ReplicaHeartbeat):
-            peer.interval_s = data.interval_s if data.interval_s > 0 else self.interval_s
+            peer.interval_s = data.interval_s  # bounded by the wire type
             if (len(peer.requests), peer.fingerprint) != (data.bookings, data.fingerprint):
                 if now - peer.snapshot_asked_at >= peer.interval_s:
                     peer.snapshot_asked_at = now
@@ -279,16 +311,7 @@ class ReplicaBooks:
         request_id = change.request_id
         key = remote_key(sender, request_id)
         if isinstance(change, SequenceBooked):
-            if request_id not in peer.requests:
-                peer.requests.add(request_id)
-                peer.fingerprint ^= request_fingerprint(request_id)
-            try:
-                applied = self._ledger.apply_booking(key, change)
-            except ValueError as exc:
-                applied = False
-                log.debug("remote booking %s not applied: %s", key, exc)
-            if not applied:
-                self.stats.rejected += 1
+            self._apply_booking(sender, peer, change)
         elif isinstance(change, SequencePrefilled):
             if request_id in peer.requests:
                 self._ledger.apply_prefill(key, change.new_tokens)
@@ -296,6 +319,30 @@ class ReplicaBooks:
             peer.requests.discard(request_id)
             peer.fingerprint ^= request_fingerprint(request_id)
             self._ledger.release(key)
+
+    def _apply_booking(self, sender: str, peer: _Peer, booking: SequenceBooked) -> None:
+        request_id = booking.request_id
+        if not self._ledger.knows_worker(booking.worker_id):
+            # Not held, so the sender's next heartbeat disagrees and its snapshot brings
+            # the booking again, by when the worker's card may have arrived here.
+            self.stats.unknown_worker += 1
+            return
+        fresh = request_id not in peer.requests
+        if fresh and len(peer.requests) >= MAX_REMOTE_BOOKINGS:
+            self.stats.rejected += 1
+            return
+        if fresh:
+            peer.requests.add(request_id)
+            peer.fingerprint ^= request_fingerprint(request_id)
+        key = remote_key(sender, request_id)
+        consistent = booking.cached_blocks <= booking.overlap_blocks <= len(booking.block_hashes)
+        try:
+            applied = consistent and self._ledger.apply_booking(key, booking)
+        except ValueError as exc:
+            applied = False
+            log.debug("remote booking %s not applied: %s", key, exc)
+        if not applied:
+            self.stats.rejected += 1
 
     def _release_all(self, sender: str, peer: _Peer) -> None:
         for request_id in peer.requests:

@@ -355,6 +355,10 @@ class KvScheduler:
             self._notify(SequenceFreed(request_id))
         return freed
 
+    def knows_worker(self, worker_id: int) -> bool:
+        """Whether `worker_id` is a worker this scheduler has the card of."""
+        return worker_id in self._workers
+
     def apply_booking(self, key: str, booking: SequenceBooked) -> bool:
         """Book `booking` under `key` (replacing what `key` held): this scheduler's own
         decision, or one another replica made (then `key` is namespaced by the replica, so
