@@ -246,3 +246,39 @@ def test_a_token_prompt_longer_than_the_context_is_refused_first(tokenizer: Any)
     err = openai_error_of(lambda: pre.prepare_completion_sync(completion_request(prompt=ids), "r"))
     assert (err.status, err.param, err.code) == (400, "prompt", "context_length_exceeded")
     assert pre.prepare_completion_sync(completion_request(prompt=[1] * 63), "r").request.token_ids
+
+
+# ---------------------------------------------------------------------- buffered logprobs
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_non_streamed_response_with_too_many_logprobs_is_400_before_any_worker(
+    frontend: Frontend, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """n x max_tokens x (1 + top) entries are held until the response ends: bounded by
+    cost, so n=16 with 20 alternatives and a long max_tokens cannot take gigabytes."""
+    monkeypatch.setattr(limits, "MAX_BUFFERED_LOGPROBS", 1000)
+    if path == "/v1/completions":
+        body = {"model": "tiny-chat", "prompt": "Hi", "logprobs": 4, "n": 4, "temperature": 1}
+    else:
+        body = chat(logprobs=True, top_logprobs=4, n=4, temperature=1)
+    reply = await send(frontend.url, path, {**body, "max_tokens": 51})  # 4 x 51 x 5 = 1020
+    error = assert_openai_error(reply, 400, param="logprobs")
+    assert "1020" in error["message"] and "Stream the response" in error["message"]
+    assert frontend.client.requests == [], "no worker saw the request"
+    fits = await send(frontend.url, path, {**body, "max_tokens": 50})  # 1000: at the bound
+    assert fits.status == 200, fits.raw
+    streamed = await send(frontend.url, path, {**body, "max_tokens": 51, "stream": True})
+    assert streamed.status == 200, streamed.raw
+
+
+def test_the_logprob_bound_counts_the_context_when_max_tokens_is_not_given(
+    preprocessor: Preprocessor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(limits, "MAX_BUFFERED_LOGPROBS", 100)
+    request = completion_request(prompt="Hi", logprobs=1)  # no max_tokens: up to the context
+    err = openai_error_of(lambda: preprocessor.prepare_completion_sync(request, "r"))
+    assert (err.status, err.param) == (400, "logprobs")
+    preprocessor.prepare_completion_sync(
+        completion_request(prompt="Hi", logprobs=1, max_tokens=50), "r"
+    )

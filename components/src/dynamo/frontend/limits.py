@@ -15,7 +15,11 @@ with a 400 naming the field, before templating or tokenizing:
   `chars_per_token` is twice the longest token of the vocabulary (the factor covers
   normalizers that drop characters). Such a prompt is refused without tokenizing it;
 * a prompt given as token ids that does not fit the context is refused before its ids
-  are checked against the vocabulary.
+  are checked against the vocabulary;
+* a non-streamed response with logprobs is held whole until it ends: at most
+  `MAX_BUFFERED_LOGPROBS` logprob entries (`n x max_tokens x (1 + top alternatives)`,
+  max_tokens as the context allows when not given). A stream sends each entry as it comes,
+  so it has no such bound.
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ from dynamo.frontend.errors import OpenAIError, bad_request
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
 MAX_MESSAGES = 4096
+MAX_BUFFERED_LOGPROBS = 1 << 20
+"""Logprob entries one non-streamed response may hold (each a token's text, bytes and
+value: a few hundred bytes in memory, so about 0.3 GB at the bound). n=1 with 20
+alternatives reaches it at about 50,000 tokens."""
 # Characters one token can cover, at the least (also the bound for an empty vocabulary).
 MIN_CHARS_PER_TOKEN = 16
 # Headroom over the longest vocabulary token for normalizers that drop characters.
@@ -51,6 +59,25 @@ def check_stop(stop: str | list[str] | None) -> None:
                 f"{where} has {len(item)} characters; at most {MAX_STOP_CHARS} are allowed",
                 "stop",
             )
+
+
+def check_buffered_logprobs(
+    *, choices: int, max_tokens: int | None, alternatives: int | None, stream: bool
+) -> None:
+    """A non-streamed request's logprobs must fit `MAX_BUFFERED_LOGPROBS` entries
+    (`alternatives`: None when logprobs were not asked for; `max_tokens` None: unknown,
+    the worker's context decides, and nothing is refused here)."""
+    if stream or alternatives is None or max_tokens is None:
+        return
+    entries = choices * max_tokens * (1 + alternatives)
+    if entries > MAX_BUFFERED_LOGPROBS:
+        raise bad_request(
+            f"A non-streamed response with logprobs holds n x max_tokens x (1 + top "
+            f"logprobs) = {choices} x {max_tokens} x {1 + alternatives} = {entries} entries; "
+            f"at most {MAX_BUFFERED_LOGPROBS} are allowed. Stream the response, or lower "
+            f"`max_tokens`, `n` or the number of top logprobs.",
+            "logprobs",
+        )
 
 
 def check_message_count(messages: Sized) -> None:

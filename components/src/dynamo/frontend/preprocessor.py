@@ -27,6 +27,7 @@ from dynamo.frontend.detokenizer import DecodeFn, TokenTexts, make_decode_fn
 from dynamo.frontend.errors import OpenAIError, bad_request
 from dynamo.frontend.limits import (
     PromptBound,
+    check_buffered_logprobs,
     check_message_count,
     check_stop,
     check_token_prompt,
@@ -331,6 +332,12 @@ class Preprocessor:
         )
         if req.min_tokens is not None and max_tokens is not None and req.min_tokens > max_tokens:
             raise bad_request("`min_tokens` must not exceed the maximum tokens", "min_tokens")
+        check_buffered_logprobs(
+            choices=req.n or 1,
+            max_tokens=max_tokens,
+            alternatives=logprobs,
+            stream=bool(req.stream),
+        )
         stops = _stop_strings(req.stop)
         stop_token_ids = list(req.stop_token_ids or [])
         bad = next((t for t in stop_token_ids if t >= self.vocab_size), None)
