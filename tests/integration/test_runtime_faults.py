@@ -38,6 +38,7 @@ from dynamo.runtime import (
     InstanceOverloadedError,
     InvalidRequestError,
     RemoteError,
+    RequestTooLargeError,
     ServedEndpoint,
     WorkerOverloadedError,
     wire,
@@ -191,6 +192,28 @@ async def test_a_frame_over_the_max_payload_cancels_the_handler_and_fails_the_st
     warnings = [r for r in caplog.records if r.name == "dynamo.runtime.server"]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     assert "not sent" in warnings[0].getMessage()
+
+
+async def test_a_request_over_the_max_payload_is_refused_before_anything_is_sent(
+    worker_rt: DistributedRuntime, client_rt: DistributedRuntime, namespace: str
+) -> None:
+    """nats-py's publish would raise its own MaxPayloadError (a 500 to the frontend's
+    client); the stream raises a typed error instead, sends nothing, and the handler never
+    runs."""
+    calls: list[Any] = []
+
+    async def handler(request: Any, ctx: Context) -> AsyncIterator[Any]:
+        calls.append(request)
+        yield "ok"
+
+    await serve(worker_rt, namespace, handler)
+    client = await client_of(client_rt, namespace)
+    huge = b"x" * (client_rt.nc.max_payload + 1)
+    with pytest.raises(RequestTooLargeError) as info:
+        await first_item(client.direct(huge, worker_rt.instance_id))
+    assert info.value.limit == client_rt.nc.max_payload and info.value.size > info.value.limit
+    assert (await first_item(client.direct(b"small", worker_rt.instance_id))) == "ok"
+    assert calls == [b"small"]
 
 
 async def connect_worker(url: str, buffer: str) -> tuple[DistributedRuntime | None, Any]:

@@ -39,6 +39,7 @@ from dynamo.runtime import (
     InstanceOverloadedError,
     NoInstancesError,
     RemoteError,
+    RequestTooLargeError,
     ResponseStream,
     StreamTimeoutError,
 )
@@ -443,6 +444,12 @@ def engine_error(exc: DynamoRuntimeError, *, resuming: bool) -> Exception:
         if resuming:
             return EngineFailedError(f"worker lost and no instance to continue on: {exc}")
         return EngineUnavailableError(str(exc))
+    if isinstance(exc, RequestTooLargeError):
+        if resuming:  # the prompt plus the tokens so far outgrew one message
+            return EngineFailedError(f"worker lost and the request cannot continue: {exc}")
+        return EngineRejectedError(
+            f"{exc}; shorten the prompt or the request's lists (stop_token_ids, choices)"
+        )
     if isinstance(exc, RemoteError):
         if exc.kind is ErrorKind.INVALID_REQUEST:
             return EngineRejectedError(exc.message)

@@ -54,6 +54,7 @@ from dynamo.runtime.errors import (
     FramesLostError,
     InstanceGoneError,
     NoInstancesError,
+    RequestTooLargeError,
     StreamProtocolError,
     StreamTimeoutError,
     error_from_frame,
@@ -408,6 +409,12 @@ class ResponseStream(Generic[T]):
             raise InstanceGoneError(
                 self.instance_id, f"not registered on {client.endpoint.path} (any more)"
             )
+        limit = client.runtime.nc.max_payload
+        if limit and len(self._payload) > limit:
+            # nats-py would raise its own MaxPayloadError from publish; nothing is sent
+            # either way, and no instance could take the request.
+            self._ended_remotely = True
+            raise RequestTooLargeError(len(self._payload), limit)
         self._reply = client.runtime.inbox.open(self._on_frame)
         client.track(self, self.instance_id)
         await client.runtime.nc.publish(

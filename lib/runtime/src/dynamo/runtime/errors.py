@@ -79,6 +79,19 @@ class InstanceOverloadedError(DynamoRuntimeError):
         )
 
 
+class RequestTooLargeError(DynamoRuntimeError):
+    """The request does not fit one NATS message (the server's `max_payload`): nothing was
+    sent. Any instance would refuse it the same way, so it is the caller's to shorten."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        self.size = size
+        self.limit = limit
+        super().__init__(
+            f"the request is {size} bytes on the wire; the NATS server carries at most "
+            f"{limit} bytes a message (its max_payload)"
+        )
+
+
 class RemoteError(DynamoRuntimeError):
     """The remote handler raised; `message` is its text, `remote_type` its class name (or
     the reserved name of its kind), `kind` what it means to the caller."""
