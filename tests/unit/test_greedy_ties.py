@@ -126,3 +126,36 @@ def test_a_reference_taken_past_its_end_token_ends_there_and_judges_texts_that_g
     assert went_on.lead is not None and abs(went_on.lead - 0.3) < 1e-9
     assert mismatch(reference, "Yes\n\nIndeed.", stops=stops) is None  # the end led by 0.3
     assert mismatch(reference, "Yes! Indeed.", stops=stops) is not None  # it led "!" by 3.4
+
+
+def test_parting_onto_a_longer_alternative_that_the_reference_token_begins_is_judged_there() -> (
+    None
+):
+    """The reference chose " a" then " way"; the other text chose " and" (a near tie) at
+    the same position. Their bytes part one token later (after " a"), but the choice was
+    made at " a", and it is judged there (seen on a loaded machine with Eagle3)."""
+    reference = reference_from_chat_logprobs(
+        [
+            entry("Art", -0.1, ("Music", -3.0)),
+            entry(",", -0.05, (" is", -4.0)),
+            entry(" a", -0.9, (" and", -1.1), (" the", -2.5)),
+            entry(" way", -0.2, (" form", -1.9)),
+            entry(" of", -0.01, (" to", -5.0)),
+        ]
+    )
+    text = "Art, and it shows."
+    divergence = first_divergence(reference, text)
+    assert divergence is not None and divergence.token_index == 2
+    assert divergence.lead is not None and abs(divergence.lead - 0.2) < 1e-9
+    assert mismatch(reference, text) is None
+    # The same parting onto a distant alternative still fails, at the same token.
+    far = reference_from_chat_logprobs(
+        [
+            entry("Art", -0.1, ("Music", -3.0)),
+            entry(",", -0.05, (" is", -4.0)),
+            entry(" a", -0.1, (" and", -3.1)),
+            entry(" way", -0.2, (" form", -1.9)),
+        ]
+    )
+    problem = mismatch(far, text)
+    assert problem is not None and "token 2" in problem and "3.000 nats" in problem

@@ -25,6 +25,8 @@ from typing import Any
 # 32) neighbouring bf16 values are 0.125 apart, so a few such steps is all rounding can move
 # a difference of two logits.
 BF16_TIE_NATS = 0.5
+MAX_TOKEN_BYTES = 64
+"""Longer than any vocabulary token's text: how far back a choice can reach."""
 
 
 @dataclass(frozen=True)
@@ -36,14 +38,22 @@ class ReferenceToken:
     logprob: float
     alternatives: tuple[tuple[bytes, float], ...]
 
-    def lead_over(self, continuation: bytes, stops: frozenset[bytes] = frozenset()) -> float | None:
+    def lead_over(
+        self, continuation: bytes, stops: frozenset[bytes] = frozenset(), agreed: int = 0
+    ) -> float | None:
         """How far (nats) this token led the best listed alternative that `continuation`
         starts with (an empty continuation: the other text stopped, so one of `stops`, the
-        end-of-sequence tokens' texts); None where no listed alternative fits it."""
+        end-of-sequence tokens' texts); None where no listed alternative fits it.
+        `agreed`: bytes of `continuation` the two texts still share, which an alternative
+        must reach past to be where they part."""
         if not continuation:
             fits = [lp for alt, lp in self.alternatives if alt in stops]
         else:
-            fits = [lp for alt, lp in self.alternatives if alt and continuation.startswith(alt)]
+            fits = [
+                lp
+                for alt, lp in self.alternatives
+                if len(alt) > agreed and continuation.startswith(alt)
+            ]
         return self.logprob - max(fits) if fits else None
 
 
@@ -118,14 +128,43 @@ def first_divergence(
         (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
         min(len(ours), len(theirs)),
     )
+    starts = []
     start = 0
     for index, token in enumerate(reference):
+        starts.append(start)
         if offset < start + len(token.data) or (not token.data and offset == start):
-            lead = token.lead_over(ours[start:], stops)
-            return Divergence(index, lead, _context(ours, theirs, start))
+            return _divergence_at(reference, starts, index, ours, theirs, offset, stops)
         start += len(token.data)
     # The other text goes on where the reference ended: nothing to compare it with.
     return Divergence(len(reference), None, _context(ours, theirs, start))
+
+
+def _divergence_at(
+    reference: Sequence[ReferenceToken],
+    starts: list[int],
+    index: int,
+    ours: bytes,
+    theirs: bytes,
+    offset: int,
+    stops: frozenset[bytes],
+) -> Divergence:
+    """The texts' bytes part at `offset`, inside reference token `index`. The other text
+    may have parted there, or at an earlier token whose alternative begins with what the
+    reference generated after it (the reference's " a" + " way" against " and": the bytes
+    part after " a", but the choice was made at " a"). Each token whose alternative could
+    reach past the agreed bytes is a candidate; the closest call explains the parting."""
+    best: Divergence | None = None
+    for at in range(index, -1, -1):
+        agreed = offset - starts[at]
+        if at < index and agreed >= MAX_TOKEN_BYTES:
+            break  # no token is that long: an earlier choice cannot reach the parting
+        lead = reference[at].lead_over(ours[starts[at] :], stops, agreed)
+        if lead is not None and (best is None or best.lead is None or lead < best.lead):
+            best = Divergence(at, lead, _context(ours, theirs, starts[at]))
+        if best is None:
+            best = Divergence(at, None, _context(ours, theirs, starts[at]))
+    assert best is not None
+    return best
 
 
 def _context(ours: bytes, theirs: bytes, at: int, width: int = 60) -> str:
