@@ -15,13 +15,19 @@ Claims:
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import threading
 from typing import Any
 
 import msgspec
 import pydantic
 import pytest
+from frontend_support import MODEL, Frontend
+from http_support import assert_openai_error, send
 from openai.types.responses import Response, ResponseStreamEvent
 
+from dynamo.frontend import http_server, limits
 from dynamo.frontend.errors import OpenAIError, bad_request, engine_error
 from dynamo.frontend.openai_types import Usage
 from dynamo.frontend.postprocessor import TextDelta
@@ -183,3 +189,44 @@ def test_the_unary_body_is_a_valid_response_object() -> None:
     assert response.incomplete_details is not None
     assert response.incomplete_details.reason == "max_output_tokens"
     assert response.usage is not None and response.usage.total_tokens == 7
+
+
+# ---------------------------------------------------------------------- input arrays
+
+
+async def test_an_input_array_over_the_message_bound_is_400(frontend: Frontend) -> None:
+    items = [{"role": "user", "content": "x"}] * (limits.MAX_MESSAGES + 1)
+    reply = await send(frontend.url, "/v1/responses", {"model": MODEL, "input": items})
+    error = assert_openai_error(reply, 400, param="input")
+    assert f"at most {limits.MAX_MESSAGES}" in error["message"]
+    assert frontend.client.requests == []
+
+
+async def test_the_input_array_is_converted_off_the_event_loop_after_admission(
+    frontend: Frontend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The conversion runs once the request holds its admission place, in a thread: while
+    it is held, the event loop serves `/live`."""
+    gate, started, released = threading.Event(), threading.Event(), []
+    original = http_server.RESPONSES.convert
+    assert original is not None
+
+    def blocking(req: Any) -> Any:
+        started.set()
+        released.append(gate.wait(10))
+        return original(req)
+
+    monkeypatch.setattr(
+        http_server, "RESPONSES", dataclasses.replace(http_server.RESPONSES, convert=blocking)
+    )
+    body = {"model": MODEL, "input": [{"role": "user", "content": "Hi"}], "max_output_tokens": 4}
+    pending = asyncio.create_task(send(frontend.url, "/v1/responses", body))
+    try:
+        await asyncio.wait_for(asyncio.to_thread(started.wait, 10), 15)
+        live = await asyncio.wait_for(send(frontend.url, "/live", method="GET"), 5)
+        assert live.status == 200
+    finally:
+        gate.set()
+    reply = await pending
+    assert reply.status == 200, reply.raw
+    assert released == [True], "the conversion was held until the test released it"

@@ -373,8 +373,6 @@ class HttpService:
     async def _generate(self, request: web.Request, kind: OpenAIEndpoint) -> web.StreamResponse:
         """Decode → look up the model → admit → preprocess → run on its engine."""
         req = decode_request(kind.decoder, await self._read_body(request))
-        if kind.convert is not None:
-            req = kind.convert(req)
         stream = bool(req.stream)
         model = self.manager.get(req.model)
         if model is None:
@@ -397,6 +395,10 @@ class HttpService:
         """Preprocess and serve a request holding one of its model's in-flight places."""
         request_id = f"{kind.id_prefix}-{uuid.uuid4().hex}"
         try:
+            if kind.convert is not None:
+                # Admitted first, then converted in a thread: an input array of thousands
+                # of items costs its own request time, not the event loop's.
+                req = await asyncio.to_thread(kind.convert, req)
             check_request(req)  # a field set to a value we do not serve: 400 naming it
             prepared = await kind.prepare(model.preprocessor, req, request_id)
             parsers = self._chat_output_parsers(req, model, prepared)  # 400: unservable tools

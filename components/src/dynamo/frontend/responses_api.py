@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 
 from dynamo.frontend.errors import OpenAIError, bad_request
+from dynamo.frontend.limits import MAX_MESSAGES
 from dynamo.frontend.openai_types import (
     ChatCompletionRequest,
     ChatMessage,
@@ -261,6 +262,10 @@ def _messages(input_: str | list[InputItem]) -> list[ChatMessage]:
         return [ChatMessage(role="user", content=input_)]
     if not input_:
         raise bad_request("`input` must contain at least one message", "input")
+    if len(input_) > MAX_MESSAGES:  # the chat path's bound, checked before converting
+        raise bad_request(
+            f"`input` has {len(input_)} items; at most {MAX_MESSAGES} are allowed", "input"
+        )
     return [_message(i, item) for i, item in enumerate(input_)]
 
 
