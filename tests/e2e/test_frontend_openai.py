@@ -6,7 +6,9 @@ Claims: completions and chat work streaming and non-streaming with correct usage
 stream is the same text as the non-streamed response; stop strings end the response
 without leaking and cancel the work on the worker; a client that goes away mid-request
 cancels it on the worker; bad input gets OpenAI-shaped 4xx JSON; `/metrics` is free of
-`_created` noise.
+`_created` noise; seeded requests whose prefills vLLM splits over steps (four long prompts
+at once, more than a step's token budget) are served and leave the engine serving (they
+used to kill a CPU engine: `CPU Generator does not use offset`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import json
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -328,6 +331,37 @@ def test_client_timeout_on_unary_request_cancels_on_worker(
 
 
 # --------------------------------------------------------------------------- bad input
+
+
+STEP_TOKEN_BUDGET = 2048  # max_num_batched_tokens of the n-gram worker (vLLM's default)
+
+
+def test_seeded_requests_with_chunked_prefills_leave_the_engine_serving(
+    client: openai.OpenAI, frontend: FrontendProcess, tokenizer
+) -> None:
+    """Four ~1,800-token prompts at once do not fit one step's budget, so vLLM splits
+    their prefills over steps and discards the samples of the unfinished ones; for a
+    seeded request it then rewinds the generator, which a CPU generator cannot do."""
+    prompts = [
+        f"Chapter {i}. " + "The history of knitting in many lands and many hands. " * 160
+        for i in range(4)
+    ]
+    lengths = [len(tokenizer(p)["input_ids"]) for p in prompts]
+    assert all(1500 < n < CONTEXT_LENGTH - 16 for n in lengths), lengths
+    assert sum(lengths) > 2 * STEP_TOKEN_BUDGET, "the prefills must be split over steps"
+
+    def complete(i: int) -> openai.types.Completion:
+        return client.completions.create(
+            model=MODEL, prompt=prompts[i], max_tokens=8, temperature=0.8, seed=7 + i
+        )
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(complete, range(len(prompts))))
+    assert [r.usage.completion_tokens for r in results] == [8] * len(prompts)
+    # The engine lives: the model is still served, a plain request too.
+    assert http_get(f"{frontend.base_url}/health")[0] == 200
+    after = client.completions.create(model=MODEL, prompt="The capital of Japan is", max_tokens=4)
+    assert after.usage.completion_tokens == 4
 
 
 def test_unknown_model_is_404(client: openai.OpenAI) -> None:
