@@ -21,6 +21,7 @@ import pytest
 from dynamo.frontend.frontend import FrontendConfig, run_frontend
 from dynamo.runtime import DistributedRuntime
 from dynamo.runtime.ports import free_port
+from dynamo.testing.http import wait_for_instances_async
 
 WORKER = Path(__file__).with_name("migration_worker.py")
 NAMESPACE = "migrate"
@@ -69,13 +70,9 @@ async def test_stream_survives_a_killed_worker(
         base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0
     )
     try:
-        for _ in range(100):
-            try:
-                if [m.id for m in (await client.models.list()).data] == ["migrate-test"]:
-                    break
-            except openai.APIConnectionError:
-                pass
-            await asyncio.sleep(0.1)
+        # Both workers listed: the stream must have another one to move to (on a busy
+        # machine the tokenizer download and the cards take seconds).
+        await wait_for_instances_async(f"http://127.0.0.1:{port}", "migrate-test", 2, timeout=60)
         stream = await client.completions.create(
             model="migrate-test", prompt=PROMPT, max_tokens=MAX_TOKENS, stream=True,
             stream_options={"include_usage": True}, logprobs=None,
