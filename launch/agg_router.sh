@@ -15,6 +15,7 @@ NUM_WORKERS=${NUM_WORKERS:-2}
 
 ensure_nats
 start frontend "$PYTHON" -m dynamo.frontend --http-port "$HTTP_PORT" --namespace "$NAMESPACE" \
+  "${FRONTEND_FLAGS[@]}" \
   --router-mode kv --kv-overlap-score-weight "${KV_OVERLAP_SCORE_WEIGHT:-1.0}" \
   --router-temperature "${ROUTER_TEMPERATURE:-0.0}"
 for i in $(seq 1 "$NUM_WORKERS"); do

@@ -8,6 +8,9 @@
 #   MODEL         model name or directory (default: smollm2-135m-instruct)
 #   HTTP_PORT     frontend port (default 8000)
 #   WORKER_ARGS   extra worker flags, e.g. "--extra-engine-args engine_configs/ngram.yaml"
+#   FRONTEND_ARGS frontend flags (default for the embedded model: its tools-capable chat
+#                 template and `--tool-call-parser hermes`, so `tools` work out of the box;
+#                 FRONTEND_ARGS="" keeps the model's own template)
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 SPEC=${SPEC:-ngram}
@@ -25,7 +28,8 @@ esac
 SPEC_CONFIG=${SPEC_CONFIG:-$preset}
 
 ensure_nats
-start frontend "$PYTHON" -m dynamo.frontend --http-port "$HTTP_PORT" --namespace "$NAMESPACE"
+start frontend "$PYTHON" -m dynamo.frontend --http-port "$HTTP_PORT" --namespace "$NAMESPACE" \
+  "${FRONTEND_FLAGS[@]}"
 # shellcheck disable=SC2086
 start worker "$PYTHON" -m dynamo.vllm --model "$MODEL" --namespace "$NAMESPACE" \
   --enforce-eager --block-size 32 --max-model-len "${MAX_MODEL_LEN:-4096}" \

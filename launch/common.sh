@@ -21,6 +21,19 @@ NAMESPACE=${NAMESPACE:-dynamo}
 MODEL=${MODEL:-smollm2-135m-instruct}
 LOG_DIR=${LOG_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/dynamo-launch.XXXXXX")}
 READY_TIMEOUT=${READY_TIMEOUT:-300}
+# Frontend flags: FRONTEND_ARGS (split on spaces) when set, else the defaults for $MODEL.
+# The embedded model's own chat template has no tools section, so it is served with the
+# tools-capable template the repository ships and vLLM's `hermes` tool parser (the call
+# format that template teaches): a first request with `tools` works. FRONTEND_ARGS=""
+# serves the model's own template (tools then get a 400 saying why).
+if [[ -n "${FRONTEND_ARGS+set}" ]]; then
+  read -r -a FRONTEND_FLAGS <<<"$FRONTEND_ARGS"
+elif [[ "$(basename "$MODEL")" == smollm2-135m-instruct ]]; then
+  FRONTEND_FLAGS=(--chat-template "$ROOT/examples/chat_templates/smollm2_tools.jinja"
+    --tool-call-parser hermes)
+else
+  FRONTEND_FLAGS=()
+fi
 # CPU-friendly engine defaults; override in the environment.
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
 export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
@@ -50,7 +63,8 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 
 # redact URL: the URL with any credentials in it masked, for log lines
-redact() { sed -E 's#^(([A-Za-z][A-Za-z0-9+.-]*://)?)[^@/]*@#\1***@#; s#,(([A-Za-z][A-Za-z0-9+.-]*://)?)[^@/,]*@#,\1***@#g' <<<"$1"; }
+# (up to the last @ of each server's authority, where nats-py splits user information)
+redact() { sed -E 's#^(([A-Za-z][A-Za-z0-9+.-]*://)?)[^/?#,]*@#\1***@#; s#,(([A-Za-z][A-Za-z0-9+.-]*://)?)[^/?#,]*@#,\1***@#g' <<<"$1"; }
 
 # start NAME CMD...: run CMD in the background, output to $LOG_DIR/NAME.log; CMD gets
 # SIGTERM when this script dies, however it dies

@@ -18,6 +18,7 @@ ENGINE_ARGS=(--model "$MODEL" --namespace "$NAMESPACE" --enforce-eager --block-s
 
 ensure_nats
 start frontend "$PYTHON" -m dynamo.frontend --http-port "$HTTP_PORT" --namespace "$NAMESPACE" \
+  "${FRONTEND_FLAGS[@]}" \
   --router-mode "${ROUTER_MODE:-round-robin}"
 PREFILL_SPEC_CONFIG=${PREFILL_SPEC_CONFIG-${DECODE_SPEC_CONFIG:-}}
 PREFILL_SPEC=()

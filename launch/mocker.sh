@@ -21,6 +21,7 @@ READY_TIMEOUT=${READY_TIMEOUT:-60}
 
 ensure_nats
 start frontend "$PYTHON" -m dynamo.frontend --http-port "$HTTP_PORT" --namespace "$NAMESPACE" \
+  "${FRONTEND_FLAGS[@]}" \
   --router-mode "$ROUTER_MODE" --kv-overlap-score-weight "${KV_OVERLAP_SCORE_WEIGHT:-1.0}" \
   --router-temperature "${ROUTER_TEMPERATURE:-0.0}"
 # shellcheck disable=SC2086

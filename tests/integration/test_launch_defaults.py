@@ -1,0 +1,107 @@
+"""What the `launch/` scripts serve by default, through a real script run.
+
+Claims: the stack a launch script starts for the embedded model serves a first request
+with `tools` (the frontend gets the repository's tools-capable chat template and the
+`hermes` tool parser; the model's own template has no tools section, and the request used
+to be a 400 telling the user to pass `--chat-template`); `FRONTEND_ARGS=""` keeps the
+model's own template, and then the same request is that clear 400.
+
+`launch/mocker.sh` stands in for the vLLM scripts (they share `launch/common.sh`, where
+the frontend's flags are chosen): simulated workers, so no engine starts.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dynamo.runtime.ports import free_port
+from dynamo.testing.http import http_post_json
+from dynamo.testing.processes import child_env, wait_serving
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "launch-defaults"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+def launched(tmp_path: Path, embedded_model: Path, extra_env: dict[str, str]) -> Iterator[str]:
+    """`launch/mocker.sh` running with `extra_env`; yields its base URL."""
+    http_port = free_port()
+    env = {
+        "HTTP_PORT": str(http_port),
+        "MODEL": str(embedded_model),
+        "SERVED_MODEL_NAME": MODEL,
+        "NUM_WORKERS": "1",
+        "ROUTER_MODE": "round-robin",
+        "LOG_DIR": str(tmp_path),
+        "PYTHON": sys.executable,
+        "MOCKER_ARGS": "--speed-up 50",
+        **extra_env,
+    }
+    environment = {k: v for k, v in child_env(env).items() if not k.startswith("NATS_")}
+    with (tmp_path / "script.log").open("wb") as out:
+        script = subprocess.Popen(
+            ["bash", str(ROOT / "launch" / "mocker.sh")],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=environment,
+        )
+    try:
+        base = f"http://127.0.0.1:{http_port}"
+        wait_serving(base, MODEL, [], timeout=90)
+        yield base
+    finally:
+        script.terminate()  # the script's trap stops what it started
+        try:
+            script.wait(40)
+        except subprocess.TimeoutExpired:
+            script.kill()
+            script.wait(5)
+
+
+def tools_request(base: str) -> tuple[int, dict]:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": TOOLS,
+        "max_tokens": 8,
+    }
+    status, text = http_post_json(f"{base}/v1/chat/completions", body)
+    return status, json.loads(text)
+
+
+@pytest.fixture
+def default_stack(tmp_path: Path, embedded_model: Path) -> Iterator[str]:
+    yield from launched(tmp_path, embedded_model, {})
+
+
+@pytest.fixture
+def own_template_stack(tmp_path: Path, embedded_model: Path) -> Iterator[str]:
+    yield from launched(tmp_path, embedded_model, {"FRONTEND_ARGS": ""})
+
+
+def test_the_default_stack_serves_a_first_tools_request(default_stack: str) -> None:
+    status, body = tools_request(default_stack)
+    assert status == 200, body
+    assert body["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_frontend_args_empty_keeps_the_models_template_and_its_clear_400(
+    own_template_stack: str,
+) -> None:
+    status, body = tools_request(own_template_stack)
+    assert status == 400, body
+    assert body["error"]["param"] == "tools" and "--chat-template" in body["error"]["message"]
