@@ -13,6 +13,7 @@ clear error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -226,6 +227,56 @@ async def test_tls_server_needs_its_ca_and_a_client_certificate(
         connected.append(runtime)
         await runtime.put_leased("dyn_tls_test", "k", b"v")
         await connected.pop().shutdown(drain_timeout=0)
+
+
+class FakeServer:
+    """A TCP server that speaks NATS's plaintext INFO without asking for TLS (a fake
+    server, or anyone on the path who rewrote INFO) and records every byte it receives."""
+
+    INFO = (
+        b'INFO {"server_id":"fake","version":"2.10.0","proto":1,"max_payload":1048576,'
+        b'"auth_required":true}\r\n'
+    )
+
+    def __init__(self) -> None:
+        self.received = bytearray()
+        self.connections = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        writer.write(self.INFO)
+        await writer.drain()
+        with contextlib.suppress(Exception):
+            while data := await asyncio.wait_for(reader.read(4096), 3):
+                self.received.extend(data)
+        writer.close()
+
+
+async def test_tls_options_refuse_a_server_that_does_not_ask_for_tls(pki: TestPki) -> None:
+    """nats-py upgrades only when INFO says `tls_required`: with TLS configured, a server
+    that does not say so is refused at once, and it never sees CONNECT or the password."""
+    fake = FakeServer()
+    server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    options = NatsConnectOptions(
+        user=USER,
+        password=PASSWORD,
+        tls_ca=pki.ca,
+        tls_cert=pki.client_cert,
+        tls_key=pki.client_key,
+    )
+    try:
+        for url in (f"nats://127.0.0.1:{port}", f"tls://127.0.0.1:{port}"):
+            message = await _refused(url, options, connect_timeout=1)
+            assert "did not ask for TLS" in message
+        tls_url_only = NatsConnectOptions(user=USER, password=PASSWORD)
+        message = await _refused(f"tls://127.0.0.1:{port}", tls_url_only, connect_timeout=1)
+        assert "did not ask for TLS" in message
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert fake.connections >= 3
+    assert b"CONNECT" not in fake.received and PASSWORD.encode() not in fake.received
 
 
 # --------------------------------------------------------------------------- end to end

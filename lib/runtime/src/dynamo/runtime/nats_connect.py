@@ -8,6 +8,13 @@ a certificate the other side does not accept) fails at once with `NatsRefusedErr
 other failure after `timeout` seconds with `ConnectionError` carrying the last error.
 Once connected, reconnects are nats-py's, unbounded as before. Every message shows the URL
 redacted (`nats_options.redact_url`).
+
+TLS, when asked for (`--nats-tls-*`, or a `tls://` URL), is required, not offered:
+nats-py upgrades a connection only when the server's plaintext INFO says `tls_required`,
+so a fake server, or anyone on the path rewriting INFO, would receive CONNECT with the
+credentials in clear. `TlsRequiringClient` refuses such a server after its INFO and
+before CONNECT, on the first connection and on every reconnect (`TlsNotOfferedError`, a
+refusal: the first connection fails at once).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Any
 
 from nats.aio.client import Client as NatsClient
 from nats.errors import AuthorizationError
+from nats.errors import Error as NatsError
 
 from dynamo.runtime.nats_options import NatsConnectOptions, redact_url, split_urls
 
@@ -38,6 +46,31 @@ _TRANSIENT_TLS_ERRORS = (ssl.SSLEOFError, ssl.SSLZeroReturnError)
 """TLS failures that say only that the connection went away mid-handshake."""
 
 
+class TlsNotOfferedError(NatsError):
+    """The server did not ask for TLS although this client requires it: nothing was sent.
+    (A nats-py error type, so nats-py's connect and reconnect loops treat it as a failed
+    attempt at that server.)"""
+
+
+class TlsRequiringClient(NatsClient):
+    """nats-py's client, refusing a server whose INFO does not require TLS when this
+    client was configured for TLS. The check runs where nats-py reads INFO (its
+    `_process_info` hook, called before CONNECT is written on every connect and
+    reconnect), so credentials never leave unencrypted."""
+
+    def __init__(self, require_tls: bool) -> None:
+        super().__init__()
+        self.require_tls = require_tls
+
+    async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
+        if initial_connection and self.require_tls and not info.get("tls_required"):
+            raise TlsNotOfferedError(
+                "nats: the server did not ask for TLS, which this client requires "
+                "(--nats-tls-* or a tls:// URL); nothing was sent to it"
+            )
+        await super()._process_info(info, initial_connection)
+
+
 class NatsRefusedError(ConnectionError):
     """The NATS server refused this client: its credentials, or the TLS handshake.
     Retrying with the same settings cannot help."""
@@ -47,7 +80,7 @@ def is_refusal(exc: BaseException) -> bool:
     """True for errors that say the server will not accept this client as configured:
     an authorization violation, or a TLS handshake that failed on a certificate (ours
     not accepted, or theirs not verified)."""
-    if isinstance(exc, AuthorizationError):
+    if isinstance(exc, AuthorizationError | TlsNotOfferedError):
         return True
     if isinstance(exc, ssl.SSLError):
         return not isinstance(exc, _TRANSIENT_TLS_ERRORS)
@@ -79,7 +112,10 @@ async def open_nats_connection(
                 refused.set_result(exc)
         await error_cb(exc)
 
-    nc = NatsClient()
+    require_tls = options.uses_tls or any(
+        url.lower().startswith("tls://") for url in split_urls(server)
+    )
+    nc = TlsRequiringClient(require_tls)
     attempt = asyncio.ensure_future(
         nc.connect(
             servers=split_urls(server),
