@@ -5,12 +5,16 @@ loaded. Run against a real nats-server (object store and KV watch)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import pytest
+from nats.js.object_store import ObjectStore
 
+from dynamo.llm import model_card
 from dynamo.llm.model_card import (
     FILES_BUCKET,
     MODELS_BUCKET,
@@ -149,6 +153,73 @@ async def test_tampered_object_store_file_is_refused_by_digest(
     (target / "tokenizer.json").write_bytes(b"{}")
     assert await fetch_tokenizer_files(runtime, card, cache) == target
     assert (target / "tokenizer.json").read_bytes() == original
+
+
+async def test_concurrent_fetches_into_one_cache_never_replace_a_verified_copy(
+    runtime: DistributedRuntime,
+    tmp_path: Path,
+    tokenizer_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The processes of `--http-workers` share the cache. Two fetches of one card at once
+    (each object-store read slowed, so both would be downloading together) must not
+    remove the copy the first one made: a process loading its tokenizer from it would
+    find files missing (a chat template gone: a 400 for every chat until restart)."""
+    card = await publish_model_card(runtime, make_card("sec-race"), tokenizer_dir)
+    cache = tmp_path / "cache"
+    target = cache / (card.tokenizer_digest or "")
+    original_get = ObjectStore.get
+
+    async def slow_get(self: ObjectStore, name: str, *args: object, **kwargs: object) -> object:
+        await asyncio.sleep(0.2)
+        return await original_get(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(ObjectStore, "get", slow_get)
+    seen: list[tuple[int, bool]] = []  # (inode, every file present) while it exists
+    done = asyncio.Event()
+
+    async def watch() -> None:
+        while not done.is_set():
+            with contextlib.suppress(FileNotFoundError):
+                inode = target.stat().st_ino
+                complete = all((target / name).is_file() for name in card.tokenizer_files)
+                seen.append((inode, complete))
+            await asyncio.sleep(0.005)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        results = await asyncio.gather(
+            fetch_tokenizer_files(runtime, card, cache), fetch_tokenizer_files(runtime, card, cache)
+        )
+    finally:
+        done.set()
+        await watcher
+    assert results == [target, target]
+    assert seen, "the copy appeared while the fetches ran"
+    assert {inode for inode, _ in seen} == {target.stat().st_ino}, "the copy was replaced"
+    assert all(complete for _, complete in seen), "a file was missing from the copy"
+    assert tree(cache) == {f"{target.name}/{name}" for name in card.tokenizer_files} | {target.name}
+
+
+async def test_a_stalled_download_fails_in_bounded_time_and_leaves_nothing(
+    runtime: DistributedRuntime,
+    tmp_path: Path,
+    tokenizer_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    card = await publish_model_card(runtime, make_card("sec-stall"), tokenizer_dir)
+    cache = tmp_path / "cache"
+
+    async def stalled_get(self: ObjectStore, name: str, *args: object, **kwargs: object) -> object:
+        await asyncio.Event().wait()  # an object-store read that never completes
+
+    monkeypatch.setattr(ObjectStore, "get", stalled_get)
+    monkeypatch.setattr(model_card, "FETCH_TIMEOUT_S", 0.5)
+    began = time.monotonic()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(fetch_tokenizer_files(runtime, card, cache), 30)
+    assert time.monotonic() - began < 10, "failed by the fetch's own bound, not the test's"
+    assert tree(cache) == set(), "the staging directory is removed"
 
 
 async def test_watcher_refuses_a_hostile_card_and_keeps_serving_good_ones(

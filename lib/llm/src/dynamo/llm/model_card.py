@@ -17,6 +17,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -37,6 +39,12 @@ log = logging.getLogger(__name__)
 
 MODELS_BUCKET = "dyn_models"
 FILES_BUCKET = "dyn_files"
+FETCH_TIMEOUT_S = 60.0
+"""Longest a card's tokenizer download may take (a stalled object-store read fails the
+fetch, and the card is retried, instead of holding card discovery forever)."""
+CACHE_LOCK_TIMEOUT_S = 120.0
+"""Longest a process waits for another one downloading into the shared cache."""
+LOCK_POLL_S = 0.05
 
 # Files a frontend needs to tokenize, template and detokenize exactly like the worker.
 TOKENIZER_FILES = (
@@ -186,7 +194,9 @@ async def fetch_tokenizer_files(
     is a direct child of `dest_root`. Files are downloaded into a private staging directory
     inside `dest_root` and must hash to the card's digest (`files_digest`, as the worker
     computed it) before they replace the cached copy; a cached copy is re-checked the same
-    way before it is trusted. Raises `TokenizerDigestError` on a mismatch.
+    way before it is trusted. Raises `TokenizerDigestError` on a mismatch. Processes sharing
+    `dest_root` download one at a time and never replace a verified copy; a download that
+    takes longer than `FETCH_TIMEOUT_S` fails with `TimeoutError` (the caller retries).
     """
     check_tokenizer_fields(card)
     digest = card.tokenizer_digest
@@ -198,6 +208,22 @@ async def fetch_tokenizer_files(
     if await asyncio.to_thread(_holds_verified_copy, target, names, digest):
         return target
     root.mkdir(parents=True, exist_ok=True)
+    # The processes of `--http-workers` share the cache: one downloads at a time, and a
+    # copy another process verified while this one waited is used, never replaced (a
+    # process may be loading its tokenizer from it right now).
+    async with _exclusive(root, timeout=CACHE_LOCK_TIMEOUT_S):
+        if await asyncio.to_thread(_holds_verified_copy, target, names, digest):
+            return target
+        await asyncio.wait_for(_download(runtime, card, root, target, names), FETCH_TIMEOUT_S)
+    return target
+
+
+async def _download(
+    runtime: DistributedRuntime, card: ModelCard, root: Path, target: Path, names: list[str]
+) -> None:
+    """Fetch `names` into a staging directory, check the digest, and move it to `target`
+    (replacing a copy that failed verification)."""
+    digest = card.tokenizer_digest or ""
     staging = Path(tempfile.mkdtemp(prefix=f".{digest}.", dir=root))
     try:
         store = await runtime.object_store(card.tokenizer_bucket or FILES_BUCKET)
@@ -216,7 +242,31 @@ async def fetch_tokenizer_files(
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-    return target
+
+
+@contextlib.asynccontextmanager
+async def _exclusive(directory: Path, *, timeout: float) -> AsyncIterator[None]:
+    """Hold an exclusive `flock` on `directory` itself (no lock file is left behind),
+    polled without blocking the event loop; `TimeoutError` after `timeout` seconds."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError(
+                        f"the tokenizer cache {directory} stayed locked for {timeout:g}s"
+                    ) from None
+                await asyncio.sleep(LOCK_POLL_S)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _holds_verified_copy(target: Path, names: list[str], digest: str) -> bool:
