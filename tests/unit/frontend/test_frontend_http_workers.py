@@ -10,6 +10,10 @@ parent made. (The processes themselves: tests/integration/frontend/test_http_wor
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,11 +21,14 @@ import pytest
 from dynamo.frontend import http_workers
 from dynamo.frontend.__main__ import build_parser, config_from_args, main
 from dynamo.frontend.http_workers import (
+    METRICS_DIR_PREFIX,
     WORKER_COUNT_FLAG,
     WORKER_INDEX_FLAG,
     HttpWorkerSlot,
     check_http_workers,
     child_argv,
+    claim_port,
+    remove_stale_metrics_dirs,
 )
 from dynamo.runtime.cli import ConfigError
 
@@ -94,3 +101,53 @@ def test_a_child_is_the_parent_with_one_worker(
     assert (args.http_workers, args.http_worker_index) == (1, 1)
     assert (config.shared_port, config.metrics_dir) == (True, tmp_path)
     assert config.http_worker == HttpWorkerSlot(index=1, count=2)
+
+
+# ---------------------------------------------------------------------- the port and leftovers
+
+
+def listener(port: int = 0, *, reuse_port: bool = False) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen()
+    return sock
+
+
+@pytest.mark.parametrize("reuse_port", [False, True], ids=["plain", "shared"])
+def test_a_port_another_process_listens_on_is_refused(
+    capsys: pytest.CaptureFixture[str], reuse_port: bool
+) -> None:
+    """Without the check, children binding with SO_REUSEPORT would join a listener that
+    shares its port (another `--http-workers` frontend) and split its traffic."""
+    with listener(reuse_port=reuse_port) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match="another process listens there"):
+            claim_port("127.0.0.1", port)
+        argv = ["--http-workers", "2", "--http-host", "127.0.0.1", "--http-port", str(port)]
+        assert main([*argv, "--nats-server", "nats://127.0.0.1:1"]) == 2
+        assert "another process listens there" in capsys.readouterr().err
+
+
+def test_port_zero_becomes_one_port_that_every_child_gets() -> None:
+    port = claim_port("127.0.0.1", 0)
+    assert port > 0
+    with listener(port):  # it was free, and is released again for the children
+        pass
+    argv = child_argv(["--http-port", "0"], 0, 2, port)
+    args = build_parser().parse_args(argv[3:])
+    assert args.http_port == port
+
+
+def test_metrics_dirs_of_supervisors_that_no_longer_run_are_removed(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"{METRICS_DIR_PREFIX}{dead.pid}-abc"
+    live = tmp_path / f"{METRICS_DIR_PREFIX}{os.getpid()}-def"
+    other = tmp_path / f"{METRICS_DIR_PREFIX}notapid"
+    for path in (stale, live, other):
+        path.mkdir()
+        (path / "counter_1.db").write_bytes(b"x")
+    assert remove_stale_metrics_dirs(tmp_path) == [stale]
+    assert not stale.exists() and live.exists() and other.exists()

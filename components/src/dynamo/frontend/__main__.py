@@ -40,6 +40,7 @@ from dynamo.frontend.http_workers import (
     HttpWorkers,
     HttpWorkerSlot,
     check_http_workers,
+    claim_port,
     metrics_dir_of_child,
 )
 from dynamo.frontend.reasoning import UnknownReasoningParser, check_reasoning_parser_name
@@ -417,11 +418,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         check_http_workers(args.http_workers)
+        port = claim_port(args.http_host, args.http_port) if args.http_workers > 1 else None
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.http_workers > 1:  # a supervisor of N frontends (http_workers.py)
-        return HttpWorkers(args.http_workers, sys.argv[1:] if argv is None else argv).run()
+        own_argv = sys.argv[1:] if argv is None else argv
+        return HttpWorkers(args.http_workers, own_argv, port).run()
     tune_for_serving()
     try:
         uvloop.run(_serve(config))  # faster socket I/O than asyncio's loop for many streams

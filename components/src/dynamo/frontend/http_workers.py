@@ -22,6 +22,14 @@ Across the children:
   view, which says which child answered: `http_worker: {index, count}`; a new connection
   may reach another child).
 
+Before starting the children, the supervisor claims the port (`claim_port`): it binds it
+once without SO_REUSEPORT, so a port another process already listens on is refused with a
+clear error (a second frontend, or a second `--http-workers` group, would otherwise bind
+beside it and silently split its traffic), and `--http-port 0` is resolved to one free
+port that every child is given (each would otherwise pick a port of its own). Its
+metrics directory is named after its pid, and directories left by supervisors that no
+longer run (SIGKILLed: no cleanup ran) are removed when the next one starts.
+
 The supervisor: SIGTERM or SIGINT is passed on to every child and waited for (a child
 still running after `CHILD_STOP_TIMEOUT_S` is killed); the parent then exits 0. A child
 that exits on its own (crashed, killed, failed to start) makes the parent stop the
@@ -36,6 +44,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -62,6 +71,8 @@ WORKER_COUNT_FLAG = "--http-worker-count"
 CHILD_STOP_TIMEOUT_S = 30.0
 """How long a child may drain after SIGTERM before it is killed."""
 POLL_INTERVAL_S = 0.1
+METRICS_DIR_PREFIX = "dynamo-frontend-metrics-"
+"""Metrics directories are `<tmp>/dynamo-frontend-metrics-<supervisor pid>-<random>`."""
 
 
 def check_http_workers(count: int) -> None:
@@ -86,14 +97,15 @@ class HttpWorkerSlot:
         return {"index": self.index, "count": self.count}
 
 
-def child_argv(argv: Sequence[str], index: int, count: int) -> list[str]:
+def child_argv(argv: Sequence[str], index: int, count: int, port: int | None = None) -> list[str]:
     """The command line of child `index` of `count`: the parent's own arguments, one
-    worker each."""
+    worker each, and `port` (the claimed one) where given (the last `--http-port` wins)."""
     return [
         sys.executable,
         "-m",
         "dynamo.frontend",
         *argv,
+        *(["--http-port", str(port)] if port is not None else []),
         "--http-workers",
         "1",
         WORKER_INDEX_FLAG,
@@ -101,6 +113,49 @@ def child_argv(argv: Sequence[str], index: int, count: int) -> list[str]:
         WORKER_COUNT_FLAG,
         str(count),
     ]
+
+
+def claim_port(host: str, port: int) -> int:
+    """The port the children will share: `port`, or a free one for 0. ConfigError when
+    another process already listens there: bound here without SO_REUSEPORT, the bind
+    fails even against listeners that share the port among themselves."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no owner
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(
+                f"--http-port {port} on {host}: {exc.strerror or exc}; another process "
+                "listens there (its traffic and this frontend's would be split between them)"
+            ) from None
+        return int(probe.getsockname()[1])
+
+
+def remove_stale_metrics_dirs(root: Path | None = None) -> list[Path]:
+    """Remove the metrics directories of supervisors that no longer run (a SIGKILLed one
+    could not); returns what was removed. Only this user's plain directories are touched."""
+    root = Path(root or tempfile.gettempdir())
+    removed = []
+    for path in root.glob(f"{METRICS_DIR_PREFIX}*"):
+        pid_text = path.name[len(METRICS_DIR_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isdigit() or path.is_symlink() or not path.is_dir():
+            continue
+        if path.stat().st_uid != os.getuid() or _is_running(int(pid_text)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def metrics_dir_of_child() -> Path | None:
@@ -118,16 +173,20 @@ class _Child:
 class HttpWorkers:
     """Starts and supervises the N children (see the module)."""
 
-    def __init__(self, count: int, argv: Sequence[str]) -> None:
+    def __init__(self, count: int, argv: Sequence[str], port: int | None = None) -> None:
+        """`port`: the one `claim_port` returned, given to every child."""
         check_http_workers(count)
         self.count = count
         self.argv = list(argv)
+        self.port = port
         self.children: list[_Child] = []
         self._signal: int | None = None
 
     def run(self) -> int:
         """Start the children and supervise them; the parent's exit status."""
-        metrics_dir = Path(tempfile.mkdtemp(prefix="dynamo-frontend-metrics-"))
+        for stale in remove_stale_metrics_dirs():
+            log.info("frontend: removed %s, left by a supervisor that no longer runs", stale)
+        metrics_dir = Path(tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-"))
         previous = {
             sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
         }
@@ -149,7 +208,7 @@ class HttpWorkers:
             if self._signal is not None:
                 return
             popen = subprocess.Popen(
-                child_argv(self.argv, index, self.count),
+                child_argv(self.argv, index, self.count, self.port),
                 env=env,
                 preexec_fn=preexec_die_with_parent(signal.SIGTERM),
             )
