@@ -20,7 +20,7 @@ start frontend "$PYTHON" -m dynamo.frontend --http-port "$HTTP_PORT" --namespace
   --router-temperature "${ROUTER_TEMPERATURE:-0.0}"
 for i in $(seq 1 "$NUM_WORKERS"); do
   # shellcheck disable=SC2086
-  start "worker$i" "$PYTHON" -m dynamo.vllm --model "$MODEL" --namespace "$NAMESPACE" \
+  start_supervised "worker$i" "$PYTHON" -m dynamo.vllm --model "$MODEL" --namespace "$NAMESPACE" \
     --enforce-eager --block-size 32 --max-model-len "${MAX_MODEL_LEN:-4096}" ${WORKER_ARGS:-}
 done
 SERVED=${SERVED_MODEL_NAME:-$(basename "$MODEL")}

@@ -31,7 +31,7 @@ ensure_nats
 start frontend "$PYTHON" -m dynamo.frontend --http-port "$HTTP_PORT" --namespace "$NAMESPACE" \
   "${FRONTEND_FLAGS[@]}"
 # shellcheck disable=SC2086
-start worker "$PYTHON" -m dynamo.vllm --model "$MODEL" --namespace "$NAMESPACE" \
+start_supervised worker "$PYTHON" -m dynamo.vllm --model "$MODEL" --namespace "$NAMESPACE" \
   --enforce-eager --block-size 32 --max-model-len "${MAX_MODEL_LEN:-4096}" \
   --speculative-config "$SPEC_CONFIG" ${WORKER_ARGS:-}
 SERVED=${SERVED_MODEL_NAME:-$(basename "$MODEL")}

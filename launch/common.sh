@@ -1,9 +1,10 @@
 # Shared helpers for the launch scripts (sourced, not run).
 #
 # Every script: reuses the NATS server at $NATS_SERVER when one answers there, else starts
-# one; starts its processes in the background with logs under $LOG_DIR; waits until the
+# one; starts its processes in the background with logs under $LOG_DIR (workers under a
+# supervisor that starts a failed worker again, see start_supervised); waits until the
 # frontend lists the model; prints a curl line; and on exit (Ctrl-C, error, or a child
-# dying) stops every process it started. Every background process is started through
+# dying for good) stops every process it started. Every background process is started through
 # `python -m dynamo.runtime.parent_death`, so it gets SIGTERM when this script dies, even
 # by SIGKILL (which no trap sees), and nothing is left behind holding ports or memory.
 #
@@ -73,6 +74,20 @@ start() {
   "$PYTHON" -m dynamo.runtime.parent_death --parent-pid $$ -- "$@" >"$LOG_DIR/$name.log" 2>&1 &
   CHILDREN+=($!)
   log "started $name (pid $!): $*"
+}
+
+# start_supervised NAME CMD...: `start`, with CMD run under `python -m
+# dynamo.runtime.supervise`: a worker that fails (its engine died) is started again after a
+# back-off (1 s doubling to 30 s) instead of being lost; SUPERVISE_ARGS adds flags
+# (e.g. "--max-restarts 5"), SUPERVISE=0 starts the worker unsupervised.
+start_supervised() {
+  local name=$1; shift
+  if [[ "${SUPERVISE:-1}" == 0 ]]; then
+    start "$name" "$@"
+  else
+    # shellcheck disable=SC2086
+    start "$name" "$PYTHON" -m dynamo.runtime.supervise ${SUPERVISE_ARGS:-} -- "$@"
+  fi
 }
 
 nats_reachable() {

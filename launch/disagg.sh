@@ -24,11 +24,11 @@ PREFILL_SPEC_CONFIG=${PREFILL_SPEC_CONFIG-${DECODE_SPEC_CONFIG:-}}
 PREFILL_SPEC=()
 [[ -n "$PREFILL_SPEC_CONFIG" ]] && PREFILL_SPEC=(--speculative-config "$PREFILL_SPEC_CONFIG")
 # shellcheck disable=SC2086
-start prefill "$PYTHON" -m dynamo.vllm --is-prefill-worker "${ENGINE_ARGS[@]}" "${PREFILL_SPEC[@]}" ${PREFILL_ARGS:-}
+start_supervised prefill "$PYTHON" -m dynamo.vllm --is-prefill-worker "${ENGINE_ARGS[@]}" "${PREFILL_SPEC[@]}" ${PREFILL_ARGS:-}
 DECODE_SPEC=()
 [[ -n "${DECODE_SPEC_CONFIG:-}" ]] && DECODE_SPEC=(--speculative-config "$DECODE_SPEC_CONFIG")
 # shellcheck disable=SC2086
-start decode "$PYTHON" -m dynamo.vllm --is-decode-worker "${ENGINE_ARGS[@]}" "${DECODE_SPEC[@]}" ${DECODE_ARGS:-}
+start_supervised decode "$PYTHON" -m dynamo.vllm --is-decode-worker "${ENGINE_ARGS[@]}" "${DECODE_SPEC[@]}" ${DECODE_ARGS:-}
 SERVED=${SERVED_MODEL_NAME:-$(basename "$MODEL")}
 wait_for_model "$SERVED"
 print_usage_hint "$SERVED"

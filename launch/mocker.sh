@@ -25,7 +25,7 @@ start frontend "$PYTHON" -m dynamo.frontend --http-port "$HTTP_PORT" --namespace
   --router-mode "$ROUTER_MODE" --kv-overlap-score-weight "${KV_OVERLAP_SCORE_WEIGHT:-1.0}" \
   --router-temperature "${ROUTER_TEMPERATURE:-0.0}"
 # shellcheck disable=SC2086
-start mocker "$PYTHON" -m dynamo.mocker --model "$MODEL" --served-model-name "$SERVED" \
+start_supervised mocker "$PYTHON" -m dynamo.mocker --model "$MODEL" --served-model-name "$SERVED" \
   --namespace "$NAMESPACE" --num-workers "$NUM_WORKERS" ${MOCKER_ARGS:-}
 wait_for_model "$SERVED"
 wait_for_instances "$NUM_WORKERS"

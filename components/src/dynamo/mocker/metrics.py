@@ -12,6 +12,7 @@ from prometheus_client.registry import Collector
 
 from dynamo.llm.worker import ServedWorker
 from dynamo.mocker.backend import MockerBackend
+from dynamo.runtime.supervise import restarts_so_far
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,13 @@ class MockerCollector(Collector):
                 "dynamo_worker_running_requests",
                 "Requests running",
                 engine.num_running,
+                hex_id,
+            )
+            add(
+                gauge,
+                "dynamo_worker_restarts",
+                "Times the supervisor restarted this worker before this run (launch scripts)",
+                restarts_so_far(),
                 hex_id,
             )
             add(

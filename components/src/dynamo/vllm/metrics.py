@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from dynamo.runtime.supervise import restarts_so_far
 from dynamo.vllm.engine_stats import EngineStats
 from dynamo.vllm.handlers import RequestCounters
 from dynamo.vllm.speculation_monitor import SpeculationMonitor
@@ -53,6 +54,11 @@ class VllmWorkerCollector(Collector):
         lv = list(self.labels.values())
         yield self._gauge(
             "dynamo_worker_requests_in_flight", "Requests being generated", self.counters.in_flight
+        )
+        yield self._gauge(
+            "dynamo_worker_restarts",
+            "Times the supervisor restarted this worker before this run (launch scripts)",
+            restarts_so_far(),
         )
         yield self._gauge(
             "dynamo_worker_running_requests", "Requests running in the engine", snap.running
