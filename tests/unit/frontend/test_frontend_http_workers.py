@@ -20,6 +20,7 @@ import pytest
 
 from dynamo.frontend import http_workers
 from dynamo.frontend.__main__ import build_parser, config_from_args, main
+from dynamo.frontend.http_listener import SHUTDOWN_DRAIN_S
 from dynamo.frontend.http_workers import (
     METRICS_DIR_PREFIX,
     WORKER_COUNT_FLAG,
@@ -151,3 +152,9 @@ def test_metrics_dirs_of_supervisors_that_no_longer_run_are_removed(tmp_path: Pa
         (path / "counter_1.db").write_bytes(b"x")
     assert remove_stale_metrics_dirs(tmp_path) == [stale]
     assert not stale.exists() and live.exists() and other.exists()
+
+
+def test_children_get_longer_to_stop_than_they_let_responses_run() -> None:
+    """The supervisor kills a child only after the child's own drain bound (it used to
+    kill at 30 s while a child let streams run 60 s, cutting them without an error)."""
+    assert http_workers.CHILD_STOP_TIMEOUT_S > SHUTDOWN_DRAIN_S

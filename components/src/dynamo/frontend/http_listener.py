@@ -41,6 +41,8 @@ from typing import Any
 from aiohttp import web
 
 log = logging.getLogger(__name__)
+SHUTDOWN_DRAIN_S = 60.0
+"""On SIGTERM, how long responses in flight may go on before the server closes them."""
 
 # Longer than the 60 s idle timeout of common load balancers and proxies, so that they,
 # not the frontend, close an idle pooled connection (no race with a request they send on

@@ -58,7 +58,12 @@ from dynamo.frontend.errors import (
     request_timeout,
 )
 from dynamo.frontend.generation import Generation, serve
-from dynamo.frontend.http_listener import ConnectionTimeouts, listen, track_request_heads
+from dynamo.frontend.http_listener import (
+    SHUTDOWN_DRAIN_S,
+    ConnectionTimeouts,
+    listen,
+    track_request_heads,
+)
 from dynamo.frontend.http_workers import HttpWorkerSlot
 from dynamo.frontend.metrics import METRICS_CONTENT_TYPE, FrontendMetrics
 from dynamo.frontend.model_registry import ModelManager, ServedModel
@@ -242,7 +247,12 @@ class HttpService:
 
     async def start(self) -> None:
         """Listen on host:port (port 0 picks a free one; `self.port` then tells which)."""
-        runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(
+            self.build_app(),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=SHUTDOWN_DRAIN_S,
+        )
         await runner.setup()
         try:
             listener = await listen(runner, self.host, self.port, self.timeouts, access_log=None)

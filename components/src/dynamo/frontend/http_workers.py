@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from dynamo.frontend.http_listener import port_sharing_supported
+from dynamo.frontend.http_listener import SHUTDOWN_DRAIN_S, port_sharing_supported
 from dynamo.runtime.cli import ConfigError
 from dynamo.runtime.parent_death import preexec_die_with_parent
 
@@ -68,8 +68,10 @@ WORKER_INDEX_FLAG = "--http-worker-index"
 """Hidden flag the supervisor gives each child: its index, and that it shares the port."""
 WORKER_COUNT_FLAG = "--http-worker-count"
 """Hidden flag the supervisor gives each child: how many children share the port."""
-CHILD_STOP_TIMEOUT_S = 30.0
-"""How long a child may drain after SIGTERM before it is killed."""
+CHILD_STOP_TIMEOUT_S = SHUTDOWN_DRAIN_S + 15.0
+"""How long a child may drain after SIGTERM before it is killed: longer than a frontend
+lets its responses run on (`http_listener.SHUTDOWN_DRAIN_S`), plus time to close, so a
+stream is never cut by the supervisor before the child itself would end it."""
 POLL_INTERVAL_S = 0.1
 METRICS_DIR_PREFIX = "dynamo-frontend-metrics-"
 """Metrics directories are `<tmp>/dynamo-frontend-metrics-<supervisor pid>-<random>`."""
