@@ -28,6 +28,7 @@ from dynamo.frontend.errors import OpenAIError
 from dynamo.frontend.openai_types import ChatCompletionRequest
 from dynamo.frontend.preprocessor import Preprocessor
 from dynamo.frontend.tool_calls import (
+    AutoToolCalls,
     NamedToolCall,
     RequiredToolCalls,
     required_schema,
@@ -126,6 +127,33 @@ def test_auto_first_call_is_streamed_before_the_end(tokenizer: Any) -> None:
         early.extend(parser.feed(chunk, []))
     assert calls(early) == [("get_weather", {"city": "Paris"})]
     assert not parser.finish()
+
+
+def test_auto_a_long_call_is_not_reparsed_on_every_delta(tokenizer: Any) -> None:
+    """vLLM's parsers re-parse the whole text on every delta: inside a call the text is
+    handed over in growing batches (and whenever a `}` may close it), so a 4,000-character
+    argument streamed a character at a time costs dozens of parses, not thousands, and
+    the call is still emitted as soon as it is complete."""
+    parser = auto_parser(tokenizer)
+    assert isinstance(parser, AutoToolCalls)
+    vllm_parser = parser.parser
+    parsed_chars: list[int] = []
+    original = vllm_parser.extract_tool_calls_streaming
+
+    def counting(*args: Any) -> Any:
+        parsed_chars.append(len(args[1]))  # current_text: what the parser re-reads
+        return original(*args)
+
+    vllm_parser.extract_tool_calls_streaming = counting
+    city = "x" * 4000
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "' + city + '"}}</tool_call>'
+    early = ChatPieces()
+    for chunk in split_every(text, 1):
+        early.extend(parser.feed(chunk, []))
+    assert calls(early) == [("get_weather", {"city": city})], "emitted before the end"
+    assert not parser.finish()
+    assert len(parsed_chars) < 200, len(parsed_chars)
+    assert sum(parsed_chars) < 20 * len(text), "linear in the text, not quadratic"
 
 
 @pytest.mark.parametrize("size", [1, 1000])

@@ -328,6 +328,10 @@ def tool_parser_class(name: str) -> Any:
     return ToolParserManager.get_tool_parser(name)
 
 
+MIN_PARSE_CHARS = 32
+"""Inside a tool call, the least text handed to the parser at once (see `_worth_parsing`)."""
+
+
 @dataclass
 class _PendingCall:
     """A call the vLLM parser is streaming; emitted once its arguments are complete."""
@@ -354,8 +358,27 @@ class AutoToolCalls:
     _content_sent: str = ""
     _pending: dict[int, _PendingCall] = field(default_factory=dict)
     _emitted: int = 0
+    _unparsed: str = ""
+    _unparsed_ids: list[int] = field(default_factory=list)
 
     def feed(self, text: str, token_ids: Sequence[int]) -> ChatPieces:
+        self._unparsed += text
+        self._unparsed_ids.extend(token_ids)
+        if self._pending and not self._worth_parsing(text):
+            return ChatPieces()
+        return self._parse_unparsed()
+
+    def _worth_parsing(self, text: str) -> bool:
+        """Once the parser has started a call, what matters is when a call's arguments
+        close: vLLM's parsers re-parse the whole text on every delta (quadratic over a
+        long call), so the text is handed over when a `}` may have closed them, or when
+        it grew by an eighth. (Content before the first call streams delta by delta.)"""
+        grown = len(self._unparsed)
+        return "}" in text or grown >= max(MIN_PARSE_CHARS, len(self._text) // 8)
+
+    def _parse_unparsed(self) -> ChatPieces:
+        text, token_ids = self._unparsed, self._unparsed_ids
+        self._unparsed, self._unparsed_ids = "", []
         previous_text, previous_ids = self._text, list(self._token_ids)
         self._text += text
         self._token_ids.extend(token_ids)
@@ -384,6 +407,8 @@ class AutoToolCalls:
         return pieces
 
     def finish(self) -> ChatPieces:
+        self._text += self._unparsed  # held back inside a call: the full parse reads it
+        self._unparsed = ""
         try:
             info = self.parser.extract_tool_calls(self._text, self.request)
         except Exception:
@@ -438,6 +463,8 @@ class AutoToolCalls:
 
 
 def _is_json_object(text: str) -> bool:
+    if not text.rstrip().endswith("}"):  # cheap: most deltas of a call's arguments
+        return False
     try:
         return isinstance(json.loads(text), dict)
     except (json.JSONDecodeError, RecursionError):
