@@ -28,7 +28,7 @@ import pytest
 
 from dynamo.runtime.ports import free_port
 from dynamo.testing.http import http_get, http_post_json
-from dynamo.testing.processes import child_env, wait_serving
+from dynamo.testing.processes import start_launch_script, wait_serving
 from dynamo.testing.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,14 +64,7 @@ def launched(tmp_path: Path, embedded_model: Path, extra_env: dict[str, str]) ->
         "MOCKER_ARGS": "--speed-up 50",
         **extra_env,
     }
-    environment = {k: v for k, v in child_env(env).items() if not k.startswith("NATS_")}
-    with (tmp_path / "script.log").open("wb") as out:
-        script = subprocess.Popen(
-            ["bash", str(ROOT / "launch" / "mocker.sh")],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=environment,
-        )
+    script = start_launch_script(ROOT / "launch" / "mocker.sh", env, tmp_path / "script.log")
     try:
         base = f"http://127.0.0.1:{http_port}"
         wait_serving(base, MODEL, [], timeout=90)

@@ -26,7 +26,7 @@ import pytest
 from dynamo.runtime.nats_server import is_reachable
 from dynamo.runtime.parent_death import supported
 from dynamo.runtime.ports import free_port
-from dynamo.testing.processes import child_env, wait_serving
+from dynamo.testing.processes import child_env, start_launch_script, wait_serving
 from dynamo.testing.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,15 +152,10 @@ def test_sigkilled_launch_script_leaves_nothing_behind(
         "MOCKER_ARGS": "--speed-up 50",
     }
     (tmp_path / "logs").mkdir()
-    environment = {k: v for k, v in child_env(env).items() if not k.startswith("NATS_")}
-    with (tmp_path / "script.log").open("wb") as out:
-        script = subprocess.Popen(
-            ["bash", str(ROOT / "launch" / "mocker.sh")],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=environment,
-            start_new_session=True,  # its own group: the test's cleanup can find it
-        )
+    # its own group: the test's cleanup can find it
+    script = start_launch_script(
+        ROOT / "launch" / "mocker.sh", env, tmp_path / "script.log", new_session=True
+    )
     reap.append(script.pid)
     try:
         base = f"http://127.0.0.1:{http_port}"

@@ -56,7 +56,7 @@ from types import FrameType
 
 from dynamo.frontend.http_listener import SHUTDOWN_DRAIN_S, port_sharing_supported
 from dynamo.runtime.cli import ConfigError
-from dynamo.runtime.parent_death import preexec_die_with_parent
+from dynamo.runtime.parent_death import pid_is_running, preexec_die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -143,21 +143,11 @@ def remove_stale_metrics_dirs(root: Path | None = None) -> list[Path]:
         pid_text = path.name[len(METRICS_DIR_PREFIX) :].split("-", 1)[0]
         if not pid_text.isdigit() or path.is_symlink() or not path.is_dir():
             continue
-        if path.stat().st_uid != os.getuid() or _is_running(int(pid_text)):
+        if path.stat().st_uid != os.getuid() or pid_is_running(int(pid_text)):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
-
-
-def _is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def metrics_dir_of_child() -> Path | None:

@@ -82,6 +82,17 @@ def die_with_parent(sig: int, *, parent_pid: int | None = None) -> None:
         os.kill(os.getpid(), sig)
 
 
+def pid_is_running(pid: int) -> bool:
+    """Whether a process `pid` exists (one of another user counts: it exists)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def preexec_die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
     """A `preexec_fn` for `subprocess.Popen` that ties the child to this process (None
     where unsupported). Call `Popen` from a long-lived thread: see the module's caveats."""

@@ -39,6 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
+from dynamo.runtime.parent_death import pid_is_running
+
 PREFIX = "dynt"
 """Every namespace and link this module makes starts with it (then the creator's pid)."""
 
@@ -100,16 +102,6 @@ def available() -> str | None:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale() -> list[str]:
     """Remove the namespaces and links that a run which no longer exists left behind
     (its pid is in their names; a run killed by SIGKILL cannot clean up). Returns what
@@ -117,14 +109,14 @@ def sweep_stale() -> list[str]:
     removed: list[str] = []
     for netns in _netns_names():
         match = _NAME_RE.match(netns)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not pid_is_running(int(match.group(1))):
             if _ip("netns", "del", netns, check=False).returncode == 0:
                 removed.append(netns)
     listing = _ip("-j", "link", "show", check=False)
     for link in json.loads(listing.stdout or "[]") if listing.returncode == 0 else []:
         name = str(link.get("ifname", ""))
         match = _NAME_RE.match(name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not pid_is_running(int(match.group(1))):
             if _ip("link", "del", name, check=False).returncode == 0:
                 removed.append(name)
     return removed

@@ -79,6 +79,23 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def start_launch_script(
+    script: Path, env: Mapping[str, str], log_path: Path, *, new_session: bool = False
+) -> subprocess.Popen[bytes]:
+    """`bash script` (one of `launch/`) with `env` over the test environment, its output in
+    `log_path`. `NATS_*` variables are dropped: the script starts a server of its own.
+    `new_session`: its own process group, for a test that must find every descendant."""
+    environment = {k: v for k, v in child_env(env).items() if not k.startswith("NATS_")}
+    with log_path.open("wb") as out:
+        return subprocess.Popen(
+            ["bash", str(script)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=environment,
+            start_new_session=new_session,
+        )
+
+
 # --------------------------------------------------------------------------- processes
 
 
