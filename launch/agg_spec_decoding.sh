@@ -11,6 +11,9 @@
 #   FRONTEND_ARGS frontend flags (default for the embedded model: its tools-capable chat
 #                 template and `--tool-call-parser hermes`, so `tools` work out of the box;
 #                 FRONTEND_ARGS="" keeps the model's own template)
+#   SUPERVISE     1 (default): the worker runs under python -m dynamo.runtime.supervise and is
+#                 started again after a back-off when it dies; 0: unsupervised
+#   SUPERVISE_ARGS extra supervisor flags, e.g. "--max-restarts 5"
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 SPEC=${SPEC:-ngram}
