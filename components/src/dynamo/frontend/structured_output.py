@@ -73,8 +73,8 @@ _constraint_pool: ThreadPoolExecutor | None = None
 
 
 def constraint_pool() -> ThreadPoolExecutor:
-    """The process's pool for checking request constraints (created on first use, so a
-    forked HTTP worker process makes its own)."""
+    """The process's pool for checking request constraints (created on first use: a
+    process that serves no constrained request starts no thread)."""
     global _constraint_pool
     if _constraint_pool is None:
         _constraint_pool = ThreadPoolExecutor(

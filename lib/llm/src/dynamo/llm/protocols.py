@@ -332,7 +332,9 @@ MAX_SYNC_ID_CHARS = 256
 MAX_SYNC_TOKENS = 2**31 - 1
 """Bound of every token count in a sync message (no context comes near it)."""
 MAX_SYNC_HASHES = 40_000
-"""Block hashes one booking may carry (`replica_books.MAX_HASHES_PER_MESSAGE`)."""
+"""Block hashes one sync message may carry (at most 9 bytes each in msgpack): keeps a
+snapshot chunk or a burst of bookings under NATS's default 1 MiB payload limit, so it
+bounds one booking's hashes too."""
 MAX_SYNC_SPECULATIVE_TOKENS = 64
 """Most speculative tokens a booking may reserve per step."""
 MIN_HEARTBEAT_INTERVAL_S = 0.01

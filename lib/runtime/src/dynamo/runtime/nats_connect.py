@@ -29,7 +29,12 @@ from nats.aio.client import Client as NatsClient
 from nats.errors import AuthorizationError
 from nats.errors import Error as NatsError
 
-from dynamo.runtime.nats_options import NatsConnectOptions, redact_url, split_urls
+from dynamo.runtime.nats_options import (
+    NatsConnectOptions,
+    is_tls_url,
+    redact_url,
+    split_urls,
+)
 
 ErrorCallback = Callable[[Exception], Awaitable[None]]
 
@@ -112,9 +117,7 @@ async def open_nats_connection(
                 refused.set_result(exc)
         await error_cb(exc)
 
-    require_tls = options.uses_tls or any(
-        url.lower().startswith("tls://") for url in split_urls(server)
-    )
+    require_tls = options.uses_tls or any(is_tls_url(url) for url in split_urls(server))
     nc = TlsRequiringClient(require_tls)
     attempt = asyncio.ensure_future(
         nc.connect(

@@ -264,7 +264,7 @@ class NatsConnectOptions:
         elif auth == "none" and url is not None and url_has_credentials(url):
             auth = "from the URL"
         tls = "off"
-        if url is not None and url.strip().lower().startswith("tls://"):
+        if url is not None and is_tls_url(url):
             tls = "on, system CAs"
         if self.uses_tls:
             parts = [f"CA {self.tls_ca}" if self.tls_ca else "system CAs"]
@@ -408,6 +408,11 @@ def split_urls(url: str) -> list[str]:
 # at the first `/`, `?` or `#`): that is where `urllib.parse`, and so nats-py, splits it,
 # so a password containing `@` is redacted whole.
 _USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)?(?P<userinfo>[^/?#]*)@")
+
+
+def is_tls_url(url: str) -> bool:
+    """Whether `url` names its server with the `tls://` scheme (TLS asked for by the URL)."""
+    return url.strip().lower().startswith("tls://")
 
 
 def url_has_credentials(url: str) -> bool:

@@ -53,6 +53,7 @@ import msgspec
 
 from dynamo.llm.protocols import (
     MAX_HEARTBEAT_INTERVAL_S,
+    MAX_SYNC_HASHES,
     MIN_HEARTBEAT_INTERVAL_S,
     BookingChange,
     BookingChanges,
@@ -73,9 +74,8 @@ DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 """How often a replica tells the others it lives (and what it holds)."""
 DEFAULT_MISS_LIMIT = 3
 """Missed heartbeats after which a replica counts as dead and its bookings are dropped."""
-MAX_HASHES_PER_MESSAGE = 40_000
-"""Block hashes (at most 9 bytes each in msgpack) one message may carry: keeps a
-snapshot or a burst of bookings under NATS's default 1 MiB payload limit."""
+MAX_HASHES_PER_MESSAGE = MAX_SYNC_HASHES
+"""Block hashes one message may carry (the wire type's bound, `protocols.MAX_SYNC_HASHES`)."""
 
 MAX_PEERS = 256
 """Other replicas one replica keeps books for; more are ignored (logged once)."""
