@@ -5,8 +5,9 @@ same engine flags, each behind its own nats-server and frontend:
 
 * agg:    `python -m dynamo.vllm` (prefill and decode in one engine);
 * disagg: `python -m dynamo.vllm --is-prefill-worker` + `--is-decode-worker`, the KV cache
-  moved by the worker's default CPU connector (vLLM's ExampleConnector: safetensors files in
-  a directory both workers share), as `launch/disagg.sh` runs them.
+  moved by the worker's default CPU connector (DiskKvConnector, vLLM's ExampleConnector
+  format: safetensors files in a directory both workers share), as `launch/disagg.sh` runs
+  them.
 
 Each is measured through the frontend with vLLM's own serving benchmark
 (`vllm.benchmarks.serve`, random dataset, 512 tokens in / 128 out, ignore-eos, greedy,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Disaggregated serving: NATS (started, or reused via $NATS_SERVER), a frontend on
 # :$HTTP_PORT, one prefill worker and one decode worker on the embedded model. The KV cache
-# moves through vLLM's KV connector: NIXL on GPU; on CPU the ExampleConnector over
+# moves through vLLM's KV connector: NIXL on GPU; on CPU the DiskKvConnector over
 # $DYN_KV_SHARED_STORAGE_PATH (a directory both workers share; default under $LOG_DIR).
 #
 #   MODEL, HTTP_PORT as in agg.sh; PREFILL_ARGS / DECODE_ARGS add worker flags;

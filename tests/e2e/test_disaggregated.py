@@ -12,14 +12,17 @@ transfer can make them differ, not bf16 rounding of differently shaped work; the
 directory is emptied as entries are consumed and orphaned entries expire; a request
 sharing a long prefix with an earlier one is prefilled on the prefill worker that caches
 it; each prefill worker's probe of its transfer directory is found by the decode side's
-shared-directory check (and would be refused from another directory); when the prefill workers are killed, requests still succeed (decode prefills itself)
-and the fallback counter says so.
+shared-directory check (and would be refused from another directory); an entry that
+breaks between an engine's match and its load is recomputed, not fatal; when the prefill
+workers are killed, requests still succeed (decode prefills itself) and the fallback
+counter says so.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,7 +49,7 @@ from dynamo.vllm.kv_storage_check import (
     KvStorageNotSharedError,
     SharedStorageCheck,
 )
-from dynamo.vllm.kv_transfer import transferred_tokens
+from dynamo.vllm.kv_transfer import entry_name, transferred_tokens
 from dynamo.vllm.transfer_root import TransferRoot
 
 NAMESPACE = "disagg"
@@ -172,7 +175,7 @@ async def _generate(client, ids: list[int], max_tokens: int) -> list[LLMEngineOu
 
 
 async def aggregated_reference(
-    nats_url: str, tokenizer, prompt: str, max_tokens: int = 32
+    nats_url: str, tokenizer, prompt: str, max_tokens: int = 32, *, warm_prefix: bool = True
 ) -> tuple[str, int]:
     """Greedy output of an aggregated worker computing the prompt the way disagg does.
 
@@ -181,14 +184,17 @@ async def aggregated_reference(
     way the prefill worker computes it; the real request then reuses the cached whole
     blocks and computes the tail, the way the decode worker does after loading the
     transferred blocks. Same numbers in the same shapes, so bf16 rounding cannot make
-    the two differ; only a wrong or missing transfer can. Returns (text, cached tokens).
+    the two differ; only a wrong or missing transfer can. Without `warm_prefix` the
+    prompt is computed whole by the request itself (a decode worker that loaded nothing).
+    Returns (text, cached tokens).
     """
     runtime = await DistributedRuntime.connect(nats_url)
     try:
         client = await runtime.namespace("e2e").component("spec").endpoint("generate").client()
         await client.wait_for_instances(timeout=60)
         ids = chat_ids(tokenizer, prompt)
-        await _generate(client, ids, max_tokens=1)
+        if warm_prefix:
+            await _generate(client, ids, max_tokens=1)
         outputs = await _generate(client, ids, max_tokens)
         usage = outputs[-1].completion_usage
         details = usage.prompt_tokens_details if usage else None
@@ -254,6 +260,54 @@ async def test_transfer_directory_stays_bounded(disagg, nats_url, tokenizer, tra
         interval=POLL_S,
         what=lambda: f"the orphaned transfer to expire; left: {list(transfer_dir.iterdir())}",
     )
+
+
+RECOVERED = "Recovered from KV load failure"  # vLLM's scheduler, under policy "recompute"
+
+
+def recoveries(worker: WorkerProcess) -> int:
+    return worker.log_path.read_text(errors="replace").count(RECOVERED)
+
+
+def plant_broken_entry(transfer_dir: Path, ids: list[int]) -> Path:
+    """An entry for `ids` whose layer file cannot be read: what a loader meets when the
+    entry is deleted or damaged between the engine's match and its load. Dated in the
+    future so no TTL sweep removes it before both engines have met it."""
+    entry = transfer_dir / entry_name(ids, 32)
+    entry.mkdir()
+    (entry / "model.layers.0.self_attn.attn.safetensors").write_bytes(b"not a safetensors file")
+    later = time.time() + 600
+    os.utime(entry, (later, later))
+    return entry
+
+
+async def test_engines_survive_an_entry_that_breaks_before_it_loads(
+    disagg, ngram_worker, nats_url, tokenizer, transfer_dir
+):
+    """Both engines match the prompt's entry, fail to read it, and compute the prompt
+    themselves (vLLM's ExampleConnector let the read error kill the engine); the answer
+    is the one an aggregated worker gives for the prompt computed whole, and the decode
+    worker, whose request the entry was handed to, consumes it."""
+    frontend, decode, prefills = disagg["frontend"], disagg["decode"], disagg["prefill"]
+    prompt = long_prompt("why leaves change colour")
+    ids = chat_ids(tokenizer, prompt)
+    entry = plant_broken_entry(transfer_dir, ids)
+    decode_before = recoveries(decode)
+    prefill_before = sum(recoveries(p) for p in prefills)
+
+    result = chat(frontend, prompt)
+
+    expected, _ = await aggregated_reference(nats_url, tokenizer, prompt, warm_prefix=False)
+    assert result["choices"][0]["message"]["content"] == expected
+    assert recoveries(decode) == decode_before + 1
+    assert sum(recoveries(p) for p in prefills) == prefill_before + 1
+    wait_until(
+        lambda: not entry.exists(),
+        timeout=5,
+        interval=POLL_S,
+        what="the decode worker to consume the entry its request was handed",
+    )
+    assert chat(frontend, long_prompt("tides"), max_tokens=4)["choices"][0]["message"]["content"]
 
 
 async def test_prefill_workers_prove_the_decode_worker_shares_their_directory(

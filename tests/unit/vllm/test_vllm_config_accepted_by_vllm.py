@@ -76,7 +76,8 @@ def test_trtllm_mtp_on_a_target_with_mtp_layers(tiny_mtp_model: Path) -> None:
     assert config.speculative_config.method == "mtp"
     assert config.speculative_config.num_speculative_tokens == 1
     assert config.speculative_config.draft_model_config.architectures == ["DeepSeekMTPModel"]
-    assert config.kv_transfer_config.kv_connector == "ExampleConnector"
+    assert config.kv_transfer_config.kv_connector == "DiskKvConnector"
+    assert config.kv_transfer_config.kv_load_failure_policy == "recompute"
     assert cfg.engine_args.enable_prefix_caching is False and config.kv_events_config is None
 
 

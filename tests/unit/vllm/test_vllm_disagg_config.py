@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamo.vllm.kv_transfer import KvTransferJanitor, entry_name, example_connector_storage
+from dynamo.vllm.kv_transfer import KvTransferJanitor, disk_connector_storage, entry_name
 
 
 def dry_run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -40,9 +40,11 @@ def test_both_roles_at_once_is_refused() -> None:
 def test_cpu_default_connector_uses_the_shared_directory(tmp_path: Path) -> None:
     result = dry_run("--is-decode-worker", env={"DYN_KV_SHARED_STORAGE_PATH": str(tmp_path)})
     assert result.returncode == 0, result.stderr
-    assert "kv_connector: ExampleConnector" in result.stdout
+    assert "kv_connector: DiskKvConnector" in result.stdout
+    assert "kv_connector_module_path: dynamo.vllm.disk_kv_connector" in result.stdout
     assert f"shared_storage_path: {tmp_path}" in result.stdout
-    assert "kv_role: kv_both" in result.stdout
+    assert "kv_role: kv_consumer" in result.stdout  # a decode worker only loads
+    assert "kv_load_failure_policy: recompute" in result.stdout
 
 
 def test_entry_name_follows_the_connector_alignment() -> None:
@@ -90,20 +92,21 @@ def test_sweep_removes_only_old_unheld_entries(tmp_path: Path) -> None:
     assert held.exists() and not fresh.exists()
 
 
-def test_only_the_example_connector_is_managed() -> None:
+def test_only_the_directory_connectors_are_managed() -> None:
     from vllm.config import KVTransferConfig
 
-    example = KVTransferConfig(
-        kv_connector="ExampleConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config={"shared_storage_path": "/x"},
-    )
-    assert example_connector_storage(example) == Path("/x")
+    for name in ("ExampleConnector", "DiskKvConnector"):
+        config = KVTransferConfig(
+            kv_connector=name,
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": "/x"},
+        )
+        assert disk_connector_storage(config) == Path("/x")
     assert (
-        example_connector_storage(KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both"))
+        disk_connector_storage(KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both"))
         is None
     )
-    assert example_connector_storage(None) is None
+    assert disk_connector_storage(None) is None
 
 
 @pytest.mark.parametrize("ttl", ["0.5", "300"])

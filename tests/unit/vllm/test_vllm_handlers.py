@@ -600,13 +600,29 @@ async def test_an_entry_shared_by_two_requests_outlives_the_first(tiny_model: Pa
     first = Worker(tiny_model, FakeAsyncLLM(script), WorkerType.DECODE, kv_janitor=janitor)
     second = Worker(tiny_model, FakeAsyncLLM(script), WorkerType.DECODE, kv_janitor=janitor)
 
-    running = first.generate(make_request())
+    transferred = PrefillResult({"by_prompt": True})
+    running = first.generate(make_request(prefill_result=transferred))
     await anext(running)
-    await second.run(make_request())
+    await second.run(make_request(prefill_result=transferred))
     assert entry.exists(), "the first request still needs it"
     _ = [out async for out in running]
     assert not entry.exists()
     assert janitor.removed_consumed == 1
+
+
+async def test_a_request_without_a_prefill_does_not_consume_an_entry_it_found(
+    tiny_model: Path,
+) -> None:
+    """The engine may load an entry that matches a local request's prompt, but the entry
+    was written for another request (maybe on another decode worker, about to load it)."""
+    storage = tiny_model.parent / "kv"
+    janitor = KvTransferJanitor(storage, BLOCK_SIZE)  # creates (owns) the directory
+    entry = kv_entry(storage)
+    llm = FakeAsyncLLM([step([5]), step([6], finish_reason="length")])
+    worker = Worker(tiny_model, llm, WorkerType.DECODE, kv_connector=CONNECTOR, kv_janitor=janitor)
+    await worker.run(make_request())
+    assert entry.exists()
+    assert janitor.removed_consumed == 0
 
 
 async def test_a_prefill_worker_leaves_the_entry_for_the_decode_worker(tiny_model: Path) -> None:

@@ -155,11 +155,14 @@ def test_disaggregated_workers_get_a_kv_connector(parse, monkeypatch: pytest.Mon
     cfg = parse("--is-decode-worker", "--namespace", "ns1")
     transfer = cfg.engine_args.kv_transfer_config
     assert isinstance(transfer, KVTransferConfig)
-    assert transfer.kv_connector == "ExampleConnector"
-    assert transfer.kv_role == "kv_both"
+    assert transfer.kv_connector == "DiskKvConnector"
+    assert transfer.kv_connector_module_path == "dynamo.vllm.disk_kv_connector"
+    assert transfer.kv_role == "kv_consumer"
+    assert transfer.kv_load_failure_policy == "recompute"
     assert transfer.kv_connector_extra_config == {"shared_storage_path": "/tmp/dynamo-kv-ns1"}
     monkeypatch.setenv("DYN_KV_SHARED_STORAGE_PATH", "/shared/kv")
     cfg = parse("--is-prefill-worker")
+    assert cfg.engine_args.kv_transfer_config.kv_role == "kv_both"
     assert cfg.engine_args.kv_transfer_config.kv_connector_extra_config == {
         "shared_storage_path": "/shared/kv"
     }

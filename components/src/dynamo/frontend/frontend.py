@@ -56,6 +56,7 @@ from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.replica_sync import ReplicaSyncSettings
 from dynamo.llm.kv_router.scheduler import DEFAULT_OVERLAP_SCORE_WEIGHT
 from dynamo.llm.model_card import (
+    FETCH_TIMEOUT_S,
     CardAdded,
     CardEvent,
     CardRemoved,
@@ -120,6 +121,12 @@ class FrontendConfig:
         return StreamDeadlines.from_seconds(self.first_token_timeout_s, self.inter_token_timeout_s)
 
 
+CARD_APPLY_TIMEOUT_S = 2 * FETCH_TIMEOUT_S
+"""Longest one card event may take to apply (tokenizer fetch, tokenizer load, router set-up).
+Events are applied in order, so without a bound one stalled card would hold back every
+later card of every model; past it the card is retried like any other that failed."""
+
+
 class ModelCardSync:
     """Keeps a `ModelManager` in step with the model cards workers register in NATS."""
 
@@ -134,8 +141,10 @@ class ModelCardSync:
         on_migration: MigrationHook | None = None,
         on_routed: ComponentRoutedHook | None = None,
         retries: CardRetries | None = None,
+        apply_timeout_s: float = CARD_APPLY_TIMEOUT_S,
     ) -> None:
         self._runtime = runtime
+        self.apply_timeout_s = apply_timeout_s
         self._manager = manager
         self._router_factory = router_factory
         self._cache = tokenizer_cache
@@ -159,10 +168,10 @@ class ModelCardSync:
                 await asyncio.wait({next_event}, timeout=self.retries.seconds_until_next())
                 if next_event.done():
                     event, next_event = next_event.result(), None
-                    await self._apply_or_retry(event)
+                    await self.apply_or_retry(event)
                 for card in self.retries.due():
                     if card in watcher.cards:
-                        await self._apply_or_retry(CardAdded(card))
+                        await self.apply_or_retry(CardAdded(card))
                     else:  # removed or replaced since: its own event decides
                         self.retries.forget(card)
         finally:
@@ -171,25 +180,34 @@ class ModelCardSync:
             self._runtime.remove_reconnect_listener(self.retries.hurry)
             await watcher.close()
 
-    async def _apply_or_retry(self, event: CardEvent) -> None:
-        """Apply one event; a card that fails to load is scheduled for another try."""
+    async def apply_or_retry(self, event: CardEvent) -> None:
+        """Apply one event within `apply_timeout_s`; a card that fails to load, or takes
+        longer, is scheduled for another try."""
+        deadline = asyncio.timeout(self.apply_timeout_s)
         try:
-            await self.apply(event)
+            async with deadline:
+                await self.apply(event)
         except Exception as exc:
-            if not isinstance(event, CardAdded):
-                log.exception("could not apply model card event %r", event)
-                return
-            pending = self.retries.failed(event.card)
-            log.warning(
-                "could not load model %s from instance %016x (attempt %d): %s; retrying in %.1fs",
-                event.card.name,
-                event.card.instance_id,
-                pending.failures,
-                exc or type(exc).__name__,
-                self.retries.backoff.delay(pending.failures),
-            )
+            if deadline.expired():
+                self._failed(event, f"not applied within {self.apply_timeout_s:g}s")
+            else:
+                self._failed(event, str(exc) or type(exc).__name__)
         else:
             self.retries.forget(event.card)
+
+    def _failed(self, event: CardEvent, why: str) -> None:
+        if not isinstance(event, CardAdded):
+            log.error("could not apply model card event %r: %s", event, why, exc_info=True)
+            return
+        pending = self.retries.failed(event.card)
+        log.warning(
+            "could not load model %s from instance %016x (attempt %d): %s; retrying in %.1fs",
+            event.card.name,
+            event.card.instance_id,
+            pending.failures,
+            why,
+            self.retries.backoff.delay(pending.failures),
+        )
 
     async def apply(self, event: CardEvent) -> None:
         card = event.card
@@ -220,7 +238,11 @@ class ModelCardSync:
             .endpoint(card.endpoint)
         )
         client = await endpoint.client()
-        router = await self._router_factory(card, client)
+        try:
+            router = await self._router_factory(card, client)
+        except BaseException:  # failed or cancelled (the apply timeout): nothing leaks
+            await client.close()
+            raise
         return RuntimeEngineClient(
             client,
             router,

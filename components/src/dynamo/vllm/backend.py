@@ -24,7 +24,7 @@ from dynamo.vllm.args import VllmWorkerConfig
 from dynamo.vllm.engine import EngineFacts, VllmEngine
 from dynamo.vllm.handlers import GenerateHandler, RequestCounters
 from dynamo.vllm.kv_storage_check import SharedStorageCheck, StorageProbeFile
-from dynamo.vllm.kv_transfer import KvTransferJanitor, default_ttl, example_connector_storage
+from dynamo.vllm.kv_transfer import KvTransferJanitor, default_ttl, disk_connector_storage
 from dynamo.vllm.publishers import engine_load, relay_kv_events
 from dynamo.vllm.sampling_defaults import sampling_defaults_from
 from dynamo.vllm.speculation_monitor import SpeculationMonitor
@@ -163,7 +163,7 @@ class VllmBackend:
 
     def _start_kv_janitor(self, facts: EngineFacts) -> KvTransferJanitor | None:
         """Bounds the disk used by the CPU KV connector (None for other connectors)."""
-        storage = example_connector_storage(self.cfg.engine_args.kv_transfer_config)
+        storage = disk_connector_storage(self.cfg.engine_args.kv_transfer_config)
         if storage is None:
             return None
         janitor = KvTransferJanitor(storage, facts.block_size, ttl_s=default_ttl())

@@ -121,12 +121,13 @@ class GenerateHandler:
         assert facts is not None, "handler served before the engine started"
         prefill = self.worker_type is WorkerType.PREFILL
         try:
+            transfer = self._kv_transfer_params(request)
             params = to_sampling_params(
                 request,
                 model_defaults=facts.sampling_defaults,
                 max_model_len=facts.max_model_len,
                 force_max_tokens=1 if prefill else None,
-                kv_transfer_params=self._kv_transfer_params(request),
+                kv_transfer_params=transfer,
             )
         except VLLMClientError as exc:  # vLLM's SamplingParams refused a value
             self.counters.finish(REJECTED)
@@ -139,6 +140,8 @@ class GenerateHandler:
         llm = self.engine.engine
         finished = False
         entry = self.kv_janitor.acquire(request.token_ids) if self.kv_janitor else None
+        # Only the request a prefill wrote the entry for consumes it (see kv_transfer).
+        consumes_entry = transfer is not None and request.prefill_result is not None
         self.counters.in_flight += 1
         self.counters.prompt_tokens += len(request.token_ids)
         try:
@@ -199,7 +202,7 @@ class GenerateHandler:
                 self.counters.finish(FinishReason.CANCELLED.value)
                 await self._abort(request_id)
             if entry is not None and self.kv_janitor is not None:
-                self.kv_janitor.release(entry, consumed=True)
+                self.kv_janitor.release(entry, consumed=consumes_entry)
 
     def _count_finished(self, outs: list[LLMEngineOutput]) -> None:
         """Count a finished request once (n sequences or one), by the finish reason of

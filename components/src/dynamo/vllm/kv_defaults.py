@@ -18,6 +18,7 @@ from dynamo.llm.worker.addresses import is_local_host
 from dynamo.runtime.cli import ConfigError
 from dynamo.runtime.ports import free_port
 from dynamo.vllm.config_layers import SRC_VLLM, SRC_WORKER
+from dynamo.vllm.kv_transfer import DISK_CONNECTOR, DISK_CONNECTOR_MODULE
 
 log = logging.getLogger("dynamo.vllm")
 
@@ -135,8 +136,9 @@ def configure_kv_transfer(
     values: dict[str, Any], sources: dict[str, str], mode: str, namespace: str
 ) -> None:
     """Disaggregated workers need a KV connector. Where none is given: NIXL where a GPU is
-    present; on CPU vLLM's ExampleConnector over a directory that prefill and decode share
-    (one host, or a shared filesystem) — the connector verified on these machines.
+    present; on CPU `DiskKvConnector` (vLLM's ExampleConnector, made to survive entries
+    that vanish before they load, see dynamo.vllm.disk_kv_connector) over a directory that
+    prefill and decode share (one host, or a shared filesystem).
 
     An explicit config without a connector (e.g. `--kv-transfer-config '{}'`) on a
     prefill/decode worker is refused: such a worker could never hand its KV over."""
@@ -158,9 +160,13 @@ def configure_kv_transfer(
     else:
         path = os.environ.get(KV_SHARED_STORAGE_ENV) or f"/tmp/dynamo-kv-{namespace}"
         values["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="ExampleConnector",
-            kv_role="kv_both",
+            kv_connector=DISK_CONNECTOR,
+            kv_connector_module_path=DISK_CONNECTOR_MODULE,
+            # A decode worker only reads what prefill workers wrote.
+            kv_role="kv_consumer" if mode == "decode" else "kv_both",
             kv_connector_extra_config={"shared_storage_path": path},
+            # An entry that vanished or broke between scheduling and loading: recompute.
+            kv_load_failure_policy="recompute",
         )
     sources["kv_transfer_config"] = SRC_WORKER
 

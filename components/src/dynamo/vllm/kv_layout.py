@@ -6,7 +6,8 @@ head or a draft model keeps KV of its own next to the target's (vLLM registers i
 more attention layers, e.g. `model.layers.<N>.self_attn.attn` for MiMo's MTP layer), while
 n-gram and suffix speculation keep none. vLLM does not compare the two sides: on CPU, a
 decode worker with an MTP layer fed by a prefill worker without one fails inside the
-ExampleConnector (no KV file for the MTP layer) and the engine dies.
+ExampleConnector (no KV file for the MTP layer) and the engine dies; with DiskKvConnector it
+recomputes, but every request pays a failed load.
 
 So the prefill worker names its layout in the transfer parameters it returns, and the
 decode worker compares it with its own before handing them to vLLM. On a mismatch the

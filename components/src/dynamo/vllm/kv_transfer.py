@@ -1,13 +1,15 @@
-"""Bounded disk use for KV transferred through vLLM's ExampleConnector (the CPU path).
+"""Bounded disk use for KV transferred through a directory (the CPU path).
 
-The ExampleConnector writes a prompt's KV cache to `<shared_storage_path>/<hash of the
+The CPU connector (`DiskKvConnector`, vLLM's ExampleConnector with safe loads) writes a prompt's KV cache to `<shared_storage_path>/<hash of the
 prompt's block-aligned tokens>/<layer>.safetensors` and a decode worker that sees the same
 prompt loads it from there. vLLM never deletes these entries, so without help the
 directory grows with every distinct prompt. `KvTransferJanitor` bounds it:
 
-* consumed — a decode worker deletes the entry of a request once the request has ended
-  (its KV was loaded at the first step), unless another request in flight on this worker
-  uses the same entry;
+* consumed — a decode worker deletes the entry of a request that was handed a prefill
+  worker's transfer (so the entry was written for it and loaded at its first step) once
+  the request has ended, unless another request in flight on this worker uses the same
+  entry. A request that merely found an entry for its prompt does not consume it: that
+  entry may be another decode worker's, about to load;
 * TTL — every worker sharing the directory removes entries older than `ttl_s` that no
   request of its own holds (a prefill whose decode never came: the client went away).
 
@@ -36,6 +38,11 @@ from dynamo.vllm.kv_storage_check import StorageProbeFile, sweep_stale_probes
 from dynamo.vllm.transfer_root import TransferRoot, remove_transfer_entry
 
 log = logging.getLogger(__name__)
+
+DISK_CONNECTOR = "DiskKvConnector"
+DISK_CONNECTOR_MODULE = "dynamo.vllm.disk_kv_connector"
+DISK_CONNECTORS = frozenset({"ExampleConnector", DISK_CONNECTOR})
+"""Connectors that keep KV in entries of a shared directory, the ones this janitor cleans."""
 
 DEFAULT_TTL_S = 120.0
 ENV_TTL = "DYN_KV_TRANSFER_TTL"
@@ -185,11 +192,12 @@ class KvTransferJanitor:
                 log.exception("KV transfer sweep failed")
 
 
-def example_connector_storage(kv_transfer_config: object | None) -> Path | None:
-    """The shared storage path when the engine uses the ExampleConnector, else None."""
+def disk_connector_storage(kv_transfer_config: object | None) -> Path | None:
+    """The shared storage path when the engine keeps KV in a directory (DiskKvConnector or
+    vLLM's ExampleConnector), else None."""
     if (
         kv_transfer_config is None
-        or getattr(kv_transfer_config, "kv_connector", None) != "ExampleConnector"
+        or getattr(kv_transfer_config, "kv_connector", None) not in DISK_CONNECTORS
     ):
         return None
     extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}

@@ -65,7 +65,8 @@ value the command line overrides is replaced (logged at INFO).
 Defaults the worker adds where you are silent: --model is the embedded model
 `smollm2-135m-instruct`; KV-cache events are published over ZMQ on a private Unix socket (unless
 prefix caching is off or --kv-events-config is given); prefill/decode workers without
---kv-transfer-config use NixlConnector on a GPU and, on CPU, vLLM's ExampleConnector with
+--kv-transfer-config use NixlConnector on a GPU and, on CPU, DiskKvConnector (vLLM's
+ExampleConnector, whose failed loads are recomputed instead of killing the engine) with
 shared_storage_path $DYN_KV_SHARED_STORAGE_PATH (default /tmp/dynamo-kv-<namespace>), a
 directory prefill and decode must share (one host or a shared filesystem). On CPU a block
 size you give must be a multiple of 32.
