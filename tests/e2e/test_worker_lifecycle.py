@@ -20,6 +20,7 @@ test ends that worker, so it comes last among them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import time
@@ -278,34 +279,47 @@ async def test_sigterm_deregisters_drains_and_exits_0(runtime, lifecycle_worker,
 async def test_sigterm_aborts_what_outlives_the_drain_timeout(
     runtime, eagle3_pair, nats_url: str, e2e_log_dir: Path, tokenizer
 ) -> None:
-    """`--drain-timeout 1`: a request needing seconds more is cut off after about one
-    second with a terminal error frame, and the worker still exits 0."""
+    """`--drain-timeout 1`: a request that cannot finish in time is cut off after about
+    one second with a terminal error frame, and the worker still exits 0.
+
+    The request cannot finish because its engine core is paused (SIGSTOP) from its first
+    output until the cut: how long the worker takes to start draining (deregistering over
+    NATS first) then cannot decide the outcome, as it did when the test relied on a long
+    request outlasting it (a loaded machine once let the whole request finish first)."""
     drain_s = 1.0
     worker = new_worker(
         "short-drain", eagle3_pair, nats_url, e2e_log_dir,
         extra=["--drain-timeout", str(drain_s)], max_model_len=LONG_MODEL_LEN,
     )  # fmt: skip
+    core: psutil.Process | None = None
     try:
         await asyncio.to_thread(worker.wait_ready)
+        core = engine_core_of(worker.pid)
         client = await client_of(runtime, worker)
         (instance,) = client.instance_ids()
-        # Thousands of tokens: several seconds even at the few hundred tokens/s that this
-        # repetitive output reaches with Eagle3 drafts (a few hundred finish within 1 s).
         request = long_request(tokenizer, LONG_MODEL_LEN - 64)
-        stream, outputs = await stream_in_flight(
-            client, instance, request, lambda: worker.popen.send_signal(signal.SIGTERM)
-        )
+
+        def pause_and_stop() -> None:
+            assert core is not None
+            core.suspend()
+            worker.popen.send_signal(signal.SIGTERM)
+
+        stream, outputs = await stream_in_flight(client, instance, request, pause_and_stop)
         signalled = time.monotonic()
         # The worker went away under the request: the same error as a worker that died, so
         # a frontend re-places or migrates it.
         with pytest.raises(InstanceGoneError, match="shut down before the request finished"):
             await asyncio.wait_for(stream, drain_s + 10)
         assert time.monotonic() - signalled < drain_s + 5
+        core.resume()  # the engine shuts down as usual
         produced = sum(len(out.token_ids) for out in outputs)
         assert 0 < produced < request.stop_conditions.max_tokens
         code = await asyncio.to_thread(worker.popen.wait, ENGINE_SHUTDOWN_S)
         assert code == 0, worker.log_tail()
     finally:
+        if core is not None:
+            with contextlib.suppress(psutil.Error):
+                core.resume()
         worker.stop()
 
 
