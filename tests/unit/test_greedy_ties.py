@@ -159,3 +159,36 @@ def test_parting_onto_a_longer_alternative_that_the_reference_token_begins_is_ju
     )
     problem = mismatch(far, text)
     assert problem is not None and "token 2" in problem and "3.000 nats" in problem
+
+
+def test_parting_onto_a_shorter_alternative_that_begins_the_reference_token_is_judged_there() -> (
+    None
+):
+    """The reference chose " an" (then " expert"); the other text chose " a" (then
+    " professional"), which the target scored exactly as high. The bytes part inside
+    " an", after the " a" both begin with, and the choice was made at that token (seen in
+    the Eagle3 head's module: "You don't need to be a professional")."""
+    reference = reference_from_chat_logprobs(
+        [
+            entry(" to", -0.134, (" a", -2.634)),
+            entry(" be", -1.413, (" know", -2.038)),
+            entry(" an", -0.831, (" a", -0.831), (" super", -4.581)),
+            entry(" expert", -1.1, (" engineer", -2.0)),
+        ]
+    )
+    text = " to be a professional"
+    divergence = first_divergence(reference, text)
+    assert divergence is not None and divergence.token_index == 2
+    assert divergence.lead is not None and abs(divergence.lead) < 1e-9
+    assert mismatch(reference, text) is None
+    # A shorter alternative the target put far below its choice still fails there.
+    far = reference_from_chat_logprobs(
+        [
+            entry(" to", -0.134, (" a", -2.634)),
+            entry(" be", -1.413, (" know", -2.038)),
+            entry(" an", -0.1, (" a", -3.1)),
+            entry(" expert", -1.1, (" engineer", -2.0)),
+        ]
+    )
+    problem = mismatch(far, text)
+    assert problem is not None and "token 2" in problem and "3.000 nats" in problem

@@ -152,13 +152,17 @@ def _divergence_at(
     may have parted there, or at an earlier token whose alternative begins with what the
     reference generated after it (the reference's " a" + " way" against " and": the bytes
     part after " a", but the choice was made at " a"). Each token whose alternative could
-    reach past the agreed bytes is a candidate; the closest call explains the parting."""
+    reach past the agreed bytes is a candidate; the closest call explains the parting.
+    At the token where the bytes part, a shorter alternative that begins the reference's
+    token is a parting too (the reference's " an" against " a" + " professional": the
+    bytes part after " a", inside " an", and the choice was made there)."""
     best: Divergence | None = None
     for at in range(index, -1, -1):
         agreed = offset - starts[at]
         if at < index and agreed >= MAX_TOKEN_BYTES:
             break  # no token is that long: an earlier choice cannot reach the parting
-        lead = reference[at].lead_over(ours[starts[at] :], stops, agreed)
+        reach = agreed if at < index else 0
+        lead = reference[at].lead_over(ours[starts[at] :], stops, reach)
         if lead is not None and (best is None or best.lead is None or lead < best.lead):
             best = Divergence(at, lead, _context(ours, theirs, starts[at]))
         if best is None:
