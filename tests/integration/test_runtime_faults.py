@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -43,6 +45,7 @@ from dynamo.runtime import (
     WorkerOverloadedError,
     wire,
 )
+from dynamo.runtime import client as runtime_client
 from dynamo.runtime.nats_server import NatsServer
 from dynamo.runtime.server import PUBLISH_FLUSH_TIMEOUT_S, EndpointServer
 from dynamo.testing.waiting import wait_until_async
@@ -194,24 +197,49 @@ async def test_a_frame_over_the_max_payload_cancels_the_handler_and_fails_the_st
     assert "not sent" in warnings[0].getMessage()
 
 
-async def test_a_request_over_the_max_payload_is_refused_before_anything_is_sent(
+async def test_requests_over_the_max_payload_arrive_whole_in_parts(
     worker_rt: DistributedRuntime, client_rt: DistributedRuntime, namespace: str
 ) -> None:
-    """nats-py's publish would raise its own MaxPayloadError (a 500 to the frontend's
-    client); the stream raises a typed error instead, sends nothing, and the handler never
-    runs."""
+    """A request over nats-server's message limit (1 MiB here) travels in parts and the
+    handler gets it whole; several such requests at once are joined side by side."""
+
+    async def handler(request: Any, ctx: Context) -> AsyncIterator[Any]:
+        yield [len(request), hashlib.sha256(request).hexdigest()]
+
+    served = await serve(worker_rt, namespace, handler)
+    client = await client_of(client_rt, namespace)
+    limit = client_rt.nc.max_payload
+    payloads = [os.urandom(n) for n in (3 * limit + 17, limit + 1, 2 * limit)]
+    answers = await asyncio.gather(
+        *(first_item(client.direct(p, worker_rt.instance_id)) for p in payloads)
+    )
+    assert answers == [[len(p), hashlib.sha256(p).hexdigest()] for p in payloads]
+    assert served.server is not None
+    assert served.server.joiner.requests_joined == 3
+    assert served.server.joiner.bytes_held == 0
+
+
+async def test_a_request_over_the_carried_bound_is_refused_before_anything_is_sent(
+    worker_rt: DistributedRuntime,
+    client_rt: DistributedRuntime,
+    namespace: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What no instance would take is a typed error at the client (HTTP 400 at the
+    frontend), nothing is sent and the handler never runs."""
     calls: list[Any] = []
 
     async def handler(request: Any, ctx: Context) -> AsyncIterator[Any]:
         calls.append(request)
         yield "ok"
 
+    bound = 2 * client_rt.nc.max_payload
+    monkeypatch.setattr(runtime_client, "MAX_CARRIED_REQUEST_BYTES", bound)
     await serve(worker_rt, namespace, handler)
     client = await client_of(client_rt, namespace)
-    huge = b"x" * (client_rt.nc.max_payload + 1)
     with pytest.raises(RequestTooLargeError) as info:
-        await first_item(client.direct(huge, worker_rt.instance_id))
-    assert info.value.limit == client_rt.nc.max_payload and info.value.size > info.value.limit
+        await first_item(client.direct(b"x" * (bound + 1), worker_rt.instance_id))
+    assert (info.value.size, info.value.limit) == (bound + 1, bound)
     assert (await first_item(client.direct(b"small", worker_rt.instance_id))) == "ok"
     assert calls == [b"small"]
 

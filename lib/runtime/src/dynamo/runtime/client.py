@@ -47,7 +47,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
-from dynamo.runtime import naming, wire
+from dynamo.runtime import naming, request_parts, wire
 from dynamo.runtime.errors import (
     ClientClosedError,
     ConnectionLostError,
@@ -59,6 +59,7 @@ from dynamo.runtime.errors import (
     StreamTimeoutError,
     error_from_frame,
 )
+from dynamo.runtime.request_parts import MAX_CARRIED_REQUEST_BYTES
 from dynamo.runtime.selection import RandomChoice, RoundRobin
 
 if TYPE_CHECKING:
@@ -409,17 +410,20 @@ class ResponseStream(Generic[T]):
             raise InstanceGoneError(
                 self.instance_id, f"not registered on {client.endpoint.path} (any more)"
             )
-        limit = client.runtime.nc.max_payload
-        if limit and len(self._payload) > limit:
-            # nats-py would raise its own MaxPayloadError from publish; nothing is sent
-            # either way, and no instance could take the request.
+        if len(self._payload) > MAX_CARRIED_REQUEST_BYTES:
+            # No instance would take it: nothing is sent.
             self._ended_remotely = True
-            raise RequestTooLargeError(len(self._payload), limit)
+            raise RequestTooLargeError(len(self._payload), MAX_CARRIED_REQUEST_BYTES)
         self._reply = client.runtime.inbox.open(self._on_frame)
         client.track(self, self.instance_id)
-        await client.runtime.nc.publish(
-            client.request_subject(self.instance_id), self._payload, reply=self._reply
-        )
+        nc, subject = client.runtime.nc, client.request_subject(self.instance_id)
+        if not nc.max_payload or len(self._payload) <= nc.max_payload:
+            await nc.publish(subject, self._payload, reply=self._reply)
+            return
+        parts = request_parts.split(self._payload, nc.max_payload)  # see request_parts
+        for index, part in enumerate(parts):
+            headers = request_parts.part_headers(index, len(parts))
+            await nc.publish(subject, part, reply=self._reply, headers=headers)
 
     def _no_responder(self) -> None:
         self._ended_remotely = True

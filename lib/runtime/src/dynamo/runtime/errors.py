@@ -80,15 +80,16 @@ class InstanceOverloadedError(DynamoRuntimeError):
 
 
 class RequestTooLargeError(DynamoRuntimeError):
-    """The request does not fit one NATS message (the server's `max_payload`): nothing was
-    sent. Any instance would refuse it the same way, so it is the caller's to shorten."""
+    """The request is larger than the runtime carries (`request_parts`: requests over one
+    NATS message travel in parts, up to a bound): nothing was sent. Any instance would
+    refuse it the same way, so it is the caller's to shorten."""
 
     def __init__(self, size: int, limit: int) -> None:
         self.size = size
         self.limit = limit
         super().__init__(
-            f"the request is {size} bytes on the wire; the NATS server carries at most "
-            f"{limit} bytes a message (its max_payload)"
+            f"the request is {size} bytes on the wire; the runtime carries at most "
+            f"{limit} bytes a request"
         )
 
 

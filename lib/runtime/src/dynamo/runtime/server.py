@@ -48,6 +48,7 @@ from nats.aio.subscription import Subscription
 from dynamo.runtime import wire
 from dynamo.runtime.coalesce import ReplyCoalescer, ReplyStream
 from dynamo.runtime.errors import RequestRefusedError
+from dynamo.runtime.request_parts import JoinerFullError, PartError, RequestJoiner, part_of
 from dynamo.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,7 @@ class EndpointServer:
         self.requests_served = 0
         self.requests_refused = 0  # refused because `max_inflight` were in flight
         self._refusing = False  # refused one since the last time there was room
+        self.joiner = RequestJoiner()  # requests that came in parts (request_parts)
 
     @property
     def in_flight(self) -> int:
@@ -199,12 +201,32 @@ class EndpointServer:
         if not msg.reply:
             log.warning("request on %s without a reply subject dropped", self.subject)
             return
+        data = self._whole_request(msg)
+        if data is None:
+            return
         if self.is_full():
             self._refuse(msg.reply)
             return
-        task = asyncio.create_task(self._serve(msg.reply, msg.data))
+        task = asyncio.create_task(self._serve(msg.reply, data))
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+
+    def _whole_request(self, msg: Msg) -> bytes | None:
+        """The request `msg` carries, or completes when it is the last of its parts; None
+        while parts are missing, or when a part was refused (the client is told why)."""
+        try:
+            part = part_of(msg.headers)
+            if part is None:
+                return msg.data
+            return self.joiner.add(msg.reply, *part, msg.data)
+        except PartError as exc:
+            log.warning("request parts on %s dropped: %s", self.subject, exc)
+            if isinstance(exc, JoinerFullError):  # another instance may take it
+                frame = wire.encode_kind_error(0, wire.ErrorKind.OVERLOADED, str(exc))
+            else:
+                frame = wire.encode_error(0, "BadRequest", str(exc))
+            self._send_quietly(msg.reply, frame)
+            return None
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
