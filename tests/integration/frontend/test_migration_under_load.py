@@ -12,8 +12,8 @@ of requests that needed such a continuation must equal the frontend's
 
 The mocker's tokens depend only on the engine seed, the request's seed and its prompt
 (`dynamo.mocker.tokens`), so the test computes the expected tokens with the mocker's own
-`admit_request` and engine configuration (the same defaults the worker processes run
-with).
+`admit_request` and engine configuration (`dynamo.testing.mocker_tokens`; the same
+defaults the worker processes run with).
 """
 
 from __future__ import annotations
@@ -28,12 +28,8 @@ from pathlib import Path
 
 import aiohttp
 
-from dynamo.llm.protocols import PreprocessedRequest, StopConditions
-from dynamo.mocker.args import EngineFlags
-from dynamo.mocker.config import MockEngineConfig
-from dynamo.mocker.model_info import ModelInfo
-from dynamo.mocker.request import admit_request
 from dynamo.testing.http import metric_values
+from dynamo.testing.mocker_tokens import ExpectedTokens
 from dynamo.testing.processes import FrontendProcess, ManagedProcess, running, wait_for_instances
 from dynamo.testing.sse import StreamOutcome, stream_completion
 from dynamo.testing.waiting import wait_until_async
@@ -64,43 +60,6 @@ def prompts() -> list[list[int]]:
     return [random.Random(i).sample(range(1000, 9000), PROMPT_LEN) for i in range(REQUESTS)]
 
 
-class Expected:
-    """The token ids the workers produce, computed the way they do."""
-
-    def __init__(self, model_dir: Path) -> None:
-        from transformers import AutoTokenizer
-
-        self._config: MockEngineConfig = EngineFlags().engine_config(ModelInfo.load(model_dir))
-        self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
-
-    def tokens(self, prompt: list[int], count: int) -> list[int]:
-        request = PreprocessedRequest(
-            request_id="expected", model=MODEL, token_ids=prompt,
-            stop_conditions=StopConditions(max_tokens=count, ignore_eos=True),
-        )  # fmt: skip
-        tokens, _, _ = admit_request(request, "expected", self._config).sample(count, 0.0)
-        assert len(tokens) == count
-        return tokens
-
-    def text(self, tokens: list[int]) -> str:
-        return self._tokenizer.decode(
-            tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
-
-    def migrated_at(self, prompt: list[int], text: str) -> int | None:
-        """MAX_TOKENS when `text` is the request's own output; N when it is its first N
-        tokens plus the continuation's; None when it is neither (lost or repeated
-        tokens)."""
-        own = self.tokens(prompt, MAX_TOKENS)
-        if text == self.text(own):
-            return MAX_TOKENS
-        for n in range(1, MAX_TOKENS):
-            rest = self.tokens([*prompt, *own[:n]], MAX_TOKENS - n)
-            if text == self.text(own[:n] + rest):
-                return n
-        return None
-
-
 @dataclass
 class Tally:
     sent: int = 0
@@ -127,7 +86,7 @@ async def test_sigkill_under_load_loses_no_stream(
         procs.append(victim)
         frontend = FrontendProcess("frontend", nats_url, tmp_path, namespace=namespace)
         procs.append(frontend)
-        expected = Expected(embedded_model)
+        expected = ExpectedTokens(embedded_model, MODEL)
         await asyncio.to_thread(
             wait_for_instances, frontend.base_url, MODEL, 3, procs, timeout=90, interval=0.3
         )
@@ -172,13 +131,15 @@ async def test_sigkill_under_load_loses_no_stream(
             log.error("request %d failed: %s", i, outcome.error)
             continue
         usage = outcome.usage or {}
-        at = await asyncio.to_thread(expected.migrated_at, all_prompts[i], outcome.text)
-        if at is None or usage.get("completion_tokens") != MAX_TOKENS:
+        resumed = await asyncio.to_thread(
+            expected.migrations, all_prompts[i], outcome.text, MAX_TOKENS, 1
+        )
+        if resumed is None or usage.get("completion_tokens") != MAX_TOKENS:
             tally.wrong += 1
             log.error("request %d: unexpected output (usage %s): %r", i, usage, outcome.text)
             continue
         tally.completed += 1
-        tally.migrated += at < MAX_TOKENS
+        tally.migrated += resumed > 0
     migrations = sum(metric_values(metrics, "dynamo_frontend_migrations_total", {"model": MODEL}))
     print(f"\nmigration under load: {tally}, migrations counter {migrations:g}")
     assert tally == Tally(sent=REQUESTS, completed=REQUESTS, migrated=tally.migrated), (

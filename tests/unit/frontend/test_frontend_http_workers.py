@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,14 @@ from dynamo.frontend import http_workers
 from dynamo.frontend.__main__ import build_parser, config_from_args, main
 from dynamo.frontend.http_listener import SHUTDOWN_DRAIN_S
 from dynamo.frontend.http_workers import (
+    FINAL_EXIT_CODE,
+    MAX_QUICK_RESTARTS,
     METRICS_DIR_PREFIX,
     WORKER_COUNT_FLAG,
     WORKER_INDEX_FLAG,
+    HttpWorkers,
     HttpWorkerSlot,
+    _Child,
     check_http_workers,
     child_argv,
     claim_port,
@@ -158,3 +163,55 @@ def test_children_get_longer_to_stop_than_they_let_responses_run() -> None:
     """The supervisor kills a child only after the child's own drain bound (it used to
     kill at 30 s while a child let streams run 60 s, cutting them without an error)."""
     assert http_workers.CHILD_STOP_TIMEOUT_S > SHUTDOWN_DRAIN_S
+
+
+# ---------------------------------------------------------------------- dead children
+
+
+class Spawned:
+    """Stands in for a child process: `HttpWorkers` only reads its pid here."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+
+def supervisor(monkeypatch: pytest.MonkeyPatch) -> tuple[HttpWorkers, list[int]]:
+    workers = HttpWorkers(2, ["--http-port", "9000"])
+    spawned: list[int] = []
+
+    def spawn(index: int) -> Spawned:
+        spawned.append(index)
+        return Spawned(1000 + len(spawned))
+
+    monkeypatch.setattr(workers, "_spawn", spawn)
+    return workers, spawned
+
+
+def dead_child(index: int, *, up_for_s: float) -> _Child:
+    return _Child(index, Spawned(4242), started_at=time.monotonic() - up_for_s)  # type: ignore[arg-type]
+
+
+def test_a_child_that_died_is_started_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    workers, spawned = supervisor(monkeypatch)
+    child = dead_child(1, up_for_s=600)
+    assert workers._restart(child, -9)
+    assert spawned == [1] and child.restarts == 1 and child.popen.pid == 1001
+
+
+def test_a_bad_configuration_is_not_restarted(monkeypatch: pytest.MonkeyPatch) -> None:
+    workers, spawned = supervisor(monkeypatch)
+    assert not workers._restart(dead_child(0, up_for_s=600), FINAL_EXIT_CODE)
+    assert spawned == []
+
+
+def test_a_child_that_keeps_dying_at_start_ends_the_frontend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    workers, spawned = supervisor(monkeypatch)
+    child = dead_child(0, up_for_s=1)
+    outcomes = []
+    for _ in range(MAX_QUICK_RESTARTS):
+        outcomes.append(workers._restart(child, 1))
+        child.started_at = time.monotonic() - 1  # died again a second after its start
+    assert outcomes == [True] * (MAX_QUICK_RESTARTS - 1) + [False]
+    assert len(spawned) == MAX_QUICK_RESTARTS - 1

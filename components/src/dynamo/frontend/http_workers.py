@@ -32,10 +32,14 @@ longer run (SIGKILLed: no cleanup ran) are removed when the next one starts.
 
 The supervisor: SIGTERM or SIGINT is passed on to every child and waited for (a child
 still running after `CHILD_STOP_TIMEOUT_S` is killed); the parent then exits 0. A child
-that exits on its own (crashed, killed, failed to start) makes the parent stop the
-others and exit 1, naming it in the log: a frontend never runs at part capacity
-unnoticed. The children are tied to the parent (`PR_SET_PDEATHSIG`, SIGTERM), so a
-SIGKILLed parent takes them along.
+that dies on its own (crashed, killed by the OOM killer) is started again at once, with
+an error in the log naming it, its exit and the restart count, while the others go on
+serving (the connections it held are lost; clients see a reset); its live gauges are
+marked dead in the metrics directory. A child that exits with code 2 (bad
+configuration: every child would) or dies `MAX_QUICK_RESTARTS` times in a row within
+`STABLE_AFTER_S` of its start makes the parent stop the others and exit 1: a frontend
+that cannot keep its children up says so instead of looping. The children are tied to
+the parent (`PR_SET_PDEATHSIG`, SIGTERM), so a SIGKILLed parent takes them along.
 """
 
 from __future__ import annotations
@@ -73,6 +77,13 @@ CHILD_STOP_TIMEOUT_S = SHUTDOWN_DRAIN_S + 15.0
 lets its responses run on (`http_listener.SHUTDOWN_DRAIN_S`), plus time to close, so a
 stream is never cut by the supervisor before the child itself would end it."""
 POLL_INTERVAL_S = 0.1
+FINAL_EXIT_CODE = 2
+"""A child exiting with this (argparse's, and the frontend's, "bad configuration") is not
+started again: every child would fail the same way."""
+STABLE_AFTER_S = 10.0
+MAX_QUICK_RESTARTS = 3
+"""A child dying this many times in a row, each within `STABLE_AFTER_S` of its start,
+ends the frontend."""
 METRICS_DIR_PREFIX = "dynamo-frontend-metrics-"
 """Metrics directories are `<tmp>/dynamo-frontend-metrics-<supervisor pid>-<random>`."""
 
@@ -160,6 +171,9 @@ def metrics_dir_of_child() -> Path | None:
 class _Child:
     index: int
     popen: subprocess.Popen[bytes]
+    started_at: float = 0.0
+    restarts: int = 0
+    quick_deaths: int = 0  # in a row, each within STABLE_AFTER_S of its start
 
 
 class HttpWorkers:
@@ -173,6 +187,7 @@ class HttpWorkers:
         self.port = port
         self.children: list[_Child] = []
         self._signal: int | None = None
+        self._metrics_dir: Path | None = None
 
     def run(self) -> int:
         """Start the children and supervise them; the parent's exit status."""
@@ -182,8 +197,9 @@ class HttpWorkers:
         previous = {
             sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
         }
+        self._metrics_dir = metrics_dir
         try:
-            self._start(metrics_dir)
+            self._start()
             return self._supervise()
         finally:
             self._stop_all()
@@ -194,17 +210,19 @@ class HttpWorkers:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signal = signum
 
-    def _start(self, metrics_dir: Path) -> None:
-        env = {**os.environ, METRICS_DIR_ENV: str(metrics_dir), HTTP_WORKERS_ENV: "1"}
+    def _spawn(self, index: int) -> subprocess.Popen[bytes]:
+        env = {**os.environ, METRICS_DIR_ENV: str(self._metrics_dir), HTTP_WORKERS_ENV: "1"}
+        return subprocess.Popen(
+            child_argv(self.argv, index, self.count, self.port),
+            env=env,
+            preexec_fn=preexec_die_with_parent(signal.SIGTERM),
+        )
+
+    def _start(self) -> None:
         for index in range(self.count):
             if self._signal is not None:
                 return
-            popen = subprocess.Popen(
-                child_argv(self.argv, index, self.count, self.port),
-                env=env,
-                preexec_fn=preexec_die_with_parent(signal.SIGTERM),
-            )
-            self.children.append(_Child(index, popen))
+            self.children.append(_Child(index, self._spawn(index), time.monotonic()))
         log.info(
             "frontend: %d http worker processes (pids %s) sharing one port",
             self.count,
@@ -222,17 +240,49 @@ class HttpWorkers:
                 return 0
             for child in self.children:
                 code = child.popen.poll()
-                if code is not None:
-                    log.error(
-                        "frontend: http worker %d (pid %d) exited with %s; stopping the other "
-                        "%d and exiting",
-                        child.index,
-                        child.popen.pid,
-                        _describe_exit(code),
-                        len(self.children) - 1,
-                    )
+                if code is not None and not self._restart(child, code):
                     return 1
             time.sleep(POLL_INTERVAL_S)
+
+    def _restart(self, child: _Child, code: int) -> bool:
+        """Start a child that died again; False when it must not be (see the module)."""
+        now = time.monotonic()
+        child.quick_deaths = (
+            child.quick_deaths + 1 if now - child.started_at < STABLE_AFTER_S else 0
+        )
+        if code == FINAL_EXIT_CODE or child.quick_deaths >= MAX_QUICK_RESTARTS:
+            why = (
+                "bad configuration"
+                if code == FINAL_EXIT_CODE
+                else (f"it died {child.quick_deaths} times in a row within {STABLE_AFTER_S:g}s")
+            )
+            log.error(
+                "frontend: http worker %d (pid %d) exited with %s (%s); stopping the other "
+                "%d and exiting",
+                child.index, child.popen.pid, _describe_exit(code), why, len(self.children) - 1,
+            )  # fmt: skip
+            return False
+        self._mark_dead(child.popen.pid)
+        child.restarts += 1
+        log.error(
+            "frontend: http worker %d (pid %d) exited with %s; starting it again (restart %d); "
+            "the connections it held are lost",
+            child.index, child.popen.pid, _describe_exit(code), child.restarts,
+        )  # fmt: skip
+        child.popen = self._spawn(child.index)
+        child.started_at = now
+        return True
+
+    def _mark_dead(self, pid: int) -> None:
+        """Drop a dead child's live gauges from the shared metrics (its counters stay)."""
+        if self._metrics_dir is None:
+            return
+        from prometheus_client import multiprocess
+
+        try:
+            multiprocess.mark_process_dead(pid, str(self._metrics_dir))
+        except OSError as exc:
+            log.warning("frontend: could not mark http worker pid %d dead in metrics: %s", pid, exc)
 
     def _stop_all(self) -> None:
         """SIGTERM to every child still running, then wait; kill the stragglers."""
