@@ -59,12 +59,15 @@ from dynamo.testing.processes import (
     stop_all,
     worker_argv,
 )
-from dynamo.testing.waiting import wait_until
+from dynamo.testing.waiting import WaitTimeout, wait_until
 
 MOCK_MODEL = "mock-chaos"
 FAULT_KINDS = ("worker_sigkill", "worker_sigstop", "nats_node_restart", "frontend_child_kill")
 OUTCOMES = ("completed", "failed", "connection_lost", "hung", "wrong", "cancelled")
 SETTLE_S = 5.0
+RECOVERY_TIMEOUT_S = 180.0
+TOOLS_TEMPLATE = Path(__file__).parents[5] / "examples" / "chat_templates" / "smollm2_tools.jinja"
+"""The launch scripts' template for the embedded model: tool calls work out of the box."""
 LEASE_TTL_S = 3.0
 CHECKED_TOKENS = 40
 PROMPT_TOKENS = 24
@@ -100,6 +103,7 @@ class Fault:
     started: float
     recovered: float
     detail: str
+    recovered_in_time: bool = True
 
 
 @dataclass
@@ -187,7 +191,10 @@ class SoakStack:
             self.workers.append(ManagedProcess("vllm", _supervised(argv), cfg.log_dir))
         self.frontend = FrontendProcess(
             "frontend", url, cfg.log_dir, namespace=self.namespace,
-            extra=["--http-workers", "2", "--router-mode", "kv", "--nats-replicas", "3"],
+            extra=[
+                "--http-workers", "2", "--router-mode", "kv", "--nats-replicas", "3",
+                "--chat-template", str(TOOLS_TEMPLATE), "--tool-call-parser", "hermes",
+            ],
         )  # fmt: skip
         self.wait_whole(timeout=300)
 
@@ -225,8 +232,13 @@ class SoakStack:
     def frontend_rss_mib(self) -> float:
         assert self.frontend is not None
         parent = psutil.Process(self.frontend.pid)
-        procs = [parent, *parent.children(recursive=True)]
-        return sum(p.memory_info().rss for p in procs if p.is_running()) / 2**20
+        total = 0
+        for proc in [parent, *parent.children(recursive=True)]:
+            try:
+                total += proc.memory_info().rss
+            except psutil.NoSuchProcess:  # a child that just died
+                pass
+        return total / 2**20
 
     def bookings(self) -> dict[str, int]:
         """Requests the KV routers still count as in flight, per model (all children)."""
@@ -287,6 +299,9 @@ class FaultInjector:
     def kill_worker(self) -> str:
         supervisor, worker = self._victim()
         _signal_tree(worker, signal.SIGKILL)
+        # Its instance stays listed until its lease expires: only then can "whole" mean
+        # that the supervisor's new worker registered.
+        time.sleep(LEASE_TTL_S + 2)
         return f"{supervisor.name} pid {worker.pid}"
 
     def pause_worker(self) -> str:
@@ -312,9 +327,14 @@ class FaultInjector:
         return f"http worker pid {child.pid}"
 
     def inject(self, kind: str) -> Fault:
+        """Apply one fault and wait for the stack to be whole again; a stack that is not
+        whole after RECOVERY_TIMEOUT_S is a finding (`Fault.recovered_in_time`)."""
         started = time.monotonic()
         detail = self.actions[kind]()
-        self.stack.wait_whole(timeout=180)
+        try:
+            self.stack.wait_whole(timeout=RECOVERY_TIMEOUT_S)
+        except WaitTimeout as exc:
+            return Fault(kind, started, time.monotonic(), f"{detail}; NOT RECOVERED: {exc}", False)
         return Fault(kind, started, time.monotonic(), detail)
 
 
@@ -383,7 +403,7 @@ class Traffic:
             "vllm_seeded": ("completions", {**vllm, "prompt": "Once upon a time",
                 "temperature": 0.8, "seed": rng.randrange(1000)}, True),
             "vllm_long": ("completions", {**vllm, "max_tokens": 8,
-                "prompt": " ".join(f"word{rng.randrange(500)}" for _ in range(900))}, False),
+                "prompt": " ".join(f"word{rng.randrange(500)}" for _ in range(450))}, False),
         }  # fmt: skip
         path, body, stream = bodies[kind]
         url = f"{self.stack.base_url}/v1/{path}"
@@ -492,7 +512,10 @@ async def _soak(stack: SoakStack, config: SoakConfig) -> SoakReport:
     while time.monotonic() < deadline and not clients.done():
         if not order:  # every kind once per round, in a random order
             order = rng.sample(list(config.faults), len(config.faults))
-        faults.append(await asyncio.to_thread(injector.inject, order.pop()))
+        fault = await asyncio.to_thread(injector.inject, order.pop())
+        faults.append(fault)
+        if not fault.recovered_in_time:
+            break  # later faults would pile onto a broken stack: the report says so
         pause = min(rng.uniform(0.5, 1.5) * config.fault_every_s, deadline - time.monotonic())
         await asyncio.sleep(max(0.0, pause))
     traffic.stop.set()
@@ -516,7 +539,12 @@ async def _soak(stack: SoakStack, config: SoakConfig) -> SoakReport:
         bookings_after=bookings,
         frontend_rss_mib=(rss_before, stack.frontend_rss_mib()),
         problems=[
-            f"{r.outcome} {r.kind}: {r.detail}" for r in records if r.outcome in ("hung", "wrong")
+            *(f"{f.kind}: {f.detail}" for f in faults if not f.recovered_in_time),
+            *(
+                f"{r.outcome} {r.kind}: {r.detail}"
+                for r in records
+                if r.outcome in ("hung", "wrong")
+            ),
         ],
         failures=dict(Counter(r.detail[:120] for r in records if r.outcome == "failed")),
     )
