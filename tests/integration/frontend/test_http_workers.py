@@ -8,7 +8,9 @@ process gives (help texts, unobserved families declared); SIGTERM to the
 parent stops both children and the parent exits 0 (a frontend per test costs seconds,
 so serving and stopping share one); a child killed from outside is started again while
 the other keeps serving, with a log line naming the dead child (when the parent gives up
-instead is in tests/unit/frontend/test_frontend_http_workers.py).
+instead is in tests/unit/frontend/test_frontend_http_workers.py), and the new child
+answers no client before it knows the models that already exist (it would answer 404 for
+them: its sibling shares the port, so the kernel hands it clients as soon as it listens).
 """
 
 from __future__ import annotations
@@ -178,5 +180,47 @@ def test_a_killed_child_is_started_again_while_the_other_serves(stack: Stack) ->
             assert status == 200, text
         log = frontend.log_path.read_text()
         assert f"(pid {victim.pid}) exited with signal SIGKILL; starting it again" in log
+    finally:
+        frontend.stop()
+
+
+def test_a_child_started_again_knows_the_models_before_it_answers(stack: Stack) -> None:
+    frontend = stack.frontend("frontend-child-answers-late")
+    try:
+        victim, other = children(frontend)
+        victim.kill()
+
+        def new_child() -> psutil.Process | None:
+            started = [c for c in children(frontend) if c.pid not in (victim.pid, other.pid)]
+            return started[0] if started else None
+
+        wait_until(
+            lambda: new_child() is not None,
+            timeout=STOP_TIMEOUT_S,
+            interval=0.02,
+            what="the supervisor to start a new child",
+        )
+        new = new_child()
+        assert new is not None
+        # Fresh connections, spread over both children by the kernel, from the moment the
+        # new child exists: the first answer it gives must already list the model.
+        first_answer = None
+
+        def new_child_answered() -> bool:
+            nonlocal first_answer
+            _, body = http_get(f"{frontend.base_url}/debug/kv")
+            view = json.loads(body)
+            if view["http_worker"]["pid"] == new.pid:
+                first_answer = view
+            return first_answer is not None
+
+        wait_until(
+            new_child_answered,
+            timeout=60,
+            interval=0.02,
+            what="the new child to answer",
+            retry_on=(OSError, ValueError, KeyError),
+        )
+        assert first_answer is not None and MODEL in first_answer["models"], first_answer
     finally:
         frontend.stop()

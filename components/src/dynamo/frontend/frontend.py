@@ -126,6 +126,12 @@ CARD_APPLY_TIMEOUT_S = 2 * FETCH_TIMEOUT_S
 Events are applied in order, so without a bound one stalled card would hold back every
 later card of every model; past it the card is retried like any other that failed."""
 
+FIRST_CARDS_WAIT_S = 30.0
+"""Longest a frontend waits for the cards registered when it starts before it listens.
+A process that listened first would answer 404 for models it has not loaded yet: a child
+started again under `--http-workers` shares its port with a sibling that serves them, so
+the kernel hands it clients at once. Past the bound it listens anyway (and says so)."""
+
 
 class ModelCardSync:
     """Keeps a `ModelManager` in step with the model cards workers register in NATS."""
@@ -152,6 +158,9 @@ class ModelCardSync:
         self._on_migration = on_migration
         self._on_routed = on_routed
         self.retries = retries or CardRetries()
+        self.synced = asyncio.Event()
+        """Set once the cards registered when `run` started are applied (or failed and
+        scheduled for a retry)."""
 
     async def run(self, namespace: str) -> None:
         """Apply card events until cancelled. Events are applied in order (an instance's
@@ -160,6 +169,9 @@ class ModelCardSync:
         watcher = await ModelCardWatcher(self._runtime, namespace).start()
         self._runtime.add_reconnect_listener(self.retries.hurry)
         events = aiter(watcher)
+        first_cards = watcher.pending
+        if first_cards == 0:
+            self.synced.set()
         next_event: asyncio.Future[CardEvent] | None = None
         try:
             while True:
@@ -169,6 +181,9 @@ class ModelCardSync:
                 if next_event.done():
                     event, next_event = next_event.result(), None
                     await self.apply_or_retry(event)
+                    first_cards -= 1
+                    if first_cards == 0:
+                        self.synced.set()
                 for card in self.retries.due():
                     if card in watcher.cards:
                         await self.apply_or_retry(CardAdded(card))
@@ -309,6 +324,7 @@ async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None
             on_routed=metrics.routed,
         )
         watcher = asyncio.create_task(sync.run(config.namespace))
+        await _first_cards(sync, watcher)
         await service.start()
         await _wait_either(stop, watcher)
     finally:
@@ -319,6 +335,25 @@ async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None
         await service.stop()
         await manager.close()
         await _close_runtime(runtime)
+
+
+async def _first_cards(sync: ModelCardSync, watcher: asyncio.Task[None]) -> None:
+    """Wait (at most FIRST_CARDS_WAIT_S) for the cards registered at start to be applied,
+    so that the first request this process answers finds the models that already exist.
+    A watcher that fails returns at once: `_wait_either` raises its error."""
+    synced = asyncio.create_task(sync.synced.wait())
+    try:
+        done, _ = await asyncio.wait(
+            {synced, watcher}, timeout=FIRST_CARDS_WAIT_S, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        synced.cancel()
+    if not done:
+        log.warning(
+            "the models registered at start were not all loaded within %gs; "
+            "listening anyway (requests for them get 404 until they are)",
+            FIRST_CARDS_WAIT_S,
+        )
 
 
 async def _wait_either(stop: asyncio.Event, watcher: asyncio.Task[None]) -> None:

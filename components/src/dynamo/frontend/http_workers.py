@@ -107,7 +107,9 @@ class HttpWorkerSlot:
     count: int
 
     def describe(self) -> dict[str, int]:
-        return {"index": self.index, "count": self.count}
+        """Which child answered: its index, the count, and its pid (a child started
+        again keeps its index and has a new pid)."""
+        return {"index": self.index, "count": self.count, "pid": os.getpid()}
 
 
 def child_argv(argv: Sequence[str], index: int, count: int, port: int | None = None) -> list[str]:

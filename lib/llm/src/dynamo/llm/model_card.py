@@ -320,8 +320,14 @@ class ModelCardWatcher:
         return list(self._cards.values())
 
     async def start(self) -> ModelCardWatcher:
+        """Start watching; on return the cards registered now are queued as events."""
         await self._watcher.start()
         return self
+
+    @property
+    def pending(self) -> int:
+        """Events queued and not yet taken (right after `start`: the first snapshot's)."""
+        return self._queue.qsize()
 
     async def close(self) -> None:
         await self._watcher.close()

@@ -211,7 +211,7 @@ class SoakStack:
         assert self.frontend is not None
         if not all(node.running for node in self.cluster.nodes):
             return False
-        if len(psutil.Process(self.frontend.pid).children()) != 2:
+        if len(self.frontend_children()) != 2:
             return False
         _, body = http_get(f"{self.base_url}/health", timeout=2)
         health = json.loads(body)
@@ -228,6 +228,16 @@ class SoakStack:
             what="the stack to be whole (nodes, frontend children, worker instances)",
             retry_on=(OSError, ValueError, KeyError, psutil.Error),
         )
+
+    def frontend_children(self) -> list[psutil.Process]:
+        """The frontend's HTTP worker processes that run (a killed one stays listed as a
+        zombie until the supervisor reaps it)."""
+        assert self.frontend is not None
+        return [
+            child
+            for child in psutil.Process(self.frontend.pid).children()
+            if child.status() != psutil.STATUS_ZOMBIE
+        ]
 
     def frontend_rss_mib(self) -> float:
         assert self.frontend is not None
@@ -263,7 +273,11 @@ class SoakStack:
 
 
 def _worker_of(supervisor: ManagedProcess) -> psutil.Process | None:
-    children = psutil.Process(supervisor.pid).children()
+    children = [
+        child
+        for child in psutil.Process(supervisor.pid).children()
+        if child.status() != psutil.STATUS_ZOMBIE
+    ]
     return children[0] if children else None
 
 
@@ -321,8 +335,7 @@ class FaultInjector:
         return f"node {index}"
 
     def kill_frontend_child(self) -> str:
-        assert self.stack.frontend is not None
-        child = self.rng.choice(psutil.Process(self.stack.frontend.pid).children())
+        child = self.rng.choice(self.stack.frontend_children())
         child.kill()
         return f"http worker pid {child.pid}"
 
