@@ -68,10 +68,10 @@ SETTLE_S = 5.0
 RECOVERY_TIMEOUT_S = 180.0
 TOOLS_TEMPLATE = Path(__file__).parents[5] / "examples" / "chat_templates" / "smollm2_tools.jinja"
 """The launch scripts' template for the embedded model: tool calls work out of the box."""
-LEASE_TTL_S = 3.0
 CHECKED_TOKENS = 40
 PROMPT_TOKENS = 24
 CANCEL_AFTER_CHUNKS = 3
+RECONNECT_PAUSE_S = 0.5
 
 
 @dataclass
@@ -116,6 +116,7 @@ class SoakReport:
     frontend_rss_mib: tuple[float, float]
     problems: list[str] = field(default_factory=list)  # one line per hung or wrong request
     failures: dict[str, int] = field(default_factory=dict)  # clean failures by message
+    losses: dict[str, int] = field(default_factory=dict)  # lost connections by error
 
     @property
     def clean(self) -> bool:
@@ -143,6 +144,8 @@ class SoakReport:
         lines.extend(self.problems[:20])
         for message, count in sorted(self.failures.items(), key=lambda kv: -kv[1])[:10]:
             lines.append(f"failed x{count}: {message}")
+        for error, count in sorted(self.losses.items(), key=lambda kv: -kv[1])[:5]:
+            lines.append(f"connection lost x{count}: {error}")
         return "\n".join(lines)
 
 
@@ -178,15 +181,13 @@ class SoakStack:
                 sys.executable, "-m", "dynamo.mocker",
                 "--model", str(cfg.model_dir), "--served-model-name", MOCK_MODEL,
                 "--namespace", self.namespace, "--component", "mocker",
-                "--nats-server", url, "--nats-replicas", "3",
-                "--lease-ttl", str(LEASE_TTL_S), "--decode-ms-per-step", "40",
+                "--nats-server", url, "--nats-replicas", "3", "--decode-ms-per-step", "40",
                 "--decode-ms-per-token", "0", "--prefill-ms-per-token", "0",
             ]  # fmt: skip
             self.workers.append(ManagedProcess(f"mocker-{i}", _supervised(argv), cfg.log_dir))
         if cfg.vllm:
             argv = worker_argv(
-                cfg.model_dir, url, self.namespace, cpu_engine_flags(),
-                "--nats-replicas", "3", "--lease-ttl", str(LEASE_TTL_S),
+                cfg.model_dir, url, self.namespace, cpu_engine_flags(), "--nats-replicas", "3",
             )  # fmt: skip
             self.workers.append(ManagedProcess("vllm", _supervised(argv), cfg.log_dir))
         self.frontend = FrontendProcess(
@@ -207,18 +208,25 @@ class SoakStack:
         return {MOCK_MODEL: 2, **({DEFAULT_MODEL: 1} if self.config.vllm else {})}
 
     def is_whole(self) -> bool:
-        """Every node, worker and frontend child is up and every worker is routable."""
-        assert self.frontend is not None
+        """Every node, worker and frontend child is up: both children listen, and every
+        worker is routable."""
         if not all(node.running for node in self.cluster.nodes):
             return False
-        if len(self.frontend_children()) != 2:
+        children = self.frontend_children()
+        if len(children) != 2 or not all(_listens(child) for child in children):
             return False
+        return all(
+            len(ids) >= count
+            for ids, count in zip(
+                self.instances().values(), self.expected_instances().values(), strict=True
+            )
+        )
+
+    def instances(self) -> dict[str, set[int]]:
+        """The instances the frontend lists, per model of `expected_instances`."""
         _, body = http_get(f"{self.base_url}/health", timeout=2)
         health = json.loads(body)
-        return all(
-            len(listed_instances(health, model)) >= count
-            for model, count in self.expected_instances().items()
-        )
+        return {model: set(listed_instances(health, model)) for model in self.expected_instances()}
 
     def wait_whole(self, timeout: float) -> None:
         wait_until(
@@ -281,6 +289,14 @@ def _worker_of(supervisor: ManagedProcess) -> psutil.Process | None:
     return children[0] if children else None
 
 
+def _listens(proc: psutil.Process) -> bool:
+    """Whether `proc` has a listening TCP socket (a frontend child that started serving)."""
+    try:
+        return any(c.status == psutil.CONN_LISTEN for c in proc.net_connections("tcp"))
+    except psutil.Error:
+        return False
+
+
 def _signal_tree(proc: psutil.Process, sig: signal.Signals) -> None:
     for p in [proc, *proc.children(recursive=True)]:
         try:
@@ -312,15 +328,23 @@ class FaultInjector:
 
     def kill_worker(self) -> str:
         supervisor, worker = self._victim()
+        model = MOCK_MODEL if supervisor.name.startswith("mocker") else DEFAULT_MODEL
+        before = self.stack.instances()[model]
         _signal_tree(worker, signal.SIGKILL)
-        # Its instance stays listed until its lease expires: only then can "whole" mean
-        # that the supervisor's new worker registered.
-        time.sleep(LEASE_TTL_S + 2)
+        # The dead instance stays listed until its lease expires (18 s on a cluster), so
+        # a count cannot tell that the supervisor's new worker registered; a new id can.
+        wait_until(
+            lambda: bool(self.stack.instances()[model] - before),
+            timeout=RECOVERY_TIMEOUT_S,
+            interval=0.5,
+            what=f"{supervisor.name}'s new worker to register",
+            retry_on=(OSError, ValueError, KeyError),
+        )
         return f"{supervisor.name} pid {worker.pid}"
 
     def pause_worker(self) -> str:
         supervisor, worker = self._victim()
-        pause = self.rng.uniform(2.0, 2.5 * LEASE_TTL_S)
+        pause = self.rng.uniform(2.0, 8.0)
         _signal_tree(worker, signal.SIGSTOP)
         time.sleep(pause)
         _signal_tree(worker, signal.SIGCONT)
@@ -387,6 +411,7 @@ class Traffic:
                 record.outcome, record.detail = "hung", "no end within the deadline"
             except aiohttp.ClientError as exc:
                 record.outcome, record.detail = "connection_lost", repr(exc)
+                await asyncio.sleep(RECONNECT_PAUSE_S)  # as a client would, not in a spin
             except ValueError as exc:  # a body that is not the JSON it should be
                 record.outcome, record.detail = "failed", f"unreadable response: {exc!r}"
             record.ended = time.monotonic()
@@ -521,16 +546,18 @@ async def _soak(stack: SoakStack, config: SoakConfig) -> SoakReport:
     await asyncio.sleep(config.warmup_s)
     rss_before = stack.frontend_rss_mib()
     deadline = time.monotonic() + config.duration_s
-    order: list[str] = []
-    while time.monotonic() < deadline and not clients.done():
-        if not order:  # every kind once per round, in a random order
+    order = rng.sample(list(config.faults), len(config.faults))
+    # Every kind once per round, in a random order; the first round is finished whatever
+    # the duration, so each kind is injected at least once.
+    while (time.monotonic() < deadline or order) and not clients.done():
+        if not order:
             order = rng.sample(list(config.faults), len(config.faults))
         fault = await asyncio.to_thread(injector.inject, order.pop())
         faults.append(fault)
         if not fault.recovered_in_time:
             break  # later faults would pile onto a broken stack: the report says so
-        pause = min(rng.uniform(0.5, 1.5) * config.fault_every_s, deadline - time.monotonic())
-        await asyncio.sleep(max(0.0, pause))
+        pause = rng.uniform(0.5, 1.5) * config.fault_every_s
+        await asyncio.sleep(pause if order else min(pause, deadline - time.monotonic()))
     traffic.stop.set()
     await asyncio.wait_for(clients, config.request_deadline_s + 30)
     bookings: dict[str, int] = {}
@@ -560,6 +587,7 @@ async def _soak(stack: SoakStack, config: SoakConfig) -> SoakReport:
             ),
         ],
         failures=dict(Counter(r.detail[:120] for r in records if r.outcome == "failed")),
+        losses=dict(Counter(r.detail[:120] for r in records if r.outcome == "connection_lost")),
     )
 
 
