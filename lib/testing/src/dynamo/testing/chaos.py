@@ -514,7 +514,8 @@ class Traffic:
         resumed = await asyncio.to_thread(self.expected.migrations, prompt, text, CHECKED_TOKENS)
         if resumed is None or usage.get("completion_tokens") != CHECKED_TOKENS:
             record.outcome = "wrong"
-            record.detail = f"usage {usage}, text {text!r}"[:300]
+            # Whole, so that the tokens can be recomputed (`ExpectedTokens`) and compared.
+            record.detail = f"prompt {prompt}, usage {usage}, text {text!r}"
         elif resumed:
             record.detail = f"resumed {resumed} time(s)"
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dynamo.frontend.detokenizer import REPLACEMENT
 from dynamo.llm.protocols import PreprocessedRequest, StopConditions
 from dynamo.mocker.args import EngineFlags
 from dynamo.mocker.config import MockEngineConfig
@@ -39,9 +40,12 @@ class ExpectedTokens:
         return tokens
 
     def text(self, tokens: list[int]) -> str:
+        """The text the frontend sends for `tokens`: a character the last tokens leave
+        incomplete is dropped at the end of a stream, not sent as U+FFFD
+        (`IncrementalDetokenizer.flush`)."""
         return self._tokenizer.decode(
             tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
+        ).rstrip(REPLACEMENT)
 
     def migrations(self, prompt: list[int], text: str, count: int, depth: int = 2) -> int | None:
         """How many times the request was resumed elsewhere (0: never) for `text` to be
