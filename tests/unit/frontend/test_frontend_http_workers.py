@@ -28,9 +28,9 @@ from dynamo.frontend.http_workers import (
     METRICS_DIR_PREFIX,
     WORKER_COUNT_FLAG,
     WORKER_INDEX_FLAG,
+    ChildProcess,
     HttpWorkers,
     HttpWorkerSlot,
-    _Child,
     check_http_workers,
     child_argv,
     claim_port,
@@ -187,20 +187,20 @@ def supervisor(monkeypatch: pytest.MonkeyPatch) -> tuple[HttpWorkers, list[int]]
     return workers, spawned
 
 
-def dead_child(index: int, *, up_for_s: float) -> _Child:
-    return _Child(index, Spawned(4242), started_at=time.monotonic() - up_for_s)  # type: ignore[arg-type]
+def dead_child(index: int, *, up_for_s: float) -> ChildProcess:
+    return ChildProcess(index, Spawned(4242), started_at=time.monotonic() - up_for_s)  # type: ignore[arg-type]
 
 
 def test_a_child_that_died_is_started_again(monkeypatch: pytest.MonkeyPatch) -> None:
     workers, spawned = supervisor(monkeypatch)
     child = dead_child(1, up_for_s=600)
-    assert workers._restart(child, -9)
+    assert workers.restart(child, -9)
     assert spawned == [1] and child.restarts == 1 and child.popen.pid == 1001
 
 
 def test_a_bad_configuration_is_not_restarted(monkeypatch: pytest.MonkeyPatch) -> None:
     workers, spawned = supervisor(monkeypatch)
-    assert not workers._restart(dead_child(0, up_for_s=600), FINAL_EXIT_CODE)
+    assert not workers.restart(dead_child(0, up_for_s=600), FINAL_EXIT_CODE)
     assert spawned == []
 
 
@@ -211,7 +211,7 @@ def test_a_child_that_keeps_dying_at_start_ends_the_frontend(
     child = dead_child(0, up_for_s=1)
     outcomes = []
     for _ in range(MAX_QUICK_RESTARTS):
-        outcomes.append(workers._restart(child, 1))
+        outcomes.append(workers.restart(child, 1))
         child.started_at = time.monotonic() - 1  # died again a second after its start
     assert outcomes == [True] * (MAX_QUICK_RESTARTS - 1) + [False]
     assert len(spawned) == MAX_QUICK_RESTARTS - 1

@@ -170,7 +170,9 @@ def metrics_dir_of_child() -> Path | None:
 
 
 @dataclass
-class _Child:
+class ChildProcess:
+    """One HTTP worker process the supervisor keeps running, and its restart history."""
+
     index: int
     popen: subprocess.Popen[bytes]
     started_at: float = 0.0
@@ -187,7 +189,7 @@ class HttpWorkers:
         self.count = count
         self.argv = list(argv)
         self.port = port
-        self.children: list[_Child] = []
+        self.children: list[ChildProcess] = []
         self._signal: int | None = None
         self._metrics_dir: Path | None = None
 
@@ -224,7 +226,7 @@ class HttpWorkers:
         for index in range(self.count):
             if self._signal is not None:
                 return
-            self.children.append(_Child(index, self._spawn(index), time.monotonic()))
+            self.children.append(ChildProcess(index, self._spawn(index), time.monotonic()))
         log.info(
             "frontend: %d http worker processes (pids %s) sharing one port",
             self.count,
@@ -242,11 +244,11 @@ class HttpWorkers:
                 return 0
             for child in self.children:
                 code = child.popen.poll()
-                if code is not None and not self._restart(child, code):
+                if code is not None and not self.restart(child, code):
                     return 1
             time.sleep(POLL_INTERVAL_S)
 
-    def _restart(self, child: _Child, code: int) -> bool:
+    def restart(self, child: ChildProcess, code: int) -> bool:
         """Start a child that died again; False when it must not be (see the module)."""
         now = time.monotonic()
         child.quick_deaths = (

@@ -69,6 +69,13 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+SUSPECT_FIRST_S = 0.5
+"""How long an instance that answered "no responders" is first left out of routing; each
+further such answer in a row doubles it, up to one lease TTL. A worker whose connection
+dropped is unsubscribed only until it reconnects (a second or so on a cluster), and its
+key, put again unchanged, brings no event that would clear it: left out for a whole lease
+TTL (18 s on a cluster), the only worker of a model was a 503 for that long."""
+
 InstancesListener = Callable[[list[int]], None]
 
 
@@ -81,6 +88,7 @@ class Client:
         self._instances: dict[int, wire.InstanceInfo] = {}
         self._ready: list[int] = []
         self._suspect: dict[int, float] = {}  # instance -> monotonic time it is excluded until
+        self._strikes: dict[int, int] = {}  # instance -> "no responders" in a row
         self._streams_by_instance: dict[int, set[ResponseStream[Any]]] = collections.defaultdict(
             set
         )
@@ -134,7 +142,8 @@ class Client:
 
     def routable_ids(self) -> list[int]:
         """Ready instances minus those that just answered "no responders" (left out for
-        one lease TTL, or until they re-register): where a new request may be sent."""
+        `SUSPECT_FIRST_S`, doubling with each such answer in a row up to one lease TTL, or
+        until they re-register): where a new request may be sent."""
         if not self._suspect:
             return list(self._ready)
         now = time.monotonic()
@@ -193,9 +202,16 @@ class Client:
         return naming.request_subject(ep.namespace, ep.component, ep.name, instance_id)
 
     def mark_unreachable(self, instance_id: int) -> None:
-        """`instance_id` had no responder: leave it out of `routable_ids()` for one
-        lease TTL (by then its key has expired, or it re-registered)."""
-        self._suspect[instance_id] = time.monotonic() + self.runtime.lease_ttl
+        """`instance_id` had no responder: leave it out of `routable_ids()` for a while
+        (see `SUSPECT_FIRST_S`; after a lease TTL its key has expired, or it is back)."""
+        strikes = self._strikes.get(instance_id, 0) + 1
+        self._strikes[instance_id] = strikes
+        pause = min(self.runtime.lease_ttl, SUSPECT_FIRST_S * 2 ** (strikes - 1))
+        self._suspect[instance_id] = time.monotonic() + pause
+
+    def mark_reachable(self, instance_id: int) -> None:
+        """`instance_id` answered a request: its "no responders" in a row start again."""
+        self._strikes.pop(instance_id, None)
 
     def track(self, stream: ResponseStream[Any], instance_id: int) -> None:
         """Fail `stream` with `InstanceGoneError` if `instance_id` leaves the bucket."""
@@ -217,12 +233,14 @@ class Client:
         self._instances[info.instance_id] = info
         if info.status is wire.InstanceStatus.READY:
             self._suspect.pop(info.instance_id, None)
+            self._strikes.pop(info.instance_id, None)
         self._refresh()
 
     def _on_delete(self, key: str) -> None:
         instance_id = int(key.rsplit(".", 1)[-1], 16)
         self._instances.pop(instance_id, None)
         self._suspect.pop(instance_id, None)
+        self._strikes.pop(instance_id, None)
         self._refresh()
         for stream in list(self._streams_by_instance.pop(instance_id, ())):
             stream.fail(InstanceGoneError(instance_id, "its lease expired or it deregistered"))
@@ -444,6 +462,8 @@ class ResponseStream(Generic[T]):
             else:
                 self._error = StreamProtocolError(f"expected frame {self._seq}, got {seq}")
             return False
+        if self._seq == 0:  # the instance answered: it is reachable
+            self._client.mark_reachable(self.instance_id)
         self._seq += 1
         if kind is wire.FrameKind.DATA:
             self._items.append(self._decoder.decode(body))
