@@ -241,11 +241,7 @@ class SoakStack:
         """The frontend's HTTP worker processes that run (a killed one stays listed as a
         zombie until the supervisor reaps it)."""
         assert self.frontend is not None
-        return [
-            child
-            for child in psutil.Process(self.frontend.pid).children()
-            if child.status() != psutil.STATUS_ZOMBIE
-        ]
+        return [child for child in psutil.Process(self.frontend.pid).children() if _alive(child)]
 
     def frontend_rss_mib(self) -> float:
         assert self.frontend is not None
@@ -281,12 +277,16 @@ class SoakStack:
 
 
 def _worker_of(supervisor: ManagedProcess) -> psutil.Process | None:
-    children = [
-        child
-        for child in psutil.Process(supervisor.pid).children()
-        if child.status() != psutil.STATUS_ZOMBIE
-    ]
+    children = [child for child in psutil.Process(supervisor.pid).children() if _alive(child)]
     return children[0] if children else None
+
+
+def _alive(proc: psutil.Process) -> bool:
+    """Running, not a zombie waiting to be reaped."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _listens(proc: psutil.Process) -> bool:
@@ -361,6 +361,8 @@ class FaultInjector:
     def kill_frontend_child(self) -> str:
         child = self.rng.choice(self.stack.frontend_children())
         child.kill()
+        # SIGKILL takes effect asynchronously: until it has, "whole" would still count it.
+        wait_until(lambda: not _alive(child), timeout=10, interval=0.05, what="the kill")
         return f"http worker pid {child.pid}"
 
     def inject(self, kind: str) -> Fault:
