@@ -315,19 +315,22 @@ class FaultInjector:
             "nats_node_restart": self.restart_nats_node,
             "frontend_child_kill": self.kill_frontend_child,
         }
+        self._cycles: dict[str, list[ManagedProcess]] = {}
 
-    def _victim(self) -> tuple[ManagedProcess, psutil.Process]:
-        # The vLLM worker takes half a minute to come back: pick it a quarter of the time.
-        workers = self.stack.workers
-        weights = [3 if w.name.startswith("mocker") else 1 for w in workers]
-        supervisor = self.rng.choices(workers, weights)[0]
+    def _victim(self, kind: str) -> tuple[ManagedProcess, psutil.Process]:
+        """The next worker for a fault of `kind`: each kind goes through every worker in
+        turn (a shuffled cycle), so the vLLM worker is hit as often as each mocker."""
+        cycle = self._cycles.setdefault(kind, [])
+        if not cycle:
+            cycle.extend(self.rng.sample(self.stack.workers, len(self.stack.workers)))
+        supervisor = cycle.pop()
         worker = _worker_of(supervisor)
         if worker is None:
             raise RuntimeError(f"{supervisor.name} has no worker running")
         return supervisor, worker
 
     def kill_worker(self) -> str:
-        supervisor, worker = self._victim()
+        supervisor, worker = self._victim("worker_sigkill")
         model = MOCK_MODEL if supervisor.name.startswith("mocker") else DEFAULT_MODEL
         before = self.stack.instances()[model]
         _signal_tree(worker, signal.SIGKILL)
@@ -343,7 +346,7 @@ class FaultInjector:
         return f"{supervisor.name} pid {worker.pid}"
 
     def pause_worker(self) -> str:
-        supervisor, worker = self._victim()
+        supervisor, worker = self._victim("worker_sigstop")
         pause = self.rng.uniform(2.0, 8.0)
         _signal_tree(worker, signal.SIGSTOP)
         time.sleep(pause)
