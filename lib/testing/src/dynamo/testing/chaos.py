@@ -71,7 +71,9 @@ TOOLS_TEMPLATE = Path(__file__).parents[5] / "examples" / "chat_templates" / "sm
 CHECKED_TOKENS = 40
 PROMPT_TOKENS = 24
 CANCEL_AFTER_CHUNKS = 3
-RECONNECT_PAUSE_S = 0.5
+RETRY_PAUSE_S = 0.5
+"""A client's pause after an error before its next request (a 404 while the only worker of
+a model restarts would otherwise be a spin of hundreds a second)."""
 
 
 @dataclass
@@ -416,10 +418,11 @@ class Traffic:
                 record.outcome, record.detail = "hung", "no end within the deadline"
             except aiohttp.ClientError as exc:
                 record.outcome, record.detail = "connection_lost", repr(exc)
-                await asyncio.sleep(RECONNECT_PAUSE_S)  # as a client would, not in a spin
             except ValueError as exc:  # a body that is not the JSON it should be
                 record.outcome, record.detail = "failed", f"unreadable response: {exc!r}"
             record.ended = time.monotonic()
+            if record.outcome in ("failed", "connection_lost"):
+                await asyncio.sleep(RETRY_PAUSE_S)  # as a client would, not in a spin
 
     async def _send(
         self, session: aiohttp.ClientSession, kind: str, rng: random.Random, record: Record
