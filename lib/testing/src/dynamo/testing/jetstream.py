@@ -9,8 +9,14 @@ import json
 from collections.abc import Callable, Iterable, Sequence
 
 import nats
+import nats.errors
+from nats.js import JetStreamContext
 
 from dynamo.runtime.nats_server import NatsServer
+
+ELECTION_TRIES = 4
+"""Stream info requests (5 s each) tried while a stream elects a leader: longer than the
+9 s an election can take."""
 
 
 def holds_connection_of(node: NatsServer, pid: int) -> bool:
@@ -48,11 +54,24 @@ async def prefer_stream_leaders(
         js = nc.jetstream()
         for stream in streams:
             for _ in range(attempts):
-                if done((await js.stream_info(stream)).cluster.leader):
+                if (leader := await _leader(js, stream)) is not None and done(leader):
                     break
                 with contextlib.suppress(Exception):
                     await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", request, timeout=5)
                 await asyncio.sleep(0.1)
-            assert done((await js.stream_info(stream)).cluster.leader), stream
+            leader = await _leader(js, stream)
+            assert leader is not None and done(leader), (stream, leader)
     finally:
         await nc.close()
+
+
+async def _leader(js: JetStreamContext, stream: str) -> str | None:
+    """The stream's leader; None while none answers: a stream info request times out
+    while the stream elects a leader after a step-down (4 to 9 s), so a timeout here
+    means "not settled yet", not a failure."""
+    for _ in range(ELECTION_TRIES):
+        try:
+            return (await js.stream_info(stream)).cluster.leader
+        except nats.errors.TimeoutError:
+            continue
+    return None
