@@ -192,3 +192,44 @@ def test_parting_onto_a_shorter_alternative_that_begins_the_reference_token_is_j
     )
     problem = mismatch(far, text)
     assert problem is not None and "token 2" in problem and "3.000 nats" in problem
+
+
+def test_the_same_bytes_cut_into_other_tokens_is_a_parting_where_the_cut_differs() -> None:
+    """The reference chose "\\n" then "\\n" then "1"; the other text took the one token
+    "\\n\\n" (the target put it close behind) and then "First", which the reference, in its
+    own context, did not list. The bytes part at "1", but the other text left the
+    reference's tokens at the first "\\n" (seen in the Eagle3 head's module: "Here's a plan
+    to make it happen:\\n\\n1. **" against "...:\\n\\nFirst, let's")."""
+    reference = reference_from_chat_logprobs(
+        [
+            entry(" happen", -0.3, (" work", -2.0)),
+            entry(":", -0.2, (".", -2.1)),
+            entry("\n", -0.7, ("\n\n", -0.9), (" ", -4.0)),
+            entry("\n", -0.05, ("1", -4.0)),
+            entry("1", -0.4, ("**", -2.0)),
+        ]
+    )
+    text = " happen:\n\nFirst, let's start"
+    divergence = first_divergence(reference, text)
+    assert divergence is not None and divergence.token_index == 2
+    assert divergence.lead is not None and abs(divergence.lead - 0.2) < 1e-9
+    assert mismatch(reference, text) is None
+    # The other way round: the reference took "\n\n", the other text "\n" + "\n".
+    joined = reference_from_chat_logprobs(
+        [
+            entry(":", -0.2, (".", -2.1)),
+            entry("\n\n", -0.6, ("\n", -0.75)),
+            entry("1", -0.4, ("**", -2.0)),
+        ]
+    )
+    assert mismatch(joined, ":\n\nFirst") is None
+    # A cut the target put far below its choice still fails.
+    far = reference_from_chat_logprobs(
+        [
+            entry(":", -0.2, (".", -2.1)),
+            entry("\n\n", -0.1, ("\n", -3.1)),
+            entry("1", -0.4, ("**", -2.0)),
+        ]
+    )
+    problem = mismatch(far, ":\n\nFirst")
+    assert problem is not None and "token 1" in problem and "3.000 nats" in problem

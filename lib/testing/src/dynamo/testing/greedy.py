@@ -26,7 +26,7 @@ from typing import Any
 # a difference of two logits.
 BF16_TIE_NATS = 0.5
 MAX_TOKEN_BYTES = 64
-"""Longer than any vocabulary token's text: how far back a choice can reach."""
+"""Longer than any vocabulary token's text: how far back a choice is looked for."""
 
 
 @dataclass(frozen=True)
@@ -38,22 +38,14 @@ class ReferenceToken:
     logprob: float
     alternatives: tuple[tuple[bytes, float], ...]
 
-    def lead_over(
-        self, continuation: bytes, stops: frozenset[bytes] = frozenset(), agreed: int = 0
-    ) -> float | None:
+    def lead_over(self, continuation: bytes, stops: frozenset[bytes] = frozenset()) -> float | None:
         """How far (nats) this token led the best listed alternative that `continuation`
         starts with (an empty continuation: the other text stopped, so one of `stops`, the
-        end-of-sequence tokens' texts); None where no listed alternative fits it.
-        `agreed`: bytes of `continuation` the two texts still share, which an alternative
-        must reach past to be where they part."""
+        end-of-sequence tokens' texts); None where no listed alternative fits it."""
         if not continuation:
             fits = [lp for alt, lp in self.alternatives if alt in stops]
         else:
-            fits = [
-                lp
-                for alt, lp in self.alternatives
-                if len(alt) > agreed and continuation.startswith(alt)
-            ]
+            fits = [lp for alt, lp in self.alternatives if continuation.startswith(alt)]
         return self.logprob - max(fits) if fits else None
 
 
@@ -149,20 +141,22 @@ def _divergence_at(
     stops: frozenset[bytes],
 ) -> Divergence:
     """The texts' bytes part at `offset`, inside reference token `index`. The other text
-    may have parted there, or at an earlier token whose alternative begins with what the
-    reference generated after it (the reference's " a" + " way" against " and": the bytes
-    part after " a", but the choice was made at " a"). Each token whose alternative could
-    reach past the agreed bytes is a candidate; the closest call explains the parting.
-    At the token where the bytes part, a shorter alternative that begins the reference's
-    token is a parting too (the reference's " an" against " a" + " professional": the
-    bytes part after " a", inside " an", and the choice was made there)."""
+    may have parted there, or at an earlier token where it took another listed token that
+    its bytes begin with:
+    - one that reaches past the agreed bytes (the reference's " a" + " way" against
+      " and": the bytes part after " a", but the choice was made at " a");
+    - a shorter one that begins the reference's token (the reference's " an" against
+      " a" + " professional": the bytes part inside " an", after the " a");
+    - the same bytes cut into other tokens (the reference's "\n" + "\n" + "1" against
+      "\n\n" + "First": the bytes part at "1", but from the "\n\n" on the other text
+      followed a context the reference never scored).
+    Every such token within `MAX_TOKEN_BYTES` of the parting is a candidate, and the
+    closest call explains the parting."""
     best: Divergence | None = None
     for at in range(index, -1, -1):
-        agreed = offset - starts[at]
-        if at < index and agreed >= MAX_TOKEN_BYTES:
+        if at < index and offset - starts[at] >= MAX_TOKEN_BYTES:
             break  # no token is that long: an earlier choice cannot reach the parting
-        reach = agreed if at < index else 0
-        lead = reference[at].lead_over(ours[starts[at] :], stops, reach)
+        lead = reference[at].lead_over(ours[starts[at] :], stops)
         if lead is not None and (best is None or best.lead is None or lead < best.lead):
             best = Divergence(at, lead, _context(ours, theirs, starts[at]))
         if best is None:
