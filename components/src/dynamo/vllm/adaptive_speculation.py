@@ -29,10 +29,18 @@ and the unit tests drive it with synthetic counts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
-from dynamo.vllm.speculation_profile import SpeculationProfile, step_time
+from dynamo.vllm.speculation_profile import SpeculationProfile, load_profile, step_time
+
+SCHEDULER_CLS = "dynamo.vllm.adaptive_scheduler.AdaptiveSpeculationScheduler"
+"""vLLM's `--scheduler-cls` for an adaptive worker (resolved inside the engine core)."""
+ADDITIONAL_CONFIG_KEY = "dynamo_adaptive_speculation"
+"""Where the worker puts the chooser's settings in vLLM's `additional_config`."""
+ADAPT_MODES = ("off", "acceptance", "full")
 
 DEFAULT_WINDOW_STEPS = 200
 """Verification steps over which old counts fade to a third (decay 1 - 1/window)."""
@@ -250,3 +258,18 @@ class AdaptiveK:
     def observe_step(self, k: int, batch: int, measured_ms: float) -> None:
         if self.settings.adapt_step_times:
             self.cost.observe(k, batch, measured_ms)
+
+
+def engine_config(profile: Path, settings: AdaptationSettings, *, free_k0: bool) -> dict[str, Any]:
+    """The entry of vLLM's `additional_config` that the adaptive scheduler reads."""
+    return {
+        ADDITIONAL_CONFIG_KEY: {"profile": str(profile), "free_k0": free_k0, **asdict(settings)}
+    }
+
+
+def chooser_from_engine_config(config: Mapping[str, Any], max_k: int) -> AdaptiveK:
+    """The chooser `engine_config` describes, for an engine drafting at most `max_k`."""
+    entry = dict(config)
+    profile = load_profile(Path(entry.pop("profile")))
+    free_k0 = bool(entry.pop("free_k0"))
+    return AdaptiveK(profile, max_k, AdaptationSettings(**entry), free_k0=free_k0)
