@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from typing import Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -35,7 +36,11 @@ from dynamo.vllm.adaptive_speculation import (
     chooser_from_engine_config,
 )
 
-log = logging.getLogger("dynamo.vllm")
+# Under vLLM's logger: this runs in the engine core process, where only vLLM's logging
+# is configured (its lines reach the worker's log with the engine core's prefix).
+log = logging.getLogger("vllm.dynamo.adaptive_scheduler")
+
+REPORT_EVERY_S = 10.0
 
 
 class AdaptiveSpeculationScheduler(Scheduler):
@@ -64,6 +69,8 @@ class AdaptiveSpeculationScheduler(Scheduler):
         self._asked_next = 0
         self._step: tuple[float, int, int] | None = None  # (started, K, batch) to time
         self._scheduled_at = 0.0
+        self._chosen: Counter[int] = Counter()  # K chosen since the last report
+        self._reported_at = time.monotonic()
         log.info(
             "adaptive speculation: K chosen each step from live acceptance (up to K=%d)",
             self.chooser.max_k,
@@ -77,6 +84,9 @@ class AdaptiveSpeculationScheduler(Scheduler):
         decoding, prefilling = self._batch_of(scheduler_output)
         k = self.chooser.choose(decoding)
         scheduler_output.num_spec_tokens_to_schedule = k
+        if decoding:
+            self._chosen[k] += 1
+            self._report()
         verified = max(
             (len(t) for t in scheduler_output.scheduled_spec_decode_tokens.values()), default=0
         )
@@ -84,6 +94,24 @@ class AdaptiveSpeculationScheduler(Scheduler):
         self._asked_now, self._asked_next = self._asked_next, decoding if k > 0 else 0
         self._step = (self._scheduled_at, k, decoding) if steady else None
         super()._update_after_schedule(scheduler_output)
+
+    def _report(self) -> None:
+        """Every REPORT_EVERY_S of decoding, one log line: the K chosen and why."""
+        now = time.monotonic()
+        if now - self._reported_at < REPORT_EVERY_S:
+            return
+        estimate = self.chooser.acceptance
+        log.info(
+            "adaptive speculation: K chosen over the last %.0fs %s; acceptance per position "
+            "%s, drafted %.2f; step time x%s of the profile's",
+            now - self._reported_at,
+            dict(sorted(self._chosen.items())),
+            [round(rate, 3) for rate in estimate.rates()],
+            estimate.drafted_fraction(),
+            [round(self.chooser.cost.correction(k), 2) for k in range(self.chooser.max_k + 1)],
+        )
+        self._chosen.clear()
+        self._reported_at = now
 
     def _batch_of(self, scheduler_output: SchedulerOutput) -> tuple[int, int]:
         """(decoding sequences, sequences still prefilling) in this step."""
