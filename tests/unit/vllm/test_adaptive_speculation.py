@@ -38,11 +38,12 @@ FAST = AdaptationSettings(window_steps=20, warmup_drafts=50, probe_every=5)
 
 def feed_acceptance(chooser: AdaptiveK, rates: list[float], steps: int, batch: int = 4) -> None:
     """`steps` verification steps of `batch` sequences at the chooser's max K whose
-    position i is accepted at `rates[i]` (counts rounded as a batch would give them)."""
+    position i is accepted at `rates[i]` (vLLM's per-position rates; counts rounded as a
+    batch would give them): a position is reached by the drafts accepted up to it."""
     for _ in range(steps):
-        drafted = [batch] * len(rates)
         accepted = [round(batch * r) for r in rates]
-        chooser.observe_verification(drafted, accepted, batch, batch)
+        reached = [batch, *accepted[:-1]]
+        chooser.observe_verification(reached, accepted, batch, batch)
 
 
 def test_before_any_traffic_the_choice_is_the_profiles() -> None:
@@ -79,16 +80,33 @@ def test_the_window_forgets_old_traffic() -> None:
 
 def test_a_later_position_never_accepts_more_than_an_earlier_one() -> None:
     chooser = AdaptiveK(PROFILE, max_k=3, settings=AdaptationSettings(warmup_drafts=0))
-    # Position 1 drafted rarely and accepted every time: its raw rate exceeds position 0's.
+    # Position 1 reached twice and accepted both times; position 2 never reached: it
+    # borrows position 1's conditional rate.
     chooser.observe_verification([10, 2, 0], [5, 2, 0], 10, 10)
     assert chooser.acceptance.rates() == [0.5, 0.5, 0.5]
+
+
+def test_positions_the_k_in_force_does_not_reach_follow_the_earlier_ones() -> None:
+    """Traffic that accepted nothing, then predictable traffic drafted at K = 1 only:
+    position 0's rise lifts positions 1 and 2 by their conditional rates (the profile's,
+    0.5 / 0.7 and 0.35 / 0.5), so K can climb back past 1."""
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
+    feed_acceptance(chooser, [0.0, 0.0, 0.0], steps=60)
+    assert chooser.best(1) == 0
+    for _ in range(60):
+        chooser.observe_verification([4, 0, 0], [4, 0, 0], 4, 4)  # K = 1, all accepted
+    rates = chooser.acceptance.rates()
+    assert rates[0] > 0.95  # what is left of the zeros after 60 steps of a 20-step window
+    assert rates[1] == pytest.approx(rates[0] * 0.5 / 0.7)
+    assert rates[2] == pytest.approx(rates[0] * 0.35 / 0.7)
+    assert chooser.best(1) == 3
 
 
 def test_steps_without_drafts_leave_the_estimate_where_it_was() -> None:
     chooser = AdaptiveK(PROFILE, max_k=3, settings=AdaptationSettings(warmup_drafts=0))
     assert chooser.acceptance.rates() == [0.0, 0.0, 0.0]  # nothing known: no gain assumed
     assert chooser.best(1) == 0
-    chooser.observe_verification([4, 4, 4], [4, 3, 2], 4, 4)
+    chooser.observe_verification([4, 4, 3], [4, 3, 2], 4, 4)
     before = chooser.acceptance.rates()
     for _ in range(30):
         chooser.observe_verification([0, 0, 0], [0, 0, 0], 0, 0)
@@ -194,3 +212,30 @@ def test_settings_that_cannot_work_are_refused(settings: dict) -> None:
 def test_an_engine_without_drafts_has_nothing_to_adapt() -> None:
     with pytest.raises(AdaptationError, match="nothing to adapt"):
         AdaptiveK(PROFILE, max_k=0)
+
+
+def test_a_k_that_measured_cheaper_than_a_smaller_one_costs_as_much_as_it() -> None:
+    """Noise: K = 1 measured 10% under the profile, K = 0 10% over. K = 1 must not look
+    cheaper than K = 0, or acceptance near 0 would keep drafting (seen with n-gram)."""
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST, free_k0=False)
+    feed_acceptance(chooser, [0.02, 0.0, 0.0], steps=60)
+    for _ in range(30):
+        chooser.observe_step(0, 4, 1.1 * chooser.cost.profiled_ms(0, 4))
+        chooser.observe_step(1, 4, 0.9 * chooser.cost.profiled_ms(1, 4))
+    assert chooser.cost.step_ms(1, 4) == pytest.approx(chooser.cost.step_ms(0, 4))
+    assert chooser.best(4) == 0
+
+
+def test_a_probe_after_a_run_at_k_zero_speaks_for_the_traffic_of_now() -> None:
+    """Steps at K = 0 fade what was measured before them, so once traffic turns
+    predictable the first probes that find their drafts accepted bring K back."""
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
+    feed_acceptance(chooser, [0.0, 0.0, 0.0], steps=60)
+    chosen = []
+    for _ in range(3 * FAST.probe_every):
+        k = chooser.choose(4)
+        chosen.append(k)
+        if k > 0:  # every draft of the step accepted
+            chooser.observe_verification([4] * k + [0] * (3 - k), [4] * k + [0] * (3 - k), 4, 4)
+    assert chosen[: FAST.probe_every] == [0] * (FAST.probe_every - 1) + [1]
+    assert chosen[-1] == 3

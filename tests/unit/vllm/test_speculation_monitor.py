@@ -111,6 +111,23 @@ def test_k_without_a_schedule_or_speculation(clock: FakeClock) -> None:
     assert (on.k_in_force, on.static_k) == (2, 3)
 
 
+def test_an_adaptive_engines_k_is_the_one_its_scheduler_chose_last(clock: FakeClock) -> None:
+    chosen: list[int | None] = [None]
+    info = SpeculativeInfo("ngram", 3, schedule=SCHEDULE, adaptive=True)
+    mon = SpeculationMonitor.for_engine(profile(), info, clock=clock, k_source=lambda: chosen[0])
+    mon.observe(4, Counters())
+    assert mon.k_in_force == 2  # nothing chosen yet: the schedule's
+    for k in (0, 3, 1):
+        chosen[0] = k
+        mon.observe(4, Counters())
+        assert mon.k_in_force == k
+    fixed = SpeculationMonitor.for_engine(
+        profile(), SpeculativeInfo("ngram", 3, schedule=SCHEDULE), clock=clock, k_source=lambda: 0
+    )
+    fixed.observe(4, Counters())
+    assert fixed.k_in_force == 2  # a card that does not adapt keeps its schedule
+
+
 # --------------------------------------------------------------------------- windows
 
 

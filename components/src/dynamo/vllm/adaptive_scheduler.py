@@ -10,13 +10,15 @@ around vLLM's own method:
   dynamic-K mode (the worker keeps a schedule in the speculative config), so the runner
   reads that field and no request is padded to the static K.
 * `make_spec_decoding_stats`: called once per verified request with its drafts and
-  accepted tokens; they feed the acceptance estimate.
+  accepted tokens; they feed the acceptance estimate (the positions each draft reached
+  with every earlier token accepted, and which of those were accepted).
 * `schedule` and `update_from_output`: the time between them is the step's forward,
   sampling and drafting; a pure-decode step whose verified and drafted K were the same
   feeds the step-time estimate at that K.
 
 The settings arrive in `additional_config[ADDITIONAL_CONFIG_KEY]` (a vLLM config field
-made for plugins), written by the worker from its flags.
+made for plugins), written by the worker from its flags. Each decoding step's K goes to
+the worker through `speculation_state` (load reports, metrics, the router's books).
 """
 
 from __future__ import annotations
@@ -33,8 +35,11 @@ from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from dynamo.vllm.adaptive_speculation import (
     ADDITIONAL_CONFIG_KEY,
     SCHEDULER_CLS,
+    adaptive_entry,
     chooser_from_engine_config,
+    state_path_of,
 )
+from dynamo.vllm.speculation_state import SpeculationStateWriter
 
 # Under vLLM's logger: this runs in the engine core process, where only vLLM's logging
 # is configured (its lines reach the worker's log with the engine core's prefix).
@@ -48,8 +53,7 @@ class AdaptiveSpeculationScheduler(Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        extra = self.vllm_config.additional_config
-        config = extra.get(ADDITIONAL_CONFIG_KEY) if isinstance(extra, dict) else None
+        config = adaptive_entry(self.vllm_config.additional_config)
         if config is None or self.num_spec_tokens < 1:
             raise ValueError(
                 f"{SCHEDULER_CLS} needs speculative decoding and additional_config"
@@ -60,7 +64,8 @@ class AdaptiveSpeculationScheduler(Scheduler):
                 self.scheduler_config.max_num_seqs + 1
             )
         self.chooser = chooser_from_engine_config(config, self.num_spec_tokens)
-        self._drafted = [0] * self.num_spec_tokens
+        self.shared = SpeculationStateWriter(state_path_of(config))
+        self._reached = [0] * self.num_spec_tokens
         self._accepted = [0] * self.num_spec_tokens
         self._verified = 0
         # Sequences asked for drafts after the previous step (verified in this one) and
@@ -85,6 +90,7 @@ class AdaptiveSpeculationScheduler(Scheduler):
         k = self.chooser.choose(decoding)
         scheduler_output.num_spec_tokens_to_schedule = k
         if decoding:
+            self.shared.write(k)
             self._chosen[k] += 1
             self._report()
         verified = max(
@@ -130,14 +136,14 @@ class AdaptiveSpeculationScheduler(Scheduler):
             self.chooser.observe_step(k, batch, (time.perf_counter() - started) * 1000.0)
             self._step = None
         outputs = super().update_from_output(scheduler_output, *args, **kwargs)
-        if self._verified:
+        if self._verified or self._asked_now:  # drafts asked for, even if none came (n-gram)
             self.chooser.observe_verification(
-                self._drafted,
+                self._reached,
                 self._accepted,
                 max(self._asked_now, self._verified),
                 self._verified,
             )
-            self._drafted = [0] * self.num_spec_tokens
+            self._reached = [0] * self.num_spec_tokens
             self._accepted = [0] * self.num_spec_tokens
             self._verified = 0
         return outputs
@@ -153,8 +159,9 @@ class AdaptiveSpeculationScheduler(Scheduler):
         drafts = num_draft_tokens - (num_invalid_spec_tokens or {}).get(request_id, 0)
         if drafts > 0:
             self._verified += 1
-            for i in range(min(drafts, len(self._drafted))):
-                self._drafted[i] += 1
+            # Position i is reached when every earlier token was accepted.
+            for i in range(min(drafts, num_accepted_tokens + 1, len(self._reached))):
+                self._reached[i] += 1
             for i in range(min(num_accepted_tokens, drafts, len(self._accepted))):
                 self._accepted[i] += 1
         return super().make_spec_decoding_stats(

@@ -37,6 +37,7 @@ from dynamo.vllm.speculation_profile import (
     load_profile,
     never_speculates,
 )
+from dynamo.vllm.speculation_state import new_state_path
 
 log = logging.getLogger("dynamo.vllm")
 
@@ -295,7 +296,11 @@ def configure_adaptation(
         adapt_step_times=mode == "full",
     )
     extra = dict(values.get("additional_config") or {})
-    extra.update(engine_config(Path(profile_path).expanduser(), settings, free_k0=False))
+    extra.update(
+        engine_config(
+            Path(profile_path).expanduser(), settings, free_k0=False, state_path=new_state_path()
+        )
+    )
     values["scheduler_cls"] = SCHEDULER_CLS
     values["additional_config"] = extra
     log.info(
