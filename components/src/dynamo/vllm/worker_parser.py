@@ -218,16 +218,16 @@ def _add_worker_flags(parser: FlexibleArgumentParser) -> None:
         "whose numbers it starts from): `acceptance` follows the per-position acceptance of "
         "the drafts verified lately; `full` also corrects the profile's step times by this "
         "worker's own; `off` (default) runs the profile's schedule as it is. K > 0 is chosen "
-        "only where it beats K=0 by 3%%, and after a run at K=0 one step drafts a token to "
-        "see whether acceptance came back.",
+        "only where it beats K=0 by 3%%; after 50 steps at K=0 one step drafts a token to "
+        "see whether acceptance came back (docs/speculative_decoding.md).",
     )
     group.add_argument(
         "--speculation-window",
         type=positive_int,
         default=DEFAULT_WINDOW_STEPS,
         metavar="STEPS",
-        help="With --speculation-adapt: verification steps over which old acceptance and "
-        "step times fade to a third (default: %(default)s).",
+        help="With --speculation-adapt: decoding steps (those at K=0 included) over which "
+        "old acceptance and step times fade to a third (default: %(default)s).",
     )
     group.add_argument(
         "--speculation-warmup",
