@@ -28,10 +28,11 @@ def test_the_reader_sees_nothing_until_the_scheduler_wrote(tmp_path: Path) -> No
     writer = SpeculationStateWriter(path)
     assert reader.read() is None  # created, no decoding step yet
     writer.write(3)
-    assert reader.read() == SpeculationSnapshot(k=3, steps=1)
+    assert reader.read() == SpeculationSnapshot(k=3, steps=1, steps_at_k=(0, 0, 0, 1))
     writer.write(0)
     writer.write(2)
-    assert reader.read() == SpeculationSnapshot(k=2, steps=3)
+    writer.write(0)
+    assert reader.read() == SpeculationSnapshot(k=0, steps=4, steps_at_k=(2, 0, 1, 1))
     writer.close()
     reader.close(remove=True)
     assert not path.exists()
@@ -46,7 +47,7 @@ def test_a_k_written_in_another_process_is_read_here(tmp_path: Path) -> None:
     process.join(60)
     assert process.exitcode == 0
     reader = SpeculationStateReader(path)
-    assert reader.read() == SpeculationSnapshot(k=2, steps=4)
+    assert reader.read() == SpeculationSnapshot(k=2, steps=4, steps_at_k=(1, 1, 1, 1))
     reader.close(remove=True)
 
 

@@ -29,7 +29,7 @@ from dynamo.vllm.kv_transfer import KvTransferJanitor, default_ttl, disk_connect
 from dynamo.vllm.publishers import engine_load, relay_kv_events
 from dynamo.vllm.sampling_defaults import sampling_defaults_from
 from dynamo.vllm.speculation_monitor import SpeculationMonitor
-from dynamo.vllm.speculation_state import SpeculationStateReader
+from dynamo.vllm.speculation_state import SpeculationSnapshot, SpeculationStateReader
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class VllmBackend:
         if adaptive is not None:
             self._spec_state = SpeculationStateReader(state_path_of(adaptive))
         self.spec_monitor = SpeculationMonitor.for_engine(
-            self.cfg.speculation_profile, facts.speculative, k_source=self._adapted_k
+            self.cfg.speculation_profile, facts.speculative, adapted=self._adapted
         )
         self._janitor = self._start_kv_janitor(facts)
         self._handler = GenerateHandler(
@@ -170,13 +170,10 @@ class VllmBackend:
 
     # ------------------------------------------------------------------ internals
 
-    def _adapted_k(self) -> int | None:
-        """The K the adaptive scheduler chose last (None: not adaptive, or no decoding
-        step yet)."""
-        if self._spec_state is None:
-            return None
-        snapshot = self._spec_state.read()
-        return snapshot.k if snapshot is not None else None
+    def _adapted(self) -> SpeculationSnapshot | None:
+        """What the adaptive scheduler chose (None: not adaptive, or no decoding step
+        yet)."""
+        return self._spec_state.read() if self._spec_state is not None else None
 
     def _on_engine_dead(self, exc: BaseException) -> None:
         """A request met the dead engine: the process stops at the next watchdog tick."""

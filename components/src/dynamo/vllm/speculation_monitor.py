@@ -34,6 +34,7 @@ from dynamo.vllm.speculation_profile import (
     k_for_batch,
     tokens_per_step,
 )
+from dynamo.vllm.speculation_state import SpeculationSnapshot
 
 log = logging.getLogger("dynamo.vllm")
 
@@ -103,10 +104,10 @@ class SpeculationMonitor:
         static_k: int = 0,
         min_drafts: int = MIN_DRAFTS,
         tolerance: float = DRIFT_TOLERANCE,
-        k_source: Callable[[], int | None] | None = None,
+        adapted: Callable[[], SpeculationSnapshot | None] | None = None,
     ) -> None:
-        """`k_source`: the K an adaptive scheduler chose last (None until it chose one);
-        without it, or while it has none, K is the schedule's."""
+        """`adapted`: what an adaptive scheduler chose (None until it chose a K); without
+        it, or while it has none, K is the schedule's."""
         if window_s <= 0:
             raise ValueError(f"window_s must be positive, got {window_s}")
         self.profile = profile
@@ -116,7 +117,9 @@ class SpeculationMonitor:
         self.min_drafts = min_drafts
         self.tolerance = tolerance
         self._clock = clock
-        self._k_source = k_source
+        self._adapted = adapted
+        self.steps_at_k: tuple[int, ...] = ()
+        """An adaptive engine's decoding steps at each K so far (empty otherwise)."""
         self._lock = threading.Lock()
         self._window_start = clock()
         # The engine's counters start at zero with the engine, before the monitor exists.
@@ -135,7 +138,7 @@ class SpeculationMonitor:
         window_s: float = DEFAULT_WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
         *,
-        k_source: Callable[[], int | None] | None = None,
+        adapted: Callable[[], SpeculationSnapshot | None] | None = None,
     ) -> SpeculationMonitor:
         """A monitor for what the engine actually runs (vLLM's resolved config, as the
         model card advertises it), so K is the engine's, not the command line's."""
@@ -147,7 +150,7 @@ class SpeculationMonitor:
             window_s,
             clock,
             static_k=info.num_speculative_tokens,
-            k_source=k_source if info.adaptive else None,
+            adapted=adapted if info.adaptive else None,
         )
 
     def k_for_running(self, running: int) -> int:
@@ -160,8 +163,11 @@ class SpeculationMonitor:
 
     def _k_now(self, running: int) -> int:
         """The adaptive scheduler's last K where there is one, else the schedule's."""
-        adapted = self._k_source() if self._k_source is not None else None
-        return self.k_for_running(running) if adapted is None else adapted
+        snapshot = self._adapted() if self._adapted is not None else None
+        if snapshot is None:
+            return self.k_for_running(running)
+        self.steps_at_k = snapshot.steps_at_k
+        return snapshot.k
 
     def observe(self, running: int, spec: SpecCounters) -> None:
         """Take the engine's current batch size and cumulative counters; closes the window

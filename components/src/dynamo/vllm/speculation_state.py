@@ -22,7 +22,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-_LAYOUT = struct.Struct("<QqQ")  # sequence, K in force, decoding steps chosen so far
+MAX_COUNTED_K = 15
+"""Steps are counted per K up to this K (a larger K counts as this one)."""
+_LAYOUT = struct.Struct(f"<QqQ{MAX_COUNTED_K + 1}Q")
+"""Sequence, K in force, decoding steps so far, then decoding steps at each K."""
 _READ_TRIES = 8
 
 
@@ -41,6 +44,8 @@ class SpeculationSnapshot:
     """The K its last decoding step chose."""
     steps: int
     """Decoding steps it has chosen a K for since the engine started."""
+    steps_at_k: tuple[int, ...] = ()
+    """Of those, the steps at K = 0, 1, ... (the engine's largest K last)."""
 
 
 class SpeculationStateWriter:
@@ -56,14 +61,16 @@ class SpeculationStateWriter:
             os.close(fd)
         self._sequence = 0
         self._steps = 0
+        self._at_k = [0] * (MAX_COUNTED_K + 1)
 
     def write(self, k: int) -> None:
         """One decoding step chose `k`."""
         self._steps += 1
+        self._at_k[min(max(k, 0), MAX_COUNTED_K)] += 1
         self._sequence += 1  # odd: a write is under way
-        _LAYOUT.pack_into(self._map, 0, self._sequence, k, self._steps)
+        _LAYOUT.pack_into(self._map, 0, self._sequence, k, self._steps, *self._at_k)
         self._sequence += 1
-        _LAYOUT.pack_into(self._map, 0, self._sequence, k, self._steps)
+        _LAYOUT.pack_into(self._map, 0, self._sequence, k, self._steps, *self._at_k)
 
     def close(self) -> None:
         self._map.close()
@@ -83,11 +90,12 @@ class SpeculationStateReader:
             return None
         assert self._map is not None
         for _ in range(_READ_TRIES):
-            sequence, k, steps = _LAYOUT.unpack_from(self._map, 0)
+            sequence, k, steps, *at_k = _LAYOUT.unpack_from(self._map, 0)
             if sequence == 0:
                 return None
             if sequence % 2 == 0 and _LAYOUT.unpack_from(self._map, 0)[0] == sequence:
-                return SpeculationSnapshot(k, steps)
+                last = max((i for i, n in enumerate(at_k) if n), default=0)
+                return SpeculationSnapshot(k, steps, tuple(at_k[: last + 1]))
         return None
 
     def _open(self) -> bool:

@@ -265,6 +265,16 @@ def _check_schedule(spec: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- --speculation-adapt
 
 
+FREE_AT_K0 = frozenset({"ngram"})
+"""Methods whose step at K = 0 runs no drafting work (the `dynamo_free_k0` vLLM plugin)."""
+
+
+def drafting_is_free_at_k0(spec: object) -> bool:
+    """Whether a step at K = 0 costs what the plain engine's does for this speculative
+    config: the chooser then prices K = 0 at the profile's no-speculation step time."""
+    return isinstance(spec, Mapping) and spec.get("method") in FREE_AT_K0
+
+
 def configure_adaptation(
     values: dict[str, Any],
     mode: str,
@@ -298,7 +308,10 @@ def configure_adaptation(
     extra = dict(values.get("additional_config") or {})
     extra.update(
         engine_config(
-            Path(profile_path).expanduser(), settings, free_k0=False, state_path=new_state_path()
+            Path(profile_path).expanduser(),
+            settings,
+            free_k0=drafting_is_free_at_k0(values.get("speculative_config")),
+            state_path=new_state_path(),
         )
     )
     values["scheduler_cls"] = SCHEDULER_CLS
