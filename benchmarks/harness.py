@@ -378,6 +378,7 @@ class RunResult:
     p99_ttft_ms: float
     p99_itl_ms: float
     output_tokens: int
+    p90_tpot_ms: float = float("nan")
     # CPU seconds the serving processes (and their children) used during the run, by
     # process: on a busy machine a steadier view of the overhead than wall-clock numbers.
     server_cpu_s: dict[str, float] = field(default_factory=dict)
@@ -403,6 +404,7 @@ class RunResult:
             p99_ttft_ms=data["p99_ttft_ms"],
             p99_itl_ms=data["p99_itl_ms"],
             output_tokens=data["total_output_tokens"],
+            p90_tpot_ms=data.get("p90_tpot_ms", float("nan")),
         )
 
 

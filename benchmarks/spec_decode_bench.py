@@ -49,7 +49,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dynamo.testing.http import metric_total
+from prometheus_client.parser import text_string_to_metric_families
+
+from dynamo.runtime.ports import free_port
+from dynamo.testing.http import http_get, metric_total
 from dynamo.testing.processes import child_env
 from dynamo.vllm.eagle3_training.prompts import held_out
 from dynamo.vllm.speculation_profile import k_for_batch
@@ -88,6 +91,7 @@ SETUPS: dict[str, dict | None] = {
     },
 }
 DRAFTS = "dynamo_frontend_spec_decode_drafts_total"
+K_STEPS = "dynamo_worker_spec_decode_k_steps"
 ACCEPTED = "dynamo_frontend_spec_decode_accepted_tokens_total"
 DEFAULT_PLOT = ROOT / "docs" / "images" / "spec_decode.png"
 # Requests per concurrency level: a few rounds at each level in full runs.
@@ -132,6 +136,8 @@ class Point:
     median_ttft_ms: float
     mean_acceptance_length: float | None  # None without speculation
     server_cpu_ms_per_token: float
+    p90_tpot_ms: float | None = None
+    k_steps: dict[str, int] | None = None  # an adaptive worker's decoding steps at each K
 
 
 def scenarios(prompts: Path, sizes: dict[int, int]) -> list[Scenario]:
@@ -162,9 +168,12 @@ def measure_setup(
     *,
     worker_args: Sequence[str] = (),
     engine_flags: Sequence[str] = CPU_ENGINE_FLAGS,
+    worker_metrics: str | None = None,
 ) -> list[Point]:
     """Start one stack for `spec` (None: no speculation), the worker with `engine_flags`
-    then `worker_args`, and measure every run of `runs` against it."""
+    then `worker_args`, and measure every run of `runs` against it. `worker_metrics`: the
+    worker's `/metrics` URL (its `--system-port`), to count the steps at each K of an
+    adaptive worker."""
     extra = [] if spec is None else ["--speculative-config", json.dumps(spec)]
     extra += worker_args
     shown_spec = json.dumps(spec) if spec else "no speculation"
@@ -177,6 +186,7 @@ def measure_setup(
     ) as stack:  # fmt: skip
         for scenario in runs:
             started = time.monotonic()
+            steps_before = k_steps(worker_metrics) if worker_metrics else None
             drafts, accepted = acceptance(stack)
             cpu_before = stack.cpu_seconds()
             r: RunResult = run_bench_serve(stack.base_url, model_dir, served, scenario, logs, label)
@@ -188,7 +198,8 @@ def measure_setup(
                 label, scenario.concurrency, r.completed, round(r.output_throughput, 2),
                 round(r.median_tpot_ms, 2), round(r.median_ttft_ms, 1),
                 None if spec is None else round(length or 1.0, 3),
-                round(r.cpu_ms_per_token, 2),
+                round(r.cpu_ms_per_token, 2), round(r.p90_tpot_ms, 2),
+                k_steps_between(steps_before, k_steps(worker_metrics)) if worker_metrics else None,
             )  # fmt: skip
             points.append(point)
             shown = "-" if point.mean_acceptance_length is None else point.mean_acceptance_length
@@ -199,6 +210,25 @@ def measure_setup(
                 flush=True,
             )
     return points
+
+
+def k_steps(metrics_url: str) -> dict[str, int]:
+    """An adaptive worker's decoding steps at each K so far (`dynamo_worker_spec_decode_k_steps`)."""
+    _, text = http_get(metrics_url)
+    return {
+        sample.labels["k"]: int(sample.value)
+        for family in text_string_to_metric_families(text)
+        if family.name == K_STEPS
+        for sample in family.samples
+        if sample.name == f"{K_STEPS}_total"
+    }
+
+
+def k_steps_between(before: dict[str, int] | None, after: dict[str, int]) -> dict[str, int]:
+    """Steps at each K during a run (the Ks it used)."""
+    before = before or {}
+    grown = {k: n - before.get(k, 0) for k, n in after.items()}
+    return {k: n for k, n in sorted(grown.items(), key=lambda kv: int(kv[0])) if n > 0}
 
 
 def report(points: list[Point]) -> str:
@@ -500,6 +530,213 @@ def dynamic_body(args: argparse.Namespace, model_dir: Path, served: str) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- --adaptive
+
+ADAPTIVE_SIZES = {1: 12, 4: 32, 16: 64, 32: 96, 64: 128}
+ADAPTIVE_QUICK_SIZES = {1: 3, 4: 8, 16: 16, 32: 32, 64: 64}
+ADAPTIVE_FLOOR = 0.98  # adaptive >= this x no speculation, and x the best of the others
+EAGLE3_C1_TARGET = 1.3  # Eagle3 adaptive vs no speculation at one request at a time
+PROMPT_DIR = ROOT / "benchmarks" / "prompts"
+WORKLOADS = {
+    "chat": None,  # the Eagle3 tool's held-out prompts (what the profiles were measured on)
+    "repeat": PROMPT_DIR / "repeat_edit.jsonl",
+    "hard": PROMPT_DIR / "hard.jsonl",
+}
+
+
+def workload_prompts(workload: str, path: Path, count: int) -> Path:
+    """`count` prompts of `workload` written to `path` (a set's prompts repeat in order
+    when it has fewer)."""
+    source = WORKLOADS[workload]
+    if source is None:
+        return write_prompts(path, count)
+    lines = [line for line in source.read_text().splitlines() if line.strip()]
+    path.write_text("".join(lines[i % len(lines)] + "\n" for i in range(count)))
+    return path
+
+
+@dataclass(frozen=True)
+class AdaptiveVerdict:
+    """Adaptive against no speculation and against the best of the other three."""
+
+    drafter: str
+    concurrency: int
+    tokens_per_s: dict[str, float]  # by setup
+    vs_none: float
+    vs_best_other: float
+    target_c1: float | None  # Eagle3's own target at c=1 (None elsewhere)
+    passed: bool
+
+
+def setup_labels(drafter: str, static_k: int) -> tuple[str, str, str]:
+    """(static, profiled, adaptive) setup names of `drafter`."""
+    return f"{drafter}-k{static_k}", f"{drafter}-profiled", f"{drafter}-adaptive"
+
+
+def adaptive_verdicts(
+    points: Sequence[Point], drafter: str, static_k: int, floor: float = ADAPTIVE_FLOOR
+) -> list[AdaptiveVerdict]:
+    """One verdict per concurrency where all four setups were measured."""
+    static, profiled, adaptive = setup_labels(drafter, static_k)
+    by = {(p.setup, p.concurrency): p.output_tokens_per_s for p in points}
+    out = []
+    for c in sorted({p.concurrency for p in points}):
+        rates = {s: by.get((s, c)) for s in ("none", static, profiled, adaptive)}
+        if any(v is None for v in rates.values()):
+            continue
+        known = {s: float(v) for s, v in rates.items() if v is not None}
+        vs_none = known[adaptive] / known["none"] if known["none"] else 0.0
+        best = max(known["none"], known[static], known[profiled])
+        vs_best = known[adaptive] / best if best else 0.0
+        target = EAGLE3_C1_TARGET if drafter == "eagle3" and c == 1 else None
+        passed = vs_none >= floor and vs_best >= floor and (target is None or vs_none >= target)
+        out.append(
+            AdaptiveVerdict(drafter, c, known, round(vs_none, 3), round(vs_best, 3), target, passed)
+        )
+    return out
+
+
+def adaptive_lines(results: Sequence[AdaptiveVerdict], floor: float = ADAPTIVE_FLOOR) -> str:
+    """A line per drafter and concurrency, then the overall PASS/MISS line."""
+    lines = []
+    for v in results:
+        target = f", >= {v.target_c1}x none at c=1" if v.target_c1 else ""
+        lines.append(
+            f"{v.drafter} c={v.concurrency}: adaptive {v.vs_none:.3f}x none, {v.vs_best_other:.3f}x "
+            f"the best of none/static/profiled (targets >= {floor}{target}) -> "
+            f"{'ok' if v.passed else 'MISS'}"
+        )
+    missed = [f"{v.drafter} c={v.concurrency}" for v in results if not v.passed]
+    lines.append("overall: " + ("PASS" if results and not missed else f"MISS at {missed}"))
+    return "\n".join(lines)
+
+
+def k_used(point: Point, schedules: dict[str, list[list[int]]], static_k: int) -> str:
+    """What K a setup ran at this concurrency: adaptive, the share of steps at each K."""
+    if point.setup == "none":
+        return "-"
+    if point.k_steps is not None:
+        total = sum(point.k_steps.values()) or 1
+        return " ".join(f"{k}:{n / total:.0%}" for k, n in point.k_steps.items()) or "-"
+    drafter = point.setup.split("-")[0]
+    if point.setup.endswith("-profiled"):
+        return f"K={k_for_batch(schedules[drafter], point.concurrency)}"
+    return f"K={static_k}"
+
+
+def adaptive_table(
+    points: Sequence[Point], schedules: dict[str, list[list[int]]], static_k: int
+) -> str:
+    base = {p.concurrency: p.output_tokens_per_s for p in points if p.setup == "none"}
+    rows = []
+    for p in sorted(points, key=lambda p: (p.concurrency, p.setup)):
+        ratio = p.output_tokens_per_s / base[p.concurrency] if base.get(p.concurrency) else 0.0
+        rows.append([
+            p.setup, str(p.concurrency), f"{p.output_tokens_per_s:.1f}", f"{ratio:.2f}x",
+            f"{p.median_tpot_ms:.1f}", f"{p.p90_tpot_ms or float('nan'):.1f}",
+            "-" if p.mean_acceptance_length is None else f"{p.mean_acceptance_length:.2f}",
+            k_used(p, schedules, static_k),
+        ])  # fmt: skip
+    headers = ["setup", "c", "output tok/s", "vs none", "TPOT p50", "TPOT p90",
+               "acceptance length", "K used"]  # fmt: skip
+    return format_table(headers, rows)
+
+
+def plot_adaptive(points: Sequence[Point], drafters: Sequence[str], path: Path) -> None:
+    """Output tokens/s relative to no speculation by concurrency, one panel per drafter."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted({p.concurrency for p in points})
+    base = {p.concurrency: p.output_tokens_per_s for p in points if p.setup == "none"}
+    fig, axes = plt.subplots(1, len(drafters), figsize=(5.5 * len(drafters), 4.2), squeeze=False)
+    for axis, drafter in zip(axes[0], drafters, strict=True):
+        setups = [s for s in dict.fromkeys(p.setup for p in points) if s.startswith(drafter)]
+        for setup in setups:
+            mine = {p.concurrency: p for p in points if p.setup == setup}
+            xs = [c for c in levels if c in mine and base.get(c)]
+            style = "-" if setup.endswith("adaptive") else "--"
+            axis.plot(xs, [mine[c].output_tokens_per_s / base[c] for c in xs], marker="o",
+                      linestyle=style, label=setup)  # fmt: skip
+        axis.axhline(1.0, color="grey", linewidth=0.8, label="no speculation")
+        axis.axhline(ADAPTIVE_FLOOR, color="grey", linewidth=0.6, linestyle=":")
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(levels, [str(c) for c in levels])
+        axis.set_xlabel("concurrency")
+        axis.set_ylabel("output tokens/s vs no speculation")
+        axis.set_title(f"{drafter}: static, profiled and adaptive K", fontsize=10)
+        axis.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
+
+
+def adaptive_body(args: argparse.Namespace, model_dir: Path, served: str) -> int:
+    """--adaptive: none once, then per drafter static K, the profiled schedule and the
+    adaptive scheduler, at every concurrency; table, verdicts, JSON and PNG."""
+    drafters = sorted(DRAFTERS) if args.drafter == "both" else [args.drafter]
+    sizes = ADAPTIVE_QUICK_SIZES if args.quick else ADAPTIVE_SIZES
+    flags = with_max_num_seqs(CPU_ENGINE_FLAGS, max(sizes))
+    schedules: dict[str, list[list[int]]] = {}
+    setups: list[tuple[str, dict | None, list[str], bool]] = [("none", None, [], False)]
+    for drafter in drafters:
+        profile = dynamic_paths(drafter)[1]
+        if args.reprofile or not profile.exists():
+            make_profile(args.model, profile, DRAFTERS[drafter])
+        schedules[drafter] = read_schedule(profile)[0]
+        static, profiled, adaptive = setup_labels(drafter, args.static_k)
+        with_profile = ["--speculation-profile", str(profile)]
+        setups += [
+            (static, {**DRAFTERS[drafter], "num_speculative_tokens": args.static_k}, [], False),
+            (profiled, DRAFTERS[drafter], with_profile, False),
+            (adaptive, DRAFTERS[drafter], [*with_profile, "--speculation-adapt", "full"], True),
+        ]
+    points: list[Point] = []
+    with log_dir("spec-adaptive", keep=args.keep_logs) as logs:
+        prompts = workload_prompts(args.workload, logs / "prompts.jsonl", max(64, *sizes.values()))
+        runs = scenarios(prompts, sizes)
+        print(f"model {served}; workload {args.workload}; {OUTPUT_LEN} tokens out; engine flags "
+              f"{' '.join(flags)}; logs in {logs}")  # fmt: skip
+        warn_if_busy()
+        for label, spec, worker_args, adapts in setups:
+            port = free_port() if adapts else None
+            points += measure_setup(
+                label, spec, runs, model_dir, served, logs, args.start_timeout,
+                worker_args=[*worker_args, *(["--system-port", str(port)] if port else [])],
+                engine_flags=flags,
+                worker_metrics=f"http://127.0.0.1:{port}/metrics" if port else None,
+            )  # fmt: skip
+    results = [v for d in drafters for v in adaptive_verdicts(points, d, args.static_k)]
+    print(f"adaptive speculation, workload {args.workload} (ratios vs none, same prompts, one run)")
+    print(adaptive_table(points, schedules, args.static_k))
+    print(adaptive_lines(results))
+    if args.quick:
+        print("(quick run: too few requests per level to judge a 2% margin; run without --quick)")
+    suffix = "" if args.workload == "chat" else f"_{args.workload}"
+    save_report(
+        results_path(args, f"spec_adaptive{suffix}.json"),
+        {
+            "workload": args.workload,
+            "points": [asdict(p) for p in points],
+            "static_k": args.static_k,
+            "schedules": schedules,
+            "floor": ADAPTIVE_FLOOR,
+            "verdicts": [asdict(v) for v in results],
+            "passed": bool(results) and all(v.passed for v in results),
+            "host": host_info(),
+        },
+    )
+    target = args.plot or (
+        None if args.quick else ROOT / "docs" / "images" / f"spec_adaptive{suffix}.png"
+    )
+    if target is not None:
+        plot_adaptive(points, drafters, target)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_serving_args(parser, "spec_decode.json")
@@ -522,12 +759,31 @@ def main() -> int:
         "benchmarks/results/spec_dynamic.json unless --json says otherwise)",
     )
     dynamic.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="measure no speculation, then for each drafter a static K (--static-k), the "
+        "profile's schedule and --speculation-adapt full (the same profile), at concurrency "
+        f"{', '.join(map(str, ADAPTIVE_SIZES))}: tokens/s, TPOT p50/p90, acceptance length "
+        "and the Ks used (full runs write benchmarks/results/spec_adaptive[_WORKLOAD].json "
+        "and docs/images/spec_adaptive[_WORKLOAD].png)",
+    )
+    dynamic.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="chat",
+        help="with --adaptive: the prompts served: chat (the held-out prompts the profiles "
+        "were measured on), repeat (benchmarks/prompts/repeat_edit.jsonl: repeat or edit a "
+        "given passage; drafts accept far more) or hard (benchmarks/prompts/hard.jsonl: "
+        "random-looking answers; drafts accept little) (default chat)",
+    )
+    dynamic.add_argument(
         "--drafter",
-        choices=sorted(DRAFTERS),
-        default="eagle3",
-        help="what drafts in the static and profiled setups: the shipped Eagle3 head, or "
-        "n-gram prompt lookup (whose K=0 costs nothing; results and plot get a _ngram "
-        "suffix) (default eagle3)",
+        choices=[*sorted(DRAFTERS), "both"],
+        default=None,
+        help="what drafts in the static, profiled (and adaptive) setups: the shipped Eagle3 "
+        "head, n-gram prompt lookup (with --dynamic, results and plot get a _ngram suffix), "
+        "or both, one after the other (--adaptive only) (default: eagle3; both with "
+        "--adaptive)",
     )
     dynamic.add_argument(
         "--static-k", type=int, default=2, help="K of the static setup (default 2)"
@@ -544,18 +800,33 @@ def main() -> int:
         "--reprofile", action="store_true", help="re-run the profiler even if --profile exists"
     )
     args = parser.parse_args()
-    if args.dynamic:
+    if args.drafter is None:
+        args.drafter = "both" if args.adaptive else "eagle3"
+    if args.adaptive and args.dynamic:
+        parser.error("--adaptive and --dynamic are two different comparisons; choose one")
+    if args.drafter == "both" and not args.adaptive:
+        parser.error("--drafter both only applies to --adaptive")
+    if args.workload != "chat" and not args.adaptive:
+        parser.error("--workload only applies to --adaptive")
+    if args.adaptive:
+        if args.setups is not None:
+            parser.error("--setups does not apply to --adaptive")
+        if args.static_k < 1:
+            parser.error(f"--static-k must be at least 1, got {args.static_k}")
+    elif args.dynamic:
         if args.setups is not None:
             parser.error("--setups does not apply to --dynamic (it runs none, static K, profiled)")
         if args.static_k < 1:
             parser.error(f"--static-k must be at least 1, got {args.static_k}")
     elif args.reprofile:
-        parser.error("--reprofile only applies to --dynamic")
+        parser.error("--reprofile only applies to --dynamic and --adaptive")
     chosen = [s.strip() for s in (args.setups or ",".join(SETUPS)).split(",") if s.strip()]
     unknown = [s for s in chosen if s not in SETUPS]
     if unknown:
         parser.error(f"unknown setups {unknown}; choose from {list(SETUPS)}")
     model_dir, served = resolve_model_arg(args.model)
+    if args.adaptive:
+        return guarded(lambda: adaptive_body(args, model_dir, served))
     if args.dynamic:
         return guarded(lambda: dynamic_body(args, model_dir, served))
 

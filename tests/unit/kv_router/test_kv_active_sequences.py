@@ -188,3 +188,33 @@ def test_speculative_depth_follows_the_dynamic_schedule() -> None:
     )
     assert [speculative_depth(gappy, b) for b in (1, 4, 9, 20)] == [3, 3, 0, 0]  # capped at 3
     assert speculative_depth(None, 3) == 0
+
+
+def test_an_adaptive_workers_reported_k_overrides_its_schedule() -> None:
+    info = SpeculativeInfo(
+        method="ngram", num_speculative_tokens=3, schedule=[[1, 4, 3], [5, 64, 1]], adaptive=True
+    )
+    assert speculative_depth(info, 8) == 1  # no report yet: the schedule's
+    assert speculative_depth(info, 8, reported=2) == 2
+    assert speculative_depth(info, 1, reported=0) == 0
+    assert speculative_depth(info, 1, reported=5) == 3  # capped at the static K
+    fixed = SpeculativeInfo(method="ngram", num_speculative_tokens=3)
+    assert speculative_depth(fixed, 1, reported=0) == 3  # only an adaptive card follows reports
+
+
+def test_setting_the_speculative_depth_rebooks_every_request_in_flight() -> None:
+    seqs = ActiveSequences(block_size=16, num_speculative_tokens=3)
+    seqs.add_request("a", 30, token_ids=list(range(30)))  # 30 + 3 tokens: 3 blocks
+    seqs.add_request("b", 14, token_ids=list(range(100, 114)), num_speculative_tokens=1)
+    assert seqs.active_blocks == 4
+    seqs.set_speculative_depth(0)
+    assert [seqs.get(r).num_speculative_tokens for r in ("a", "b")] == [0, 0]
+    assert seqs.active_blocks == 3  # 30 tokens: 2 blocks; 14: 1
+    seqs.set_speculative_depth(4)
+    assert seqs.active_blocks == 5  # 34: 3 blocks; 18: 2
+    seqs.add_request("c", 12, token_ids=list(range(200, 212)))
+    assert seqs.get("c").num_speculative_tokens == 4
+    seqs.free("a"), seqs.free("b"), seqs.free("c")
+    assert seqs.active_blocks == 0
+    with pytest.raises(ValueError):
+        seqs.set_speculative_depth(-1)

@@ -239,7 +239,7 @@ async def test_feeds_apply_events_cards_and_metrics() -> None:
     router = build_kv_router(worker_card(1))
     await asyncio.wait_for(router.feed(source()), 1.0)  # type: ignore[arg-type]
     assert router.scheduler.indexer.find_matches_for_tokens(PROMPT).scores == {2: 4}
-    assert router.scheduler.worker_spec(2).num_speculative_tokens(1) == 3
+    assert router.scheduler.speculative_depth_of(2, 1) == 3
     await router.close()
     with pytest.raises(RuntimeError):
         router.feed(source())  # type: ignore[arg-type]
@@ -306,3 +306,33 @@ async def test_debug_state_reports_cache_load_and_predicted_hits() -> None:
 
     await router.close()
     assert attachment.closed, "close() closes what the router owns"
+
+
+def test_an_adaptive_workers_reported_k_rebooks_its_requests_in_flight() -> None:
+    """An adaptive worker (`--speculation-adapt`) says the K in force in its load reports:
+    the speculative slots booked for its requests follow it, and a worker whose card does
+    not adapt keeps the card's K whatever its reports say."""
+    scheduler = KvScheduler(B, rng=random.Random(0))
+    adaptive = SpeculativeInfo(
+        method="ngram", num_speculative_tokens=3, schedule=[[1, 64, 3]], adaptive=True
+    )
+    scheduler.update_worker(KvWorkerSpec(1, B, adaptive))
+    scheduler.update_worker(KvWorkerSpec(2, B, SpeculativeInfo("ngram", 3)))
+    prompt = list(range(2000, 2000 + 3 * B - 1))  # 4 blocks with K >= 2, 3 with K = 0
+    scheduler.schedule("a", prompt, [1])
+    scheduler.schedule("b", prompt, [2])
+    books = {w: scheduler.sequences.get(w) for w in (1, 2)}
+    assert books[1].active_blocks == books[2].active_blocks == 4  # the schedule's K = 3
+    for k, blocks in ((0, 3), (2, 4), (0, 3)):
+        for worker in (1, 2):
+            scheduler.update_load(LoadMetrics(worker_id=worker, num_speculative_tokens=k))
+        assert scheduler.speculative_depth_of(1) == k
+        assert books[1].get("a").num_speculative_tokens == k
+        assert books[1].active_blocks == blocks
+        assert scheduler.speculative_depth_of(2) == 3 and books[2].active_blocks == 4
+    scheduler.schedule("c", [*prompt, 1, 2], [1])  # booked at the K in force
+    assert books[1].get("c").num_speculative_tokens == 0
+    scheduler.update_load(LoadMetrics(worker_id=1, num_speculative_tokens=9))
+    assert scheduler.speculative_depth_of(1) == 3  # capped at the card's static K
+    scheduler.update_load(LoadMetrics(worker_id=1))  # a report without K changes nothing
+    assert scheduler.speculative_depth_of(1) == 3

@@ -17,6 +17,7 @@ import pytest
 from dynamo.llm.protocols import SpeculativeInfo
 from dynamo.vllm.speculation_monitor import SpeculationMonitor
 from dynamo.vllm.speculation_profile import SpeculationProfile, StepTimes
+from dynamo.vllm.speculation_state import SpeculationSnapshot
 
 SCHEDULE = [[1, 2, 3], [3, 6, 2], [7, 8, 0]]
 ACCEPTANCE = [0.6, 0.4, 0.2]
@@ -109,6 +110,28 @@ def test_k_without_a_schedule_or_speculation(clock: FakeClock) -> None:
     on = SpeculationMonitor.for_engine(profile(), info, clock=clock)
     on.observe(4, Counters())
     assert (on.k_in_force, on.static_k) == (2, 3)
+
+
+def test_an_adaptive_engines_k_is_the_one_its_scheduler_chose_last(clock: FakeClock) -> None:
+    chosen: list[SpeculationSnapshot | None] = [None]
+    info = SpeculativeInfo("ngram", 3, schedule=SCHEDULE, adaptive=True)
+    mon = SpeculationMonitor.for_engine(profile(), info, clock=clock, adapted=lambda: chosen[0])
+    mon.observe(4, Counters())
+    assert mon.k_in_force == 2  # nothing chosen yet: the schedule's
+    assert mon.steps_at_k == ()
+    for steps, k in enumerate((0, 3, 1), start=1):
+        chosen[0] = SpeculationSnapshot(k, steps, (1, 1, 0, 1))
+        mon.observe(4, Counters())
+        assert mon.k_in_force == k
+    assert mon.steps_at_k == (1, 1, 0, 1)
+    fixed = SpeculationMonitor.for_engine(
+        profile(),
+        SpeculativeInfo("ngram", 3, schedule=SCHEDULE),
+        clock=clock,
+        adapted=lambda: SpeculationSnapshot(0, 1, (1,)),
+    )
+    fixed.observe(4, Counters())
+    assert fixed.k_in_force == 2  # a card that does not adapt keeps its schedule
 
 
 # --------------------------------------------------------------------------- windows
@@ -215,6 +238,33 @@ def test_collector_exports_the_monitor(clock: FakeClock) -> None:
     before_engine = VllmWorkerCollector(stats, RequestCounters(), {}, monitor=lambda: None)
     names = {family.name for family in before_engine.collect()}
     assert "dynamo_worker_spec_decode_k" not in names
+    assert "dynamo_worker_spec_decode_k_steps" not in {f.name for f in collector.collect()}
+
+
+def test_collector_exports_an_adaptive_engines_steps_at_each_k(clock: FakeClock) -> None:
+    from dynamo.vllm.engine_stats import EngineStats
+    from dynamo.vllm.handlers import RequestCounters
+    from dynamo.vllm.metrics import VllmWorkerCollector
+
+    stats = EngineStats()
+    info = SpeculativeInfo("ngram", 3, schedule=SCHEDULE, adaptive=True)
+    mon = SpeculationMonitor.for_engine(
+        profile(), info, clock=clock, adapted=lambda: SpeculationSnapshot(1, 9, (5, 3, 0, 1))
+    )
+
+    def observed() -> SpeculationMonitor:
+        mon.observe(stats.snapshot.running, stats.spec)
+        return mon
+
+    collector = VllmWorkerCollector(stats, RequestCounters(), {"model": "m"}, monitor=observed)
+    steps = {
+        sample.labels["k"]: sample.value
+        for family in collector.collect()
+        if family.name == "dynamo_worker_spec_decode_k_steps"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+    assert steps == {"0": 5, "1": 3, "2": 0, "3": 1}
 
 
 def test_backend_observes_at_every_load_report(clock: FakeClock, tiny_model) -> None:

@@ -21,6 +21,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.platforms import current_platform
 from vllm_config_support import speculators_config, write_config
 
+from dynamo.vllm.adaptive_speculation import SCHEDULER_CLS, adaptive_entry
 from dynamo.vllm.args import (
     ConfigError,
     parse_worker_args,
@@ -654,3 +655,42 @@ def test_profile_where_speculation_never_pays_says_to_serve_without_it(parse, pr
     path = profile_file(schedule=[[1, 8, 0]])
     with pytest.raises(ConfigError, match=r"speculation never paid.*without speculation"):
         parse("--spec-method", "ngram", "--speculation-profile", str(path))
+
+
+# --------------------------------------------------------------------------- --speculation-adapt
+
+
+def test_adaptation_runs_the_adaptive_scheduler_from_the_profile(parse, profile_file) -> None:
+    path = profile_file()
+    cfg = parse(
+        "--speculative-config", json.dumps(NGRAM), "--speculation-profile", str(path),
+        "--speculation-adapt", "acceptance", "--speculation-window", "50",
+        "--speculation-warmup", "0",
+    )  # fmt: skip
+    assert cfg.engine_args.scheduler_cls == SCHEDULER_CLS
+    entry = adaptive_entry(cfg.engine_args.additional_config)
+    assert entry is not None
+    assert entry["profile"] == str(path)
+    assert (entry["window_steps"], entry["warmup_drafts"]) == (50, 0)
+    assert entry["adapt_step_times"] is False  # `acceptance`: the profile's step times stay
+    assert entry["free_k0"] is True  # n-gram: no search at K = 0 (the dynamo_free_k0 plugin)
+    assert cfg.speculative_config["num_speculative_tokens_per_batch_size"] == PROFILE_SCHEDULE
+    full = parse(
+        "--speculative-config", json.dumps(NGRAM), "--speculation-profile", str(path),
+        "--speculation-adapt", "full",
+    )  # fmt: skip
+    assert adaptive_entry(full.engine_args.additional_config)["adapt_step_times"] is True
+    assert adaptive_entry(parse().engine_args.additional_config) is None  # off by default
+
+
+def test_adaptation_without_a_profile_or_beside_another_scheduler_is_refused(
+    parse, profile_file
+) -> None:
+    with pytest.raises(ConfigError, match="--speculation-adapt needs --speculation-profile"):
+        parse("--speculative-config", json.dumps(NGRAM), "--speculation-adapt", "full")
+    with pytest.raises(ConfigError, match="replaces vLLM's scheduler"):
+        parse(
+            "--speculative-config", json.dumps(NGRAM), "--speculation-profile",
+            str(profile_file()), "--speculation-adapt", "full",
+            "--scheduler-cls", "vllm.v1.core.sched.scheduler.Scheduler",
+        )  # fmt: skip

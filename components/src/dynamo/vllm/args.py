@@ -45,7 +45,11 @@ from dynamo.vllm.kv_defaults import (
 from dynamo.vllm.model_resolution import resolve_target, served_name
 from dynamo.vllm.sampling_defaults import check_generation_config
 from dynamo.vllm.speculation_profile import SpeculationProfile
-from dynamo.vllm.speculative_resolution import load_speculation_profile, resolve_speculative
+from dynamo.vllm.speculative_resolution import (
+    configure_adaptation,
+    load_speculation_profile,
+    resolve_speculative,
+)
 from dynamo.vllm.worker_parser import (
     DEFAULT_COMPONENT,
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -163,6 +167,13 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> VllmWorkerConfig:
     check_generation_config(values.get("generation_config"))
     profile = load_speculation_profile(full["speculation_profile"])
     resolve_speculative(values, sources, layers, checkpoint, dry_run=dry_run, profile=profile)
+    configure_adaptation(
+        values,
+        full["speculation_adapt"],
+        full["speculation_profile"],
+        window_steps=full["speculation_window"],
+        warmup_drafts=full["speculation_warmup"],
+    )
     check_block_size(values, sources)
     kv_events_port = configure_kv_events(values, sources, full["kv_events_port"])
     nats_server = full["nats_server"] or os.environ.get("NATS_SERVER") or DEFAULT_NATS

@@ -20,6 +20,7 @@ from dynamo.llm.kv_router.zmq_relay import KvEventRelay
 from dynamo.llm.protocols import LLMEngineOutput, LoadMetrics, PreprocessedRequest, WorkerType
 from dynamo.llm.worker import EngineDescription
 from dynamo.runtime import Context
+from dynamo.vllm.adaptive_speculation import adaptive_entry, state_path_of
 from dynamo.vllm.args import VllmWorkerConfig
 from dynamo.vllm.engine import EngineFacts, VllmEngine
 from dynamo.vllm.handlers import GenerateHandler, RequestCounters
@@ -28,6 +29,7 @@ from dynamo.vllm.kv_transfer import KvTransferJanitor, default_ttl, disk_connect
 from dynamo.vllm.publishers import engine_load, relay_kv_events
 from dynamo.vllm.sampling_defaults import sampling_defaults_from
 from dynamo.vllm.speculation_monitor import SpeculationMonitor
+from dynamo.vllm.speculation_state import SpeculationSnapshot, SpeculationStateReader
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class VllmBackend:
         self._storage_check: SharedStorageCheck | None = None
         self._loading: asyncio.Future[EngineFacts] | None = None
         self._dead: str | None = None
+        self._spec_state: SpeculationStateReader | None = None
         self.spec_monitor: SpeculationMonitor | None = None
         """K in force and acceptance against --speculation-profile; set once the engine
         runs (its resolved speculative config decides K)."""
@@ -66,8 +69,11 @@ class VllmBackend:
         self._loading = asyncio.ensure_future(asyncio.to_thread(self.engine.start))
         facts = await asyncio.shield(self._loading)
         self.engine.attach_to_running_loop()
+        adaptive = adaptive_entry(self.cfg.engine_args.additional_config)
+        if adaptive is not None:
+            self._spec_state = SpeculationStateReader(state_path_of(adaptive))
         self.spec_monitor = SpeculationMonitor.for_engine(
-            self.cfg.speculation_profile, facts.speculative
+            self.cfg.speculation_profile, facts.speculative, adapted=self._adapted
         )
         self._janitor = self._start_kv_janitor(facts)
         self._handler = GenerateHandler(
@@ -117,8 +123,13 @@ class VllmBackend:
 
     def load_metrics(self, worker_id: int) -> LoadMetrics:
         facts = self.engine.facts
-        self.observe_speculation()
-        return engine_load(worker_id, self.engine.stats, facts.num_gpu_blocks if facts else 0)
+        monitor = self.observe_speculation()
+        return engine_load(
+            worker_id,
+            self.engine.stats,
+            facts.num_gpu_blocks if facts else 0,
+            monitor.k_in_force if monitor is not None and facts and facts.speculative else None,
+        )
 
     def watch_load(self, changed: Callable[[], None]) -> None:
         self.engine.stats.watch(changed)
@@ -153,9 +164,16 @@ class VllmBackend:
         if self._probe is not None:
             self._probe.remove()
         self.engine.shutdown()
+        if self._spec_state is not None:
+            self._spec_state.close(remove=True)
         _remove_ipc_sockets(self.cfg.kv_events_endpoint, self.cfg.kv_events_replay_endpoint)
 
     # ------------------------------------------------------------------ internals
+
+    def _adapted(self) -> SpeculationSnapshot | None:
+        """What the adaptive scheduler chose (None: not adaptive, or no decoding step
+        yet)."""
+        return self._spec_state.read() if self._spec_state is not None else None
 
     def _on_engine_dead(self, exc: BaseException) -> None:
         """A request met the dead engine: the process stops at the next watchdog tick."""

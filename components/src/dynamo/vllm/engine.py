@@ -16,6 +16,7 @@ from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from dynamo.llm.protocols import SpeculativeInfo
+from dynamo.vllm.adaptive_speculation import adaptive_entry
 from dynamo.vllm.engine_stats import EngineStats, make_stat_logger_factory
 from dynamo.vllm.kv_layout import describe_kv_layout
 from dynamo.vllm.spec_config import ConfigError
@@ -56,8 +57,9 @@ class EngineFacts:
     kv_layout: str = ""  # what a prefill/decode pair must share (`kv_layout.describe_kv_layout`)
 
 
-def speculative_info(spec_config: Any) -> SpeculativeInfo | None:
-    """Summarise vLLM's resolved `SpeculativeConfig` for the model card."""
+def speculative_info(spec_config: Any, *, adaptive: bool = False) -> SpeculativeInfo | None:
+    """Summarise vLLM's resolved `SpeculativeConfig` for the model card; `adaptive`: K is
+    chosen each step (`--speculation-adapt`), so the router takes it from load reports."""
     if spec_config is None:
         return None
     method = str(getattr(spec_config, "method", None) or "unknown")
@@ -69,6 +71,7 @@ def speculative_info(spec_config: Any) -> SpeculativeInfo | None:
         num_speculative_tokens=k,
         draft_model=str(draft) if draft else None,
         schedule=[list(map(int, row)) for row in schedule] if schedule else None,
+        adaptive=adaptive,
     )
 
 
@@ -114,7 +117,10 @@ class VllmEngine:
             block_size=int(cfg.cache_config.block_size),
             num_gpu_blocks=int(cfg.cache_config.num_gpu_blocks or 0),
             max_num_seqs=int(cfg.scheduler_config.max_num_seqs),
-            speculative=speculative_info(cfg.speculative_config),
+            speculative=speculative_info(
+                cfg.speculative_config,
+                adaptive=adaptive_entry(cfg.additional_config) is not None,
+            ),
             sampling_defaults=dict(cfg.model_config.get_diff_sampling_param()),
             kv_connector=getattr(cfg.kv_transfer_config, "kv_connector", None),
             kv_layout=describe_kv_layout(cfg),

@@ -130,6 +130,15 @@ class VllmWorkerCollector(Collector):
             "Draft tokens per step (K) in force for the current running batch",
             monitor.k_in_force,
         )
+        if monitor.steps_at_k:
+            steps = CounterMetricFamily(
+                "dynamo_worker_spec_decode_k_steps",
+                "Decoding steps the adaptive scheduler ran at each K (--speculation-adapt)",
+                labels=[*self.labels, "k"],
+            )
+            for k, count in enumerate(monitor.steps_at_k):
+                steps.add_metric([*self.labels.values(), str(k)], count)
+            yield steps
         window = monitor.window_acceptance_length
         yield self._gauge(
             "dynamo_worker_spec_decode_window_acceptance_length",

@@ -29,8 +29,11 @@ from dynamo.vllm.engine_stats import EngineStats
 log = logging.getLogger(__name__)
 
 
-def engine_load(worker_id: int, stats: EngineStats, num_gpu_blocks: int) -> LoadMetrics:
-    """The engine's latest scheduler snapshot as `LoadMetrics`.
+def engine_load(
+    worker_id: int, stats: EngineStats, num_gpu_blocks: int, speculative_k: int | None = None
+) -> LoadMetrics:
+    """The engine's latest scheduler snapshot as `LoadMetrics`, with the K in force of a
+    speculating engine.
 
     vLLM reserves one block as the null block and computes usage over the rest, so the
     same count is used to turn the usage fraction back into blocks.
@@ -45,6 +48,7 @@ def engine_load(worker_id: int, stats: EngineStats, num_gpu_blocks: int) -> Load
         active_blocks=round(usage * usable),
         total_blocks=usable,
         kv_usage=usage,
+        num_speculative_tokens=speculative_k,
     )
 
 

@@ -5,8 +5,9 @@ with; when live traffic accepts drafts much more or less often, another K would 
 and nothing in vLLM says so. The monitor is fed the engine's cumulative counters (whenever
 load is published or `/metrics` is scraped) and keeps:
 
-* the K in force for the current running batch (the schedule's, capped at the static K as
-  vLLM caps it; the static K without a schedule; 0 without speculation);
+* the K in force for the current running batch (on an adaptive worker, the K its scheduler
+  chose last; otherwise the schedule's, capped at the static K as vLLM caps it; the static
+  K without a schedule; 0 without speculation);
 * the acceptance length (`1 + accepted / drafts`) over fixed windows of `window_s`;
 * the profile's expected acceptance length at the K in force;
 * a drift check: at the end of each window with enough drafts, a first-position acceptance
@@ -33,6 +34,7 @@ from dynamo.vllm.speculation_profile import (
     k_for_batch,
     tokens_per_step,
 )
+from dynamo.vllm.speculation_state import SpeculationSnapshot
 
 log = logging.getLogger("dynamo.vllm")
 
@@ -102,7 +104,10 @@ class SpeculationMonitor:
         static_k: int = 0,
         min_drafts: int = MIN_DRAFTS,
         tolerance: float = DRIFT_TOLERANCE,
+        adapted: Callable[[], SpeculationSnapshot | None] | None = None,
     ) -> None:
+        """`adapted`: what an adaptive scheduler chose (None until it chose a K); without
+        it, or while it has none, K is the schedule's."""
         if window_s <= 0:
             raise ValueError(f"window_s must be positive, got {window_s}")
         self.profile = profile
@@ -112,6 +117,9 @@ class SpeculationMonitor:
         self.min_drafts = min_drafts
         self.tolerance = tolerance
         self._clock = clock
+        self._adapted = adapted
+        self.steps_at_k: tuple[int, ...] = ()
+        """An adaptive engine's decoding steps at each K so far (empty otherwise)."""
         self._lock = threading.Lock()
         self._window_start = clock()
         # The engine's counters start at zero with the engine, before the monitor exists.
@@ -129,12 +137,21 @@ class SpeculationMonitor:
         info: SpeculativeInfo | None,
         window_s: float = DEFAULT_WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        adapted: Callable[[], SpeculationSnapshot | None] | None = None,
     ) -> SpeculationMonitor:
         """A monitor for what the engine actually runs (vLLM's resolved config, as the
         model card advertises it), so K is the engine's, not the command line's."""
         if info is None:
             return cls(profile, None, window_s, clock)
-        return cls(profile, info.schedule, window_s, clock, static_k=info.num_speculative_tokens)
+        return cls(
+            profile,
+            info.schedule,
+            window_s,
+            clock,
+            static_k=info.num_speculative_tokens,
+            adapted=adapted if info.adaptive else None,
+        )
 
     def k_for_running(self, running: int) -> int:
         """The K vLLM runs with `running` scheduled sequences (an idle engine's next step
@@ -144,12 +161,20 @@ class SpeculationMonitor:
         k = k_for_batch(self.schedule, max(running, 1))
         return min(k, self.static_k) if self.static_k else k
 
+    def _k_now(self, running: int) -> int:
+        """The adaptive scheduler's last K where there is one, else the schedule's."""
+        snapshot = self._adapted() if self._adapted is not None else None
+        if snapshot is None:
+            return self.k_for_running(running)
+        self.steps_at_k = snapshot.steps_at_k
+        return snapshot.k
+
     def observe(self, running: int, spec: SpecCounters) -> None:
         """Take the engine's current batch size and cumulative counters; closes the window
         (and checks drift) once `window_s` has passed since it started."""
         with self._lock:
             now = self._clock()
-            self.k_in_force = self.k_for_running(running)
+            self.k_in_force = self._k_now(running)
             totals = _Totals.of(spec)
             if totals.drafts < self._base.drafts:  # counters from another source: restart
                 self._base = totals

@@ -19,6 +19,7 @@ from typing import Any, get_args
 from dynamo.llm.models import is_known_name
 from dynamo.runtime.cli import ConfigError
 from dynamo.vllm import spec_config as sc
+from dynamo.vllm.adaptive_speculation import SCHEDULER_CLS, AdaptationSettings, engine_config
 from dynamo.vllm.config_layers import (
     SRC_FILE,
     SRC_JSON,
@@ -36,6 +37,7 @@ from dynamo.vllm.speculation_profile import (
     load_profile,
     never_speculates,
 )
+from dynamo.vllm.speculation_state import new_state_path
 
 log = logging.getLogger("dynamo.vllm")
 
@@ -258,3 +260,63 @@ def _check_schedule(spec: dict[str, Any]) -> None:
             f"speculative_config.num_speculative_tokens_per_batch_size: {exc}"
         ) from exc
     spec["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in normalized]
+
+
+# --------------------------------------------------------------------------- --speculation-adapt
+
+
+FREE_AT_K0 = frozenset({"ngram"})
+"""Methods whose step at K = 0 runs no drafting work (the `dynamo_free_k0` vLLM plugin)."""
+
+
+def drafting_is_free_at_k0(spec: object) -> bool:
+    """Whether a step at K = 0 costs what the plain engine's does for this speculative
+    config: the chooser then prices K = 0 at the profile's no-speculation step time."""
+    return isinstance(spec, Mapping) and spec.get("method") in FREE_AT_K0
+
+
+def configure_adaptation(
+    values: dict[str, Any],
+    mode: str,
+    profile_path: str | None,
+    *,
+    window_steps: int,
+    warmup_drafts: int,
+) -> None:
+    """`--speculation-adapt`: vLLM's scheduler becomes the adaptive one
+    (`adaptive_scheduler`), told through `additional_config` where the profile is and how
+    to adapt. The profile's schedule stays in the speculative config: it keeps vLLM in
+    its dynamic-K mode, and the chooser replaces its K step by step."""
+    if mode == "off":
+        return
+    if not profile_path:
+        raise ConfigError(
+            "--speculation-adapt needs --speculation-profile: the profile's acceptance and "
+            "step times are where adaptation starts (measure one with "
+            "`python -m dynamo.vllm.profile_spec`)"
+        )
+    if values.get("scheduler_cls"):
+        raise ConfigError(
+            f"--speculation-adapt replaces vLLM's scheduler; --scheduler-cls "
+            f"{values['scheduler_cls']} was given too"
+        )
+    settings = AdaptationSettings(
+        window_steps=window_steps,
+        warmup_drafts=warmup_drafts,
+        adapt_step_times=mode == "full",
+    )
+    extra = dict(values.get("additional_config") or {})
+    extra.update(
+        engine_config(
+            Path(profile_path).expanduser(),
+            settings,
+            free_k0=drafting_is_free_at_k0(values.get("speculative_config")),
+            state_path=new_state_path(),
+        )
+    )
+    values["scheduler_cls"] = SCHEDULER_CLS
+    values["additional_config"] = extra
+    log.info(
+        "speculation adapts online (%s): window %d steps, warm-up %d drafts",
+        mode, window_steps, warmup_drafts,
+    )  # fmt: skip

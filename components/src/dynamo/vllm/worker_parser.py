@@ -29,9 +29,15 @@ from dynamo.runtime.cli import (
     non_negative_int,
     port,
     positive_float,
+    positive_int,
 )
 from dynamo.runtime.nats_options import add_nats_arguments
 from dynamo.runtime.runtime import CLUSTER_LEASE_TTL_S, DEFAULT_LEASE_TTL_S
+from dynamo.vllm.adaptive_speculation import (
+    ADAPT_MODES,
+    DEFAULT_WARMUP_DRAFTS,
+    DEFAULT_WINDOW_STEPS,
+)
 
 DisaggregationMode = Literal["agg", "prefill", "decode"]
 WORKER_GROUP = "DynamoWorker"
@@ -203,6 +209,34 @@ def _add_worker_flags(parser: FlexibleArgumentParser) -> None:
         "method (--spec-method/--spec-model, --speculative-config or --extra-engine-args) and "
         "no schedule of its own; an explicit num_speculative_tokens must be at least the "
         "schedule's largest K (unset, it becomes that K)." + _OWN_DEFAULT,
+    )
+    group.add_argument(
+        "--speculation-adapt",
+        choices=ADAPT_MODES,
+        default="off",
+        help="Choose K each step from what this worker measures (needs --speculation-profile, "
+        "whose numbers it starts from): `acceptance` follows the per-position acceptance of "
+        "the drafts verified lately; `full` also corrects the profile's step times by this "
+        "worker's own; `off` (default) runs the profile's schedule as it is. K > 0 is chosen "
+        "only where it beats K=0 by 3%%; after 50 steps at K=0 one step drafts a token to "
+        "see whether acceptance came back (docs/speculative_decoding.md).",
+    )
+    group.add_argument(
+        "--speculation-window",
+        type=positive_int,
+        default=DEFAULT_WINDOW_STEPS,
+        metavar="STEPS",
+        help="With --speculation-adapt: decoding steps (those at K=0 included) over which "
+        "old acceptance and step times fade to a third (default: %(default)s).",
+    )
+    group.add_argument(
+        "--speculation-warmup",
+        type=non_negative_int,
+        default=DEFAULT_WARMUP_DRAFTS,
+        metavar="DRAFTS",
+        help="With --speculation-adapt: how many drafts at each position the profile's "
+        "acceptance counts as at start; live drafts outweigh it after about that many "
+        "(default: %(default)s).",
     )
     group.add_argument(
         "--migration-limit",

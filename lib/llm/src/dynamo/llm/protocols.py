@@ -216,6 +216,9 @@ class SpeculativeInfo(msgspec.Struct, omit_defaults=True):
     draft_model: str | None = None
     # Dynamic speculation: [[batch_lo, batch_hi, K], ...]
     schedule: list[list[int]] | None = None
+    # K chosen online each step (`--speculation-adapt`): the schedule is where it starts,
+    # and the worker's load reports say the K in force.
+    adaptive: bool = False
 
 
 class SamplingDefaults(msgspec.Struct, omit_defaults=True):
@@ -318,6 +321,9 @@ class LoadMetrics(msgspec.Struct, omit_defaults=True):
     active_blocks: int = 0  # includes speculative slots
     total_blocks: int = 0
     kv_usage: float = 0.0
+    # Draft tokens per step (K) in force on a speculating worker; None where the worker
+    # does not say (the router then takes the card's schedule).
+    num_speculative_tokens: int | None = None
 
 
 # --------------------------------------------------------------------------- router replica sync

@@ -45,13 +45,18 @@ def scheduled_k(schedule: Sequence[Sequence[int]], batch_size: int) -> int:
     return k
 
 
-def speculative_depth(info: SpeculativeInfo | None, batch_size: int = 1) -> int:
-    """The number of draft tokens K a worker proposes per step at `batch_size`: its
-    dynamic schedule's K (`scheduled_k`) capped at the static `num_speculative_tokens`, or
-    that static K without a schedule; 0 without speculation."""
+def speculative_depth(
+    info: SpeculativeInfo | None, batch_size: int = 1, reported: int | None = None
+) -> int:
+    """The number of draft tokens K a worker proposes per step at `batch_size`: on an
+    adaptive worker the K it `reported` in force; otherwise (or before its first report)
+    its dynamic schedule's K (`scheduled_k`); either capped at the static
+    `num_speculative_tokens`, or that static K without a schedule; 0 without speculation."""
     if info is None:
         return 0
     static = max(0, info.num_speculative_tokens)
+    if info.adaptive and reported is not None:
+        return max(0, min(reported, static))
     if not any(len(entry) >= 3 for entry in info.schedule or ()):
         return static
     return max(0, min(scheduled_k(info.schedule or [], batch_size), static))
@@ -254,6 +259,19 @@ class ActiveSequences:
         self._advance(state, num_tokens, None)
         if not state.prefill_pending:
             state.stored_blocks = max(state.stored_blocks, state.context_len // state.block_size)
+
+    def set_speculative_depth(self, k: int) -> None:
+        """The worker drafts `k` tokens a step from now on (an adaptive worker's report):
+        every request in flight holds K slots ahead at the new K, as the engine allocates
+        them at its next step, and requests added later start with it."""
+        if k < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
+        self.num_speculative_tokens = k
+        for state in self._requests.values():
+            if state.num_speculative_tokens != k:
+                self._private_blocks -= state.private_blocks
+                state.num_speculative_tokens = k
+                self._private_blocks += state.private_blocks
 
     def free(self, request_id: str) -> bool:
         """Release everything the request holds (finish or cancel). False if unknown."""

@@ -93,15 +93,16 @@ class KvWorkerSpec:
     block_size: int
     speculative: SpeculativeInfo | None = None
 
+    @property
+    def is_adaptive(self) -> bool:
+        """K is chosen online (`--speculation-adapt`): the worker reports the K in force."""
+        return self.speculative is not None and self.speculative.adaptive
+
     @classmethod
     def from_card(cls, card: ModelCard, default_block_size: int) -> KvWorkerSpec:
         """Read the card a worker registered; a card without a block size gets the
         model's (the first card's) block size."""
         return cls(card.instance_id, card.kv_block_size or default_block_size, card.speculative)
-
-    def num_speculative_tokens(self, batch_size: int) -> int:
-        """K at `batch_size` requests (dynamic speculation changes K with the batch)."""
-        return speculative_depth(self.speculative, batch_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +224,7 @@ class KvScheduler:
         self._rng = rng or random.Random()
         self._workers: dict[int, KvWorkerSpec] = {}
         self._metrics: dict[int, tuple[float, LoadMetrics]] = {}
+        self._reported_k: dict[int, int] = {}  # K in force, from each worker's last report
         self._metrics_ttl = load_metrics_ttl_s
         self._hold_off = load_report_hold_off_s
         self._released_at: dict[int, float] = {}  # worker id -> last time a request ended
@@ -265,6 +267,7 @@ class KvScheduler:
         """A worker's lease expired: forget its cache, its books and its metrics."""
         self._workers.pop(worker_id, None)
         self._metrics.pop(worker_id, None)
+        self._reported_k.pop(worker_id, None)
         self._released_at.pop(worker_id, None)
         self.indexer.remove_worker(worker_id)
         orphaned = self.sequences.remove_worker(worker_id)
@@ -285,8 +288,22 @@ class KvScheduler:
             self.anticipated.remove_worker(event.worker_id)
 
     def update_load(self, metrics: LoadMetrics) -> None:
-        """A worker's own load report; used while younger than the TTL."""
+        """A worker's own load report; used while younger than the TTL. An adaptive
+        worker's K in force re-books the speculative slots of its requests in flight."""
         self._metrics[metrics.worker_id] = (self._clock(), metrics)
+        if metrics.num_speculative_tokens is None:
+            return
+        self._reported_k[metrics.worker_id] = metrics.num_speculative_tokens
+        seqs = self.sequences.get(metrics.worker_id)
+        if seqs is not None and self.worker_spec(metrics.worker_id).is_adaptive:
+            seqs.set_speculative_depth(self.speculative_depth_of(metrics.worker_id))
+
+    def speculative_depth_of(self, worker_id: int, batch_size: int = 1) -> int:
+        """K on `worker_id` with `batch_size` requests: the K an adaptive worker last
+        reported in force, else its card's (dynamic speculation changes K with the batch)."""
+        return speculative_depth(
+            self.worker_spec(worker_id).speculative, batch_size, self._reported_k.get(worker_id)
+        )
 
     # ------------------------------------------------------------------ decisions
 
@@ -371,7 +388,7 @@ class KvScheduler:
             return False
         self.release(key)  # a retried or re-announced request is re-booked, not doubled
         self.sequences.ensure_worker(
-            booking.worker_id, config.block_size, speculative_depth(config.speculative)
+            booking.worker_id, config.block_size, self.speculative_depth_of(booking.worker_id)
         )
         self.sequences.add_request(
             booking.worker_id,
@@ -465,7 +482,12 @@ class KvScheduler:
             "anticipated_blocks": self.anticipated.block_count(worker_id),
             "active_blocks": seqs.active_blocks if seqs is not None else 0,
             "active_requests": seqs.active_requests if seqs is not None else 0,
-            "num_speculative_tokens": speculative_depth(self.worker_spec(worker_id).speculative),
+            "num_speculative_tokens": self.speculative_depth_of(worker_id),
+            # The K each request in flight is booked with (one value but while a new K
+            # reaches a worker that does not adapt: its requests keep the K they began with).
+            "booked_speculative_tokens": sorted(
+                {state.num_speculative_tokens for state in seqs} if seqs is not None else ()
+            ),
             "routed": tally.as_dict(),
             "load": self._load_view(worker_id),
             "busy": self.busy_reason(worker_id) if self.busy.enabled else None,
@@ -482,6 +504,7 @@ class KvScheduler:
             "active_blocks": metrics.active_blocks,
             "total_blocks": metrics.total_blocks,
             "kv_usage": metrics.kv_usage,
+            "num_speculative_tokens": metrics.num_speculative_tokens,
             "age_s": round(self._clock() - received, 3),
         }
 
@@ -501,9 +524,9 @@ class KvScheduler:
     ) -> WorkerScore:
         config = self.worker_spec(worker_id)
         seqs = self.sequences.ensure_worker(
-            worker_id, config.block_size, speculative_depth(config.speculative)
+            worker_id, config.block_size, self.speculative_depth_of(worker_id)
         )
-        k = config.num_speculative_tokens(seqs.active_requests + 1)
+        k = self.speculative_depth_of(worker_id, seqs.active_requests + 1)
         if config.block_size != self.block_size:
             overlap = 0
             hashes = compute_block_hashes(token_ids, config.block_size)

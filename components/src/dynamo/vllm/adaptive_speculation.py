@@ -1,0 +1,358 @@
+"""The number of drafts K chosen online, each step, from what this worker measures.
+
+The offline profile (`speculation_profile`) fixes K per batch size from acceptance on the
+prompts it was profiled with and step times of an engine measured alone. Served traffic
+differs from both: its prompts accept more or fewer drafts, and a step costs more when
+the frontend, NATS and other processes share the cores. This module keeps two live
+estimates and picks, for the batch about to run, the K with the highest goodput
+
+    goodput(K, b) = b * (1 + d * sum(a_i for i < K)) / step(K, b)
+
+* `a_i`, the per-position acceptance (vLLM's per-position rate: the fraction of drafts
+  whose token i was accepted), kept as a product of conditional rates: `c_i`, the
+  fraction of drafts that reached position i with every earlier token accepted whose
+  token i was accepted too, from decayed counts of what this worker verified. A position
+  that the K in force has not reached lately keeps its last conditional rate, and its
+  `a_i` still follows the earlier positions: when traffic turns predictable while K is 1,
+  position 0's rise lifts positions 1 and 2 with it (kept as plain rates, a position not
+  drafted would stay where the last traffic left it, and K would stay at 1). The
+  profile's rates seed the conditional ones as `warmup_drafts` drafts at every position,
+  so a worker starts where the profile stands and follows live traffic as it comes. `d`
+  is the fraction of sequence-steps that carried a draft (below 1 for n-gram, which
+  proposes nothing where the context has no match), estimated the same way.
+* `step(K, b)`, the profile's step time corrected by this worker's own: a decayed ratio of
+  measured to profiled time, one per K (a K not run lately borrows the mean ratio).
+
+Two rules keep speculation from losing. K > 0 wins only when its goodput beats K = 0 by
+`margin` (an estimate's noise must not cost throughput). And a K that is never chosen is
+never measured, so after `probe_every` steps in a row at K = 0 one step drafts a single
+token: acceptance that has risen brings K back, at the cost of one cheap draft in many
+(steps at K = 1 go on while each pays by itself, until the estimate has caught up).
+The window counts decoding steps, those at K = 0 included, so by the time a probe runs
+the acceptance measured before it has faded, and the probe speaks for today's traffic.
+
+Pure arithmetic on plain numbers (no vLLM import): the scheduler feeds it and asks it,
+and the unit tests drive it with synthetic counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dynamo.vllm.speculation_profile import SpeculationProfile, load_profile, step_time
+
+SCHEDULER_CLS = "dynamo.vllm.adaptive_scheduler.AdaptiveSpeculationScheduler"
+"""vLLM's `--scheduler-cls` for an adaptive worker (resolved inside the engine core)."""
+ADDITIONAL_CONFIG_KEY = "dynamo_adaptive_speculation"
+"""Where the worker puts the chooser's settings in vLLM's `additional_config`."""
+ADAPT_MODES = ("off", "acceptance", "full")
+
+DEFAULT_WINDOW_STEPS = 200
+"""Decoding steps over which old counts fade to a third (decay 1 - 1/window)."""
+DEFAULT_WARMUP_DRAFTS = 256
+"""Drafts at each position the profile's acceptance counts as at start."""
+DEFAULT_MARGIN = 0.03
+"""Goodput a K > 0 must gain over K = 0, relative, to be chosen."""
+DEFAULT_PROBE_EVERY = 50
+"""Steps in a row at K = 0 after which one step drafts a token to re-measure acceptance."""
+RATIO_BOUNDS = (0.25, 4.0)
+"""A measured step further than this from the profile's (as a ratio) counts at the bound:
+one stall, the machine busy with something else, must not decide for a whole window."""
+
+
+class AdaptationError(ValueError):
+    """Settings the chooser cannot work with."""
+
+
+@dataclass(frozen=True)
+class AdaptationSettings:
+    window_steps: int = DEFAULT_WINDOW_STEPS
+    warmup_drafts: int = DEFAULT_WARMUP_DRAFTS
+    margin: float = DEFAULT_MARGIN
+    probe_every: int = DEFAULT_PROBE_EVERY
+    adapt_step_times: bool = True  # False: acceptance adapts, step times are the profile's
+
+    def __post_init__(self) -> None:
+        if self.window_steps < 1:
+            raise AdaptationError(f"the window must be at least 1 step, got {self.window_steps}")
+        if self.warmup_drafts < 0:
+            raise AdaptationError(f"warm-up drafts cannot be negative, got {self.warmup_drafts}")
+        if not 0.0 <= self.margin < 1.0:
+            raise AdaptationError(f"the margin must be in [0, 1), got {self.margin}")
+        if self.probe_every < 1:
+            raise AdaptationError(f"probe_every must be at least 1, got {self.probe_every}")
+
+
+@dataclass
+class DecayedRate:
+    """A rate from counts that fade by `decay` each time `fade` is called."""
+
+    hits: float
+    trials: float
+
+    def add(self, hits: float, trials: float) -> None:
+        self.hits += hits
+        self.trials += trials
+
+    def fade(self, decay: float) -> None:
+        self.hits *= decay
+        self.trials *= decay
+
+    def rate(self, default: float) -> float:
+        return self.hits / self.trials if self.trials > 1e-9 else default
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Per-position acceptance and the drafted fraction, warm-started from a profile."""
+
+    conditional: list[DecayedRate]
+    drafted: DecayedRate
+    decay: float
+
+    @classmethod
+    def from_profile(
+        cls, acceptance: Sequence[float], drafted: float, settings: AdaptationSettings
+    ) -> AcceptanceEstimate:
+        weight = float(settings.warmup_drafts)
+        return cls(
+            conditional=[DecayedRate(weight * c, weight) for c in conditional_rates(acceptance)],
+            drafted=DecayedRate(weight * drafted, weight),
+            decay=1.0 - 1.0 / settings.window_steps,
+        )
+
+    def observe(
+        self,
+        reached_per_position: Sequence[int],
+        accepted_per_position: Sequence[int],
+        sequences_asked: int,
+        sequences_drafted: int,
+    ) -> None:
+        """One verification step, summed over the batch: at each position, the drafts that
+        reached it with every earlier token accepted, and those whose token there was
+        accepted too; the sequences that were asked for drafts and those that got any."""
+        self.fade()
+        for i, (reached, accepted) in enumerate(
+            zip(reached_per_position, accepted_per_position, strict=True)
+        ):
+            if i < len(self.conditional) and reached > 0:
+                self.conditional[i].add(min(accepted, reached), reached)
+        if sequences_asked > 0:
+            self.drafted.add(min(sequences_drafted, sequences_asked), sequences_asked)
+
+    def fade(self) -> None:
+        """One decoding step has passed: older counts weigh less."""
+        for rate in self.conditional:
+            rate.fade(self.decay)
+        self.drafted.fade(self.decay)
+
+    def rates(self) -> list[float]:
+        """a_i for every position: the product of the conditional rates up to it. A
+        position never measured (no warm-up, no traffic) borrows the conditional rate
+        before it; position 0 unmeasured assumes no gain."""
+        out: list[float] = []
+        product, previous = 1.0, 0.0
+        for rate in self.conditional:
+            previous = min(max(rate.rate(previous), 0.0), 1.0)
+            product *= previous
+            out.append(product)
+        return out
+
+    def drafted_fraction(self) -> float:
+        return self.drafted.rate(1.0)
+
+    def tokens_per_step(self, k: int) -> float:
+        return 1.0 + self.drafted_fraction() * sum(self.rates()[:k])
+
+
+def conditional_rates(acceptance: Sequence[float]) -> list[float]:
+    """vLLM's per-position rates (a_i) as conditional ones (a_i / a_(i-1)); where an
+    earlier rate is 0 the ratio is unknown and the conditional rate before it stands in."""
+    out: list[float] = []
+    before = 1.0
+    for rate in acceptance:
+        if before > 0.0:
+            out.append(min(max(rate / before, 0.0), 1.0))
+        else:
+            out.append(out[-1] if out else 0.0)
+        before = rate
+    return out
+
+
+@dataclass
+class StepCost:
+    """The profile's step time at (K, batch), corrected by measured steps."""
+
+    profile: SpeculationProfile
+    decay: float
+    k0_ms: Sequence[float]  # what a step without drafting costs (the plain engine's)
+    ratios: dict[int, DecayedRate] = field(default_factory=dict)
+
+    def profiled_ms(self, k: int, batch: int) -> float:
+        times = self.k0_ms if k == 0 else self.profile.times_for(k).step_ms
+        return step_time(self.profile.batch_sizes, times, batch)
+
+    def observe(self, k: int, batch: int, measured_ms: float) -> None:
+        """One measured step that drafted `k` tokens for a batch of `batch`."""
+        if measured_ms <= 0 or batch < 1:
+            return
+        low, high = RATIO_BOUNDS
+        sample = min(max(measured_ms / self.profiled_ms(k, batch), low), high)
+        ratio = self.ratios.setdefault(k, DecayedRate(0.0, 0.0))
+        ratio.fade(self.decay)
+        ratio.add(sample, 1.0)
+
+    def correction(self, k: int) -> float:
+        """Measured over profiled time for K (the mean over measured Ks where K has not
+        been measured; 1 before any measurement)."""
+        measured = [r for r in self.ratios.values() if r.trials > 1e-9]
+        mean = sum(r.rate(1.0) for r in measured) / len(measured) if measured else 1.0
+        own = self.ratios.get(k)
+        return own.rate(mean) if own is not None else mean
+
+    def step_ms(self, k: int, batch: int) -> float:
+        """The corrected step time at K, never below a smaller K's: a step verifies and
+        drafts more tokens as K grows, so a K that measured cheaper than a smaller one
+        measured noise (on CPU the steps of neighbouring Ks differ by a few percent, as
+        much as two measurements of one K do), and must not win on it."""
+        return max(self.profiled_ms(j, batch) * self.correction(j) for j in range(k + 1))
+
+
+class AdaptiveK:
+    """Chooses K for each step; fed verification counts and measured step times."""
+
+    def __init__(
+        self,
+        profile: SpeculationProfile,
+        max_k: int,
+        settings: AdaptationSettings | None = None,
+        *,
+        free_k0: bool = True,
+    ) -> None:
+        """`max_k`: the engine's `num_speculative_tokens` (K never exceeds it, nor the
+        profile's largest K). `free_k0`: a step at K = 0 runs no drafter, so it costs what
+        the plain engine's does (the profile's `no_speculation_step_ms`); otherwise the
+        profile's K = 0 on the speculating engine."""
+        self.settings = settings or AdaptationSettings()
+        self.max_k = min(max_k, profile.max_k)
+        if self.max_k < 1:
+            raise AdaptationError(f"nothing to adapt: at most K={self.max_k}")
+        decay = 1.0 - 1.0 / self.settings.window_steps
+        self.acceptance = AcceptanceEstimate.from_profile(
+            profile.acceptance_per_position[: self.max_k], profile.drafted_fraction, self.settings
+        )
+        plain = profile.no_speculation_step_ms if free_k0 else []
+        self.cost = StepCost(profile, decay, plain or profile.times_for(0).step_ms)
+        self._steps_at_zero = 0
+        self._last_tokens_per_step: float | None = None
+        """Tokens per sequence-step one draft gave in the last verified step."""
+
+    def goodput(self, k: int, batch: int) -> float:
+        """Expected tokens per second of the whole batch at K."""
+        return batch * self.acceptance.tokens_per_step(k) * 1000.0 / self.cost.step_ms(k, batch)
+
+    def best(self, batch: int) -> int:
+        """The K with the highest goodput at `batch`; K > 0 must beat K = 0 by the margin,
+        and the smaller K wins a tie."""
+        if batch < 1:
+            return 0
+        floor = self.goodput(0, batch) * (1.0 + self.settings.margin)
+        best_k, best_rate = 0, floor
+        for k in range(1, self.max_k + 1):
+            rate = self.goodput(k, batch)
+            if rate > best_rate * (1.0 + 1e-9):
+                best_k, best_rate = k, rate
+        return best_k
+
+    def choose(self, batch: int) -> int:
+        """K for the next step of `batch` decoding sequences, probing after a long run
+        at K = 0 (see the module)."""
+        k = self.best(batch)
+        if k > 0 or batch < 1:
+            self._steps_at_zero = 0
+            return k
+        if self._last_step_pays(batch):
+            return 1  # the probe, or the steps since, found drafts worth it: go on looking
+        self._last_tokens_per_step = None
+        # A step without drafts measures nothing, but it is a step of the window: what was
+        # measured before fades, so that the next probe speaks for the traffic of now.
+        self.acceptance.fade()
+        self._steps_at_zero += 1
+        if self._steps_at_zero >= self.settings.probe_every:
+            self._steps_at_zero = 0
+            return 1
+        return 0
+
+    def _last_step_pays(self, batch: int) -> bool:
+        """Whether one draft, accepted as often as in the last verified step alone,
+        would beat K = 0 by the margin at `batch`. A probe's few drafts weigh little
+        against the window's counts, so while the estimate still says K = 0, steps at
+        K = 1 go on as long as each one pays by itself; their drafts bring the estimate
+        up within a window, or a step that does not pay ends the run."""
+        tokens = self._last_tokens_per_step
+        if tokens is None:
+            return False
+        one_draft = batch * tokens * 1000.0 / self.cost.step_ms(1, batch)
+        return one_draft > self.goodput(0, batch) * (1.0 + self.settings.margin)
+
+    def observe_verification(
+        self,
+        reached_per_position: Sequence[int],
+        accepted_per_position: Sequence[int],
+        sequences_asked: int,
+        sequences_drafted: int,
+    ) -> None:
+        """See `AcceptanceEstimate.observe`."""
+        if sequences_asked > 0:
+            reached = reached_per_position[0] if reached_per_position else 0
+            first = min(accepted_per_position[0], reached) / reached if reached else 0.0
+            drafted = min(sequences_drafted, sequences_asked) / sequences_asked
+            self._last_tokens_per_step = 1.0 + drafted * first
+        self.acceptance.observe(
+            reached_per_position, accepted_per_position, sequences_asked, sequences_drafted
+        )
+
+    def observe_step(self, k: int, batch: int, measured_ms: float) -> None:
+        if self.settings.adapt_step_times:
+            self.cost.observe(k, batch, measured_ms)
+
+
+def engine_config(
+    profile: Path, settings: AdaptationSettings, *, free_k0: bool, state_path: Path
+) -> dict[str, Any]:
+    """The entry of vLLM's `additional_config` that the adaptive scheduler reads:
+    `state_path` is where it shares the K in force with the worker (`speculation_state`)."""
+    return {
+        ADDITIONAL_CONFIG_KEY: {
+            "profile": str(profile),
+            "free_k0": free_k0,
+            "state_path": str(state_path),
+            **asdict(settings),
+        }
+    }
+
+
+def adaptive_entry(additional_config: object) -> Mapping[str, Any] | None:
+    """The adaptive scheduler's entry in vLLM's `additional_config`; None where the engine
+    does not adapt."""
+    if not isinstance(additional_config, Mapping):
+        return None
+    entry = additional_config.get(ADDITIONAL_CONFIG_KEY)
+    return entry if isinstance(entry, Mapping) else None
+
+
+def state_path_of(config: Mapping[str, Any]) -> Path:
+    """Where the engine config's scheduler shares the K in force."""
+    return Path(config["state_path"])
+
+
+def chooser_from_engine_config(config: Mapping[str, Any], max_k: int) -> AdaptiveK:
+    """The chooser `engine_config` describes, for an engine drafting at most `max_k`."""
+    entry = dict(config)
+    profile = load_profile(Path(entry.pop("profile")))
+    free_k0 = bool(entry.pop("free_k0"))
+    entry.pop("state_path")
+    return AdaptiveK(profile, max_k, AdaptationSettings(**entry), free_k0=free_k0)

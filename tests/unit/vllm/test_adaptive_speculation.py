@@ -1,0 +1,241 @@
+"""The online K chooser (`dynamo.vllm.adaptive_speculation`): warm-up from the profile,
+the decaying window, ties and the margin, K = 0 and its probe, empty windows, and step
+times far from the profile's."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from dynamo.vllm.adaptive_speculation import (
+    RATIO_BOUNDS,
+    AdaptationError,
+    AdaptationSettings,
+    AdaptiveK,
+)
+from dynamo.vllm.speculation_profile import SpeculationProfile, StepTimes
+
+# A CPU-like engine: a draft is cheap at batch 1 and costs more as the batch grows; the
+# plain engine (no drafter) is what a free K = 0 costs.
+PROFILE = SpeculationProfile(
+    model="m",
+    method="eagle3",
+    speculative_config={"method": "eagle3"},
+    batch_sizes=[1, 4, 16, 32],
+    acceptance_per_position=[0.7, 0.5, 0.35],
+    step_times=[
+        StepTimes(k=0, step_ms=[11.0, 13.5, 22.0, 44.0]),
+        StepTimes(k=1, step_ms=[12.0, 16.0, 34.0, 76.0]),
+        StepTimes(k=2, step_ms=[13.0, 19.0, 46.0, 108.0]),
+        StepTimes(k=3, step_ms=[14.0, 22.0, 58.0, 140.0]),
+    ],
+    no_speculation_step_ms=[10.0, 12.0, 20.0, 40.0],
+    schedule=[[1, 4, 3], [5, 32, 0]],
+    max_batch_size=32,
+)
+FAST = AdaptationSettings(window_steps=20, warmup_drafts=50, probe_every=5)
+
+
+def feed_acceptance(chooser: AdaptiveK, rates: list[float], steps: int, batch: int = 4) -> None:
+    """`steps` verification steps of `batch` sequences at the chooser's max K whose
+    position i is accepted at `rates[i]` (vLLM's per-position rates; counts rounded as a
+    batch would give them): a position is reached by the drafts accepted up to it."""
+    for _ in range(steps):
+        accepted = [round(batch * r) for r in rates]
+        reached = [batch, *accepted[:-1]]
+        chooser.observe_verification(reached, accepted, batch, batch)
+
+
+def test_before_any_traffic_the_choice_is_the_profiles() -> None:
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
+    assert chooser.best(1) == 3
+    assert chooser.best(32) == 0
+    assert chooser.acceptance.rates() == pytest.approx([0.7, 0.5, 0.35])
+
+
+def test_low_live_acceptance_drives_k_to_zero_and_high_brings_it_back() -> None:
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
+    feed_acceptance(chooser, [0.0, 0.0, 0.0], steps=60)
+    assert chooser.best(1) == 0
+    feed_acceptance(chooser, [1.0, 1.0, 1.0], steps=60)
+    assert chooser.best(1) == 3
+    assert chooser.best(16) > 0  # acceptance far above the profile's pays at larger batches
+
+
+def test_the_warm_up_weighs_the_profile_against_the_first_live_steps() -> None:
+    slow = AdaptiveK(PROFILE, max_k=3, settings=AdaptationSettings(warmup_drafts=10_000))
+    fast = AdaptiveK(PROFILE, max_k=3, settings=AdaptationSettings(warmup_drafts=0))
+    for chooser in (slow, fast):
+        feed_acceptance(chooser, [0.0, 0.0, 0.0], steps=5)
+    assert slow.acceptance.rates()[0] > 0.69  # five steps barely move 10,000 drafts
+    assert fast.acceptance.rates()[0] == 0.0  # no prior: the live counts are all there is
+
+
+def test_the_window_forgets_old_traffic() -> None:
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
+    feed_acceptance(chooser, [1.0, 1.0, 1.0], steps=200)
+    feed_acceptance(chooser, [0.25, 0.0, 0.0], steps=200)
+    assert chooser.acceptance.rates()[0] == pytest.approx(0.25, abs=0.01)
+
+
+def test_a_later_position_never_accepts_more_than_an_earlier_one() -> None:
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=AdaptationSettings(warmup_drafts=0))
+    # Position 1 reached twice and accepted both times; position 2 never reached: it
+    # borrows position 1's conditional rate.
+    chooser.observe_verification([10, 2, 0], [5, 2, 0], 10, 10)
+    assert chooser.acceptance.rates() == [0.5, 0.5, 0.5]
+
+
+def test_positions_the_k_in_force_does_not_reach_follow_the_earlier_ones() -> None:
+    """Traffic that accepted nothing, then predictable traffic drafted at K = 1 only:
+    position 0's rise lifts positions 1 and 2 by their conditional rates (the profile's,
+    0.5 / 0.7 and 0.35 / 0.5), so K can climb back past 1."""
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
+    feed_acceptance(chooser, [0.0, 0.0, 0.0], steps=60)
+    assert chooser.best(1) == 0
+    for _ in range(60):
+        chooser.observe_verification([4, 0, 0], [4, 0, 0], 4, 4)  # K = 1, all accepted
+    rates = chooser.acceptance.rates()
+    assert rates[0] > 0.95  # what is left of the zeros after 60 steps of a 20-step window
+    assert rates[1] == pytest.approx(rates[0] * 0.5 / 0.7)
+    assert rates[2] == pytest.approx(rates[0] * 0.35 / 0.7)
+    assert chooser.best(1) == 3
+
+
+def test_steps_without_drafts_leave_the_estimate_where_it_was() -> None:
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=AdaptationSettings(warmup_drafts=0))
+    assert chooser.acceptance.rates() == [0.0, 0.0, 0.0]  # nothing known: no gain assumed
+    assert chooser.best(1) == 0
+    chooser.observe_verification([4, 4, 3], [4, 3, 2], 4, 4)
+    before = chooser.acceptance.rates()
+    for _ in range(30):
+        chooser.observe_verification([0, 0, 0], [0, 0, 0], 0, 0)
+    assert chooser.acceptance.rates() == pytest.approx(before)
+
+
+def test_n_gram_steps_that_found_no_match_lower_the_drafted_fraction() -> None:
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=AdaptationSettings(warmup_drafts=0))
+    for _ in range(10):
+        chooser.observe_verification([1, 1, 1], [1, 1, 1], 4, 1)
+    assert chooser.acceptance.drafted_fraction() == pytest.approx(0.25)
+    assert chooser.acceptance.tokens_per_step(3) == pytest.approx(1.75)
+
+
+def test_k_above_zero_must_beat_k_zero_by_the_margin_and_ties_go_to_the_smaller_k() -> None:
+    # One draft at rate r gains (1 + r) tokens for a step 20% dearer: break-even at 0.2.
+    flat = msgspec.structs.replace(
+        PROFILE,
+        batch_sizes=[1],
+        acceptance_per_position=[0.2, 0.0, 0.0],
+        step_times=[StepTimes(k=k, step_ms=[10.0 + 2.0 * k]) for k in range(4)],
+        no_speculation_step_ms=[10.0],
+        schedule=[[1, 1, 0]],
+        max_batch_size=1,
+    )
+    exact = AdaptiveK(flat, max_k=3, settings=AdaptationSettings(margin=0.0))
+    assert exact.best(1) == 0  # K = 1 only ties K = 0
+    flat_better = msgspec.structs.replace(flat, acceptance_per_position=[0.23, 0.0, 0.0])
+    assert AdaptiveK(flat_better, 3, AdaptationSettings(margin=0.0)).best(1) == 1
+    assert AdaptiveK(flat_better, 3, AdaptationSettings(margin=0.03)).best(1) == 0
+
+
+def test_after_a_run_at_k_zero_one_step_probes_with_one_draft() -> None:
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
+    chosen = [chooser.choose(32) for _ in range(12)]
+    assert chosen == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0]
+    assert chooser.choose(0) == 0  # nothing to decode: nothing to probe
+
+
+def test_measured_step_times_correct_the_profile() -> None:
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
+    assert chooser.best(4) == 3
+    # Served, every drafting step costs twice the profile's; a step without drafts as much.
+    for _ in range(40):
+        for k in (1, 2, 3):
+            chooser.observe_step(k, 4, 2 * chooser.cost.profiled_ms(k, 4))
+        chooser.observe_step(0, 4, chooser.cost.profiled_ms(0, 4))
+    assert chooser.cost.correction(2) == pytest.approx(2.0)
+    assert chooser.best(4) == 0
+
+
+def test_an_unmeasured_k_borrows_the_mean_correction() -> None:
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
+    assert chooser.cost.correction(2) == 1.0
+    chooser.observe_step(0, 1, 3 * chooser.cost.profiled_ms(0, 1))
+    chooser.observe_step(1, 1, 1 * chooser.cost.profiled_ms(1, 1))
+    assert chooser.cost.correction(3) == pytest.approx(2.0)
+
+
+def test_extreme_or_invalid_step_times_do_not_break_the_choice() -> None:
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
+    chooser.observe_step(1, 4, 0.0)  # ignored
+    chooser.observe_step(1, 0, 5.0)  # ignored
+    assert chooser.cost.correction(1) == 1.0
+    chooser.observe_step(3, 4, 1e9)  # a stall (the machine was busy) counts at the bound
+    assert chooser.cost.correction(3) == RATIO_BOUNDS[1]
+    # Alone, it says the machine is slow, not that K = 3 is: the other Ks borrow it.
+    assert chooser.best(4) == 3
+    for _ in range(20):  # steps at K = 0 as the profile says: K = 3 now costs 4x in relative
+        chooser.observe_step(0, 4, chooser.cost.profiled_ms(0, 4))
+    assert chooser.best(4) == 0
+
+
+def test_acceptance_only_mode_keeps_the_profiles_step_times() -> None:
+    chooser = AdaptiveK(PROFILE, 3, AdaptationSettings(adapt_step_times=False))
+    chooser.observe_step(1, 4, 1000.0)
+    assert chooser.cost.correction(1) == 1.0
+
+
+def test_k_is_capped_by_the_engine_and_without_a_free_k0_the_drafter_is_paid_for() -> None:
+    capped = AdaptiveK(PROFILE, max_k=1)
+    assert capped.best(1) == 1
+    assert capped.acceptance.rates() == pytest.approx([0.7])
+    paid = AdaptiveK(PROFILE, max_k=3, free_k0=False)
+    assert paid.cost.profiled_ms(0, 1) == 11.0
+    assert AdaptiveK(PROFILE, max_k=3).cost.profiled_ms(0, 1) == 10.0
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"window_steps": 0},
+        {"warmup_drafts": -1},
+        {"margin": 1.0},
+        {"probe_every": 0},
+    ],
+)
+def test_settings_that_cannot_work_are_refused(settings: dict) -> None:
+    with pytest.raises(AdaptationError):
+        AdaptationSettings(**settings)
+
+
+def test_an_engine_without_drafts_has_nothing_to_adapt() -> None:
+    with pytest.raises(AdaptationError, match="nothing to adapt"):
+        AdaptiveK(PROFILE, max_k=0)
+
+
+def test_a_k_that_measured_cheaper_than_a_smaller_one_costs_as_much_as_it() -> None:
+    """Noise: K = 1 measured 10% under the profile, K = 0 10% over. K = 1 must not look
+    cheaper than K = 0, or acceptance near 0 would keep drafting (seen with n-gram)."""
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST, free_k0=False)
+    feed_acceptance(chooser, [0.02, 0.0, 0.0], steps=60)
+    for _ in range(30):
+        chooser.observe_step(0, 4, 1.1 * chooser.cost.profiled_ms(0, 4))
+        chooser.observe_step(1, 4, 0.9 * chooser.cost.profiled_ms(1, 4))
+    assert chooser.cost.step_ms(1, 4) == pytest.approx(chooser.cost.step_ms(0, 4))
+    assert chooser.best(4) == 0
+
+
+def test_a_probe_after_a_run_at_k_zero_speaks_for_the_traffic_of_now() -> None:
+    """Steps at K = 0 fade what was measured before them, so once traffic turns
+    predictable the first probes that find their drafts accepted bring K back."""
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
+    feed_acceptance(chooser, [0.0, 0.0, 0.0], steps=60)
+    chosen = []
+    for _ in range(3 * FAST.probe_every):
+        k = chooser.choose(4)
+        chosen.append(k)
+        if k > 0:  # every draft of the step accepted
+            chooser.observe_verification([4] * k + [0] * (3 - k), [4] * k + [0] * (3 - k), 4, 4)
+    assert chosen[: FAST.probe_every] == [0] * (FAST.probe_every - 1) + [1]
+    assert chosen[-1] == 3
