@@ -25,7 +25,8 @@ from typing import Any
 
 from dynamo.vllm.cpu_seeded_sampling import patch_on_import
 
-log = logging.getLogger(__name__)
+# Under vLLM's logger: this runs in vLLM's worker processes, where only its logging is set up.
+log = logging.getLogger("vllm.dynamo.free_k0")
 
 NGRAM_MODULE = "vllm.v1.spec_decode.ngram_proposer"
 _PATCHED = "_dynamo_skips_the_search_at_k0"
@@ -56,7 +57,7 @@ def patch_ngram_module(module: ModuleType) -> None:
     if proposer is None or getattr(proposer.propose, _PATCHED, False):
         return
     proposer.propose = skipping_at_k0(proposer.propose)
-    log.debug("n-gram speculation: no match search at K = 0")
+    log.info("n-gram speculation: steps at K = 0 skip the match search (dynamo_free_k0)")
 
 
 def register() -> None:
