@@ -7,9 +7,10 @@ with exit code 2 and ONE `error:` line naming the source and the key, no traceba
 engine: the runs use a model directory holding only a `config.json`, so an engine start
 would fail differently (exit 1, a traceback), and no engine-core output may appear.
 
-The process runs are real starts (no `--dry-run`). Each imports vLLM, about 10 s on an
-idle two-core machine; the time bound is generous because the machine is shared, and is
-still far below an engine start there (one to three minutes).
+The process runs are real starts (no `--dry-run`). Each imports vLLM, 7-14 s on two
+cores. They are not timed: the exit code, the one line and the absent engine output
+already tell a stop before loading from an engine start, and a time bound failed once
+where three test processes shared the two cores.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,15 +27,13 @@ from vllm_config_support import speculators_config, write_config
 
 from dynamo.vllm.args import ConfigError, parse_worker_args
 
-MAX_SECONDS = 60.0
 ENGINE_MARKERS = ("Loading weights", "EngineCore", "Traceback", "Initializing a V1 LLM engine")
 
 
-def start_worker(model: Path, *argv: str) -> tuple[subprocess.CompletedProcess[str], float]:
-    """Run a real worker start (no --dry-run) and time it."""
+def start_worker(model: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    """Run a real worker start (no --dry-run)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env.pop("DYN_SYSTEM_PORT", None)
-    t0 = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "dynamo.vllm", "--model", str(model), "--block-size", "32", *argv],
         capture_output=True,
@@ -43,7 +41,7 @@ def start_worker(model: Path, *argv: str) -> tuple[subprocess.CompletedProcess[s
         timeout=300,
         env=env,
     )
-    return result, time.monotonic() - t0
+    return result
 
 
 def the_error_line(result: subprocess.CompletedProcess[str]) -> str:
@@ -123,7 +121,7 @@ def test_bad_input_exits_2_with_one_line_before_loading(
     case: str, tiny_model: Path, tmp_path: Path
 ) -> None:
     argv, expected = _bad_cases(tmp_path)[case]
-    result, seconds = start_worker(tiny_model, *argv)
+    result = start_worker(tiny_model, *argv)
     output = result.stdout + result.stderr
     assert result.returncode == 2, output[-3000:]
     line = the_error_line(result)
@@ -131,7 +129,6 @@ def test_bad_input_exits_2_with_one_line_before_loading(
         assert text in line, f"{text!r} not in {line!r}"
     for marker in ENGINE_MARKERS:
         assert marker not in output, f"{marker!r} in the output:\n{output[-3000:]}"
-    assert seconds < MAX_SECONDS
 
 
 # --------------------------------------------------------------------------- in process
