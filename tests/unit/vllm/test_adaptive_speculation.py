@@ -173,11 +173,14 @@ def test_extreme_or_invalid_step_times_do_not_break_the_choice() -> None:
     assert chooser.cost.correction(1) == 1.0
     chooser.observe_step(3, 4, 1e9)  # a stall (the machine was busy) counts at the bound
     assert chooser.cost.correction(3) == RATIO_BOUNDS[1]
-    # Alone, it says the machine is slow, not that K = 3 is: the other Ks borrow it.
-    assert chooser.best(4) == 3
-    for _ in range(20):  # steps at K = 0 as the profile says: K = 3 now costs 4x in relative
-        chooser.observe_step(0, 4, chooser.cost.profiled_ms(0, 4))
+    # The other drafting Ks borrow it; K = 0 keeps the profile's time until measured.
+    assert chooser.cost.correction(1) == RATIO_BOUNDS[1]
+    assert chooser.cost.correction(0) == 1.0
     assert chooser.best(4) == 0
+    for _ in range(20):  # steps at K = 3 as the profile says outweigh the one stall
+        chooser.observe_step(3, 4, chooser.cost.profiled_ms(3, 4))
+    assert chooser.cost.correction(3) < 1.3
+    assert chooser.best(4) == 3
 
 
 def test_acceptance_only_mode_keeps_the_profiles_step_times() -> None:
@@ -239,3 +242,20 @@ def test_a_probe_after_a_run_at_k_zero_speaks_for_the_traffic_of_now() -> None:
             chooser.observe_verification([4] * k + [0] * (3 - k), [4] * k + [0] * (3 - k), 4, 4)
     assert chosen[: FAST.probe_every] == [0] * (FAST.probe_every - 1) + [1]
     assert chosen[-1] == 3
+
+
+def test_k0_not_measured_yet_keeps_the_profiles_time() -> None:
+    """A worker that only ran K = 3 measured it at 1.5x the profile (served steps cost
+    more). K = 0 is priced at the profile, not at the borrowed 1.5x: speculation then
+    loses where the profile's margin was thinner than what serving adds, K = 0 runs and is
+    measured, and from then on its own ratio decides."""
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
+    assert chooser.best(4) == 3  # the profile: K = 3 pays at batch 4
+    for _ in range(30):
+        chooser.observe_step(3, 4, 1.5 * chooser.cost.profiled_ms(3, 4))
+    assert chooser.cost.correction(0) == 1.0
+    assert chooser.cost.correction(1) == pytest.approx(1.5)  # a drafting K borrows the mean
+    assert chooser.best(4) == 0
+    for _ in range(30):  # K = 0 served costs 1.5x too: the profile's comparison stands
+        chooser.observe_step(0, 4, 1.5 * chooser.cost.profiled_ms(0, 4))
+    assert chooser.best(4) == 3

@@ -206,12 +206,20 @@ class StepCost:
         ratio.add(sample, 1.0)
 
     def correction(self, k: int) -> float:
-        """Measured over profiled time for K (the mean over measured Ks where K has not
-        been measured; 1 before any measurement)."""
-        measured = [r for r in self.ratios.values() if r.trials > 1e-9]
-        mean = sum(r.rate(1.0) for r in measured) / len(measured) if measured else 1.0
+        """Measured over profiled time for K. A K > 0 not measured yet borrows the mean
+        of the measured Ks (1 before any measurement). K = 0 not measured yet keeps the
+        profile's time: borrowing a drafting K's ratio would price no speculation as
+        dearly as speculation served costs, and a worker that never runs K = 0 would never
+        learn otherwise (seen: n-gram kept K = 3 at 16 sequences, 0.82x no speculation).
+        Priced at the profile, K = 0 wins where served drafting costs more than profiled,
+        runs, and is measured from then on."""
         own = self.ratios.get(k)
-        return own.rate(mean) if own is not None else mean
+        if own is not None and own.trials > 1e-9:
+            return own.rate(1.0)
+        if k == 0:
+            return 1.0
+        measured = [r for r in self.ratios.values() if r.trials > 1e-9]
+        return sum(r.rate(1.0) for r in measured) / len(measured) if measured else 1.0
 
     def step_ms(self, k: int, batch: int) -> float:
         """The corrected step time at K, never below a smaller K's: a step verifies and
