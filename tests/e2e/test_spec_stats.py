@@ -166,3 +166,27 @@ def test_without_the_field_no_metrics_are_returned(
     )
     assert status == 200, text
     assert "metrics" not in json.loads(text)
+
+
+def test_a_request_that_turns_speculation_off_is_never_drafted_for(
+    served: tuple[WorkerProcess, FrontendProcess],
+) -> None:
+    """`"speculative_decoding": false` (issue 30): the worker's scheduler drops that
+    request's drafts, so its statistics show no draft and the worker's counters move by
+    exactly what the next, speculated, request of the same prompt reports."""
+    worker, frontend = served
+    url = f"{frontend.base_url}/v1/chat/completions"
+    before = counters(worker)
+    status, text = http_post_json(
+        url, request_body(return_spec_stats=True, speculative_decoding=False), timeout=120
+    )
+    assert status == 200, text
+    off = json.loads(text)
+    stats_off = off["metrics"]["speculative_decoding"]
+    assert (stats_off["num_spec_steps"], stats_off["num_draft_tokens"]) == (0, 0)
+    assert off["usage"]["completion_tokens"] > 0
+    status, text = http_post_json(url, request_body(return_spec_stats=True), timeout=120)
+    assert status == 200, text
+    stats_on = json.loads(text)["metrics"]["speculative_decoding"]
+    assert stats_on["num_draft_tokens"] > 0  # the same prompt is drafted for when allowed
+    check_against_counters(worker, before, stats_on)

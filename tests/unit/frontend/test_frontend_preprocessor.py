@@ -172,6 +172,19 @@ def test_sampling_stop_and_output_options_are_mapped(preprocessor: Preprocessor)
     assert plan.stream and plan.include_usage and plan.logprobs == 3
 
 
+def test_speculation_turned_off_reaches_the_wire_and_silence_adds_nothing(
+    preprocessor: Preprocessor,
+) -> None:
+    off = preprocessor.prepare_chat_sync(chat_request(speculative_decoding=False), "r")
+    assert off.request.sampling_options.speculative_decoding is False
+    completion = completion_request(speculative_decoding=False)
+    assert (
+        preprocessor.prepare_completion_sync(completion, "r").request.sampling_options
+    ).speculative_decoding is False
+    silent = preprocessor.prepare_chat_sync(chat_request(), "r")
+    assert silent.request.sampling_options.speculative_decoding is None
+
+
 def test_ignore_eos_keeps_eos_text_visible(preprocessor: Preprocessor) -> None:
     prepared = preprocessor.prepare_completion_sync(completion_request(ignore_eos=True), "r")
     assert prepared.request.stop_conditions.ignore_eos is True

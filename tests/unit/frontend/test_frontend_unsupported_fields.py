@@ -74,6 +74,7 @@ COMMON: dict[str, dict[str, Any]] = {
         "guided_whitespace_pattern": " ",
     },
     "return_spec_stats": {"return_spec_stats": True},
+    "speculative_decoding": {"speculative_decoding": False},
     "use_beam_search": {"use_beam_search": True},
     "length_penalty": {"length_penalty": 0.5},
     "include_stop_str_in_output": {"include_stop_str_in_output": True},

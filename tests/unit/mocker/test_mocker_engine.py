@@ -102,6 +102,25 @@ async def test_speculative_steps_yield_one_to_k_plus_one_tokens_with_stats() -> 
     assert engine.counters.spec_drafts == stats.num_drafts
 
 
+async def test_a_request_that_turns_speculation_off_decodes_one_token_a_step() -> None:
+    """`"speculative_decoding": false` on a speculating engine: no drafts for that request
+    (one token a step, statistics of zero drafts), the same tokens; others speculate."""
+    engine, _ = await started(
+        num_speculative_tokens=3, acceptance=AcceptanceModel.from_rates([0.9], 3)
+    )
+    off = request("off", prompt(9), max_tokens=30)
+    off.sampling_options = SamplingOptions(speculative_decoding=False)
+    try:
+        plain = await collect(engine, off)
+        speculated = await collect(engine, request("on", prompt(9), max_tokens=30))
+    finally:
+        await engine.stop()
+    assert [len(o.token_ids) for o in plain] == [1] * 30
+    stats = plain[-1].spec_decode_stats
+    assert stats is not None and (stats.num_drafts, stats.num_draft_tokens) == (0, 0)
+    assert len(speculated) < 30 and tokens_of(speculated) == tokens_of(plain)
+
+
 async def test_rejected_speculative_slots_are_never_stored() -> None:
     """After every step, each block announced as stored is a full block of the accepted
     context (prompt + tokens streamed so far), and the request holds exactly

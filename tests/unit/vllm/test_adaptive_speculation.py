@@ -259,3 +259,36 @@ def test_k0_not_measured_yet_keeps_the_profiles_time() -> None:
     for _ in range(30):  # K = 0 served costs 1.5x too: the profile's comparison stands
         chooser.observe_step(0, 4, 1.5 * chooser.cost.profiled_ms(0, 4))
     assert chooser.best(4) == 3
+
+
+def test_steps_that_draft_are_followed_now_and_then_by_two_at_k0_to_measure_it() -> None:
+    """With step times adapting, K = 0 is measured by the same clock as the Ks that run:
+    after `probe_every` steps in a row that draft, two at K = 0 (the second verifies and
+    drafts nothing). Without step-time adaptation there is nothing to measure."""
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
+    chosen = [chooser.choose(1) for _ in range(2 * (FAST.probe_every + 2))]
+    assert chosen == ([3] * FAST.probe_every + [0, 0]) * 2
+    acceptance_only = AdaptiveK(
+        PROFILE,
+        max_k=3,
+        settings=AdaptationSettings(
+            window_steps=20, warmup_drafts=50, probe_every=5, adapt_step_times=False
+        ),
+    )
+    assert [acceptance_only.choose(1) for _ in range(14)] == [3] * 14
+
+
+def test_k0_measured_by_the_schedulers_clock_undoes_a_clock_that_flatters_drafting() -> None:
+    """The scheduler's clock leaves out the engine loop around a step, which the profile's
+    clock counts: every K measures at 0.8x its profile. Priced at the profile, an unmeasured
+    K = 0 would lose to drafting that does not pay; measured, it wins where the profile
+    said so."""
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
+    assert chooser.best(16) == 0
+    for _ in range(30):
+        for k in (1, 2, 3):
+            chooser.observe_step(k, 16, 0.6 * chooser.cost.profiled_ms(k, 16))
+    assert chooser.best(16) > 0  # drafting looks cheap beside K = 0 at the profile's price
+    for _ in range(30):
+        chooser.observe_step(0, 16, 0.6 * chooser.cost.profiled_ms(0, 16))
+    assert chooser.best(16) == 0

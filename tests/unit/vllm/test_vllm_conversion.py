@@ -41,6 +41,7 @@ from dynamo.llm.protocols import (
     TopLogprob,
 )
 from dynamo.vllm.conversion import OutputTracker, spec_stats_from, to_prompt, to_sampling_params
+from dynamo.vllm.speculation_opt_out import OPT_OUT_KEY, opted_out
 
 PROMPT = [101, 102, 103, 104]
 
@@ -77,15 +78,16 @@ def make_request(
 
 
 def sampling_fields(params: SamplingParams) -> dict[str, Any]:
-    """The `SamplingOptions` fields as vLLM holds them."""
-    return {name: getattr(params, name) for name in SamplingOptions.__struct_fields__}
+    """The `SamplingOptions` fields that are vLLM's, as vLLM holds them."""
+    return {name: getattr(params, name) for name in SAMPLING_VALUES}
 
 
 # --------------------------------------------------------------------- to_sampling_params
 
 
 def test_the_test_values_cover_every_sampling_option() -> None:
-    assert set(SAMPLING_VALUES) == set(SamplingOptions.__struct_fields__)
+    # Dynamo's `speculative_decoding` is no `SamplingParams` field (see below).
+    assert set(SAMPLING_VALUES) | {"speculative_decoding"} == set(SamplingOptions.__struct_fields__)
 
 
 def test_every_sampling_option_reaches_vllm() -> None:
@@ -183,6 +185,16 @@ def test_kv_transfer_params_travel_in_extra_args() -> None:
     transfer = {"do_remote_decode": True, "remote_block_ids": [1, 2]}
     params = to_sampling_params(make_request(), kv_transfer_params=transfer)
     assert params.extra_args == {"kv_transfer_params": transfer}
+
+
+def test_a_request_that_turns_speculation_off_says_so_in_extra_args() -> None:
+    off = to_sampling_params(make_request(sampling=SamplingOptions(speculative_decoding=False)))
+    assert off.extra_args == {OPT_OUT_KEY: True}
+    assert opted_out(off)
+    for unset in (None, True):
+        on = to_sampling_params(make_request(sampling=SamplingOptions(speculative_decoding=unset)))
+        assert on.extra_args is None and not opted_out(on)
+    assert not opted_out(None)  # a pooling request has no sampling parameters
 
 
 @pytest.mark.parametrize("transfer", [None, {}])

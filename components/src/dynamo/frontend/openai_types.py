@@ -103,6 +103,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     user: str | None = None
     # Dynamo's extension: per-request speculative decoding statistics in the response.
     return_spec_stats: bool | None = None
+    # Dynamo's extension: `false` turns the worker's speculative decoding off for this
+    # request (no drafts are verified for it); unset or `true`: the worker's setting.
+    speculative_decoding: bool | None = None
     # Fields declared only so that a value we do not serve is refused with a 400 naming
     # it instead of being ignored (`unsupported_fields.SUPPORT` says which values).
     logit_bias: dict[str, float] | None = None

@@ -95,6 +95,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     text: TextConfig | None = None
     # Dynamo's extension: per-request speculative decoding statistics (`metrics`).
     return_spec_stats: bool | None = None
+    # Dynamo's extension: `false` turns the worker's speculation off for this request.
+    speculative_decoding: bool | None = None
     # Accepted, no effect on the output.
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -253,6 +255,7 @@ def to_chat_request(req: ResponsesRequest) -> ResponsesChatRequest:
         user=req.user,
         metadata=req.metadata,
         return_spec_stats=req.return_spec_stats,
+        speculative_decoding=req.speculative_decoding,
         response_echo=ResponseEcho.of(req),
     )
 

@@ -366,7 +366,7 @@ class MockEngine:
                 self._produce(state, None)  # the prefill's own token, no drafts yet
         for state in batch.decodes:
             if state.phase is Phase.RUNNING:
-                self._produce(state, self.acceptance.sample(state.accept_rng) if self.k else 0)
+                self._produce(state, self._accepted_drafts(state))
         self._grow()
         self._flush_events()
         self._notify_load()
@@ -374,6 +374,14 @@ class MockEngine:
     def _notify_load(self) -> None:
         if self._load_changed is not None:
             self._load_changed()
+
+    def _accepted_drafts(self, state: MockRequest) -> int | None:
+        """How many drafts the verifier accepts in a decode step; None where no draft is
+        verified (the request turned speculation off: one token, no statistics). The
+        step-time model still counts every decode at K: the mocker's K is per engine."""
+        if not state.speculative:
+            return None
+        return self.acceptance.sample(state.accept_rng) if self.k else 0
 
     def _produce(self, state: MockRequest, accepted_drafts: int | None) -> None:
         """Generate this step's tokens for one request and account for their slots."""

@@ -95,6 +95,7 @@ class MockRequest:
     preemptions: int = 0
     spec: SpecTally = field(default_factory=SpecTally)
     index: int = 0  # which of the request's `n` sequences this is (its outputs say so)
+    speculative: bool = True  # False: the request turned speculation off (one token a step)
 
     @property
     def num_output(self) -> int:
@@ -244,6 +245,7 @@ def admit_request(
         ),
         accept_rng=random.Random(rng.getrandbits(64)),
         index=index,
+        speculative=request.sampling_options.speculative_decoding is not False,
     )
     if outputs is not None:
         state.outputs = outputs

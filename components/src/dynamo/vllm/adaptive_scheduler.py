@@ -1,5 +1,7 @@
 """vLLM's scheduler with K chosen online each step (`adaptive_speculation.AdaptiveK`).
 
+It keeps the per-request opt-out of the scheduler it extends (`speculation_opt_out`).
+
 Plugged in through vLLM's own extension point, `--scheduler-cls`, so it runs inside the
 engine core process where every step is scheduled. Three overrides, each a thin hook
 around vLLM's own method:
@@ -29,7 +31,6 @@ from collections import Counter
 from typing import Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from dynamo.vllm.adaptive_speculation import (
@@ -39,6 +40,7 @@ from dynamo.vllm.adaptive_speculation import (
     chooser_from_engine_config,
     state_path_of,
 )
+from dynamo.vllm.speculation_opt_out import SpeculationOptOutScheduler
 from dynamo.vllm.speculation_state import SpeculationStateWriter
 
 # Under vLLM's logger: this runs in the engine core process, where only vLLM's logging
@@ -48,7 +50,7 @@ log = logging.getLogger("vllm.dynamo.adaptive_scheduler")
 REPORT_EVERY_S = 10.0
 
 
-class AdaptiveSpeculationScheduler(Scheduler):
+class AdaptiveSpeculationScheduler(SpeculationOptOutScheduler):
     """See the module."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

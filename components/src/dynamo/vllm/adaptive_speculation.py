@@ -30,6 +30,11 @@ token: acceptance that has risen brings K back, at the cost of one cheap draft i
 (steps at K = 1 go on while each pays by itself, until the estimate has caught up).
 The window counts decoding steps, those at K = 0 included, so by the time a probe runs
 the acceptance measured before it has faded, and the probe speaks for today's traffic.
+The other way round, with step times adapting, `probe_every` steps in a row that draft
+are followed by two at K = 0 (the second verifies nothing and drafts nothing, a clean
+measurement): K = 0 is then priced by the same clock as the Ks that run, instead of by
+the profile's clock, which counts what the scheduler's does not (the engine loop around
+the step) and would make every K run look cheap beside a K = 0 never run.
 
 Pure arithmetic on plain numbers (no vLLM import): the scheduler feeds it and asks it,
 and the unit tests drive it with synthetic counts.
@@ -57,7 +62,11 @@ DEFAULT_WARMUP_DRAFTS = 256
 DEFAULT_MARGIN = 0.03
 """Goodput a K > 0 must gain over K = 0, relative, to be chosen."""
 DEFAULT_PROBE_EVERY = 50
-"""Steps in a row at K = 0 after which one step drafts a token to re-measure acceptance."""
+"""Steps in a row at K = 0 after which one step drafts a token to re-measure acceptance;
+with step times adapting, also steps in a row that draft after which two run at K = 0 to
+re-measure what a step without drafts costs."""
+BASELINE_STEPS = 2
+"""Steps at K = 0 that re-measure its cost: the first still verifies the drafts before it."""
 RATIO_BOUNDS = (0.25, 4.0)
 """A measured step further than this from the profile's (as a ratio) counts at the bound:
 one stall, the machine busy with something else, must not decide for a whole window."""
@@ -255,6 +264,8 @@ class AdaptiveK:
         plain = profile.no_speculation_step_ms if free_k0 else []
         self.cost = StepCost(profile, decay, plain or profile.times_for(0).step_ms)
         self._steps_at_zero = 0
+        self._steps_drafting = 0
+        self._baseline_left = 0  # steps at K = 0 still to run to measure it
         self._last_tokens_per_step: float | None = None
         """Tokens per sequence-step one draft gave in the last verified step."""
 
@@ -279,9 +290,11 @@ class AdaptiveK:
         """K for the next step of `batch` decoding sequences, probing after a long run
         at K = 0 (see the module)."""
         k = self.best(batch)
-        if k > 0 or batch < 1:
-            self._steps_at_zero = 0
+        if batch < 1:
             return k
+        if k > 0:
+            self._steps_at_zero = 0
+            return self._drafting(k)
         if self._last_step_pays(batch):
             return 1  # the probe, or the steps since, found drafts worth it: go on looking
         self._last_tokens_per_step = None
@@ -293,6 +306,18 @@ class AdaptiveK:
             self._steps_at_zero = 0
             return 1
         return 0
+
+    def _drafting(self, k: int) -> int:
+        """`k`, unless the steps that draft have run `probe_every` in a row with step times
+        adapting: then BASELINE_STEPS at K = 0, to measure it by the same clock."""
+        if self._baseline_left > 0:
+            self._baseline_left -= 1
+            return 0
+        self._steps_drafting += 1
+        if self.settings.adapt_step_times and self._steps_drafting >= self.settings.probe_every:
+            self._steps_drafting = 0
+            self._baseline_left = BASELINE_STEPS
+        return k
 
     def _last_step_pays(self, batch: int) -> bool:
         """Whether one draft, accepted as often as in the last verified step alone,

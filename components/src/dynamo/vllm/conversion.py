@@ -26,9 +26,13 @@ from dynamo.llm.protocols import (
     TokenLogprob,
     TopLogprob,
 )
+from dynamo.vllm.speculation_opt_out import OPT_OUT_KEY
 
-# Sampling fields copied one-to-one when the request sets them: the wire type's own.
-_SAMPLING_FIELDS = SamplingOptions.__struct_fields__
+# Sampling fields copied one-to-one when the request sets them: the wire type's own, but
+# Dynamo's `speculative_decoding`, which travels in `extra_args` (`speculation_opt_out`).
+_SAMPLING_FIELDS = tuple(
+    f for f in SamplingOptions.__struct_fields__ if f != "speculative_decoding"
+)
 # Those a model's generation config may give a default: not `n`, which only a request sets.
 _DEFAULTABLE = frozenset(_SAMPLING_FIELDS) - {"n"}
 
@@ -85,6 +89,8 @@ def to_sampling_params(
     extra: dict[str, Any] = {}
     if kv_transfer_params:
         extra["kv_transfer_params"] = kv_transfer_params
+    if opts.speculative_decoding is False:
+        extra[OPT_OUT_KEY] = True
     return SamplingParams(
         output_kind=RequestOutputKind.DELTA,
         detokenize=False,

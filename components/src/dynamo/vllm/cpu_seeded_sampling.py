@@ -163,9 +163,11 @@ def register() -> None:
 
 def patch_on_import(name: str, patch: Callable[[ModuleType], None]) -> None:
     """Run `patch` on module `name` as soon as it is imported (at once if it already is);
-    a second call for the same name adds nothing."""
+    a second call with the same name and patch adds nothing."""
     if name in sys.modules:
         patch(sys.modules[name])
         return
-    if not any(isinstance(f, PatchOnImport) and f.name == name for f in sys.meta_path):
+    if not any(
+        isinstance(f, PatchOnImport) and f.name == name and f.patch is patch for f in sys.meta_path
+    ):
         sys.meta_path.insert(0, PatchOnImport(name, patch))

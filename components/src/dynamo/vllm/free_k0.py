@@ -1,65 +1,137 @@
-"""A vLLM plugin that makes a step at K = 0 free of drafting work, where vLLM does not.
+"""A vLLM plugin that makes a step at K = 0 cost what a step without speculation does.
 
 With a dynamic K (a profile's schedule, or `--speculation-adapt`), vLLM's scheduler can
-ask for no drafts after a step (`num_spec_tokens_to_schedule == 0`), but its model runner
-still calls the drafter. For n-gram that is the whole match search over every sequence's
-context (numba, on the step's critical path, growing with the context), only for
-`batch_propose` to cut each match to zero tokens. The result is known in advance: no
-drafts. So at K = 0 the proposer returns an empty draft for every sequence at once.
+ask for no drafts after a step (`num_spec_tokens_to_schedule == 0`), but a speculating
+model runner still does two kinds of work for drafts that do not exist:
 
-Eagle and the other drafters with a model keep state (their KV cache for the positions
-they saw), and skipping their forward pass would leave holes a later step reads; they
-are left as vLLM runs them.
+* It calls the drafter. For n-gram that is the whole match search over every sequence's
+  context (numba, on the step's critical path, growing with the context), only for each
+  match to be cut to zero tokens. For Eagle and Eagle3 it is the drafter's first forward
+  pass over the step's tokens, run only to write the drafter's KV cache for them. At
+  K = 0 the runner now answers an empty draft for every sequence without calling it.
+* It samples through the rejection sampler, with its metadata, even when the step
+  verifies no draft at all (measured: about 2 ms of a 50 ms step at 32 sequences, a 6%
+  loss against an engine without speculation). Such a step now samples with vLLM's plain
+  sampler, exactly as an engine without speculation: the same logits rows (the last
+  scheduled token of each request), one token per request.
 
-The patch is applied to `NgramProposer.propose` when vLLM imports that module (the same
-import hook as `cpu_seeded_sampling`), in every process that loads vLLM's plugins.
+What skipping Eagle's pass costs: the drafter's KV cache has no entry for the positions
+decoded at K = 0, and when drafting resumes its attention reads whatever those slots
+hold. Measured on the shipped Eagle3 head (docs/speculative_decoding.md, "A free K = 0"),
+that costs less acceptance than a catch-up pass would cost time, so there is none.
+
+Only methods whose skip was measured take it: n-gram (stateless), Eagle and Eagle3.
+Suffix decoding updates its tree when it proposes, MTP and draft models were not
+measured; they keep vLLM's behaviour. With asynchronous scheduling (GPU builds) the
+runner keeps vLLM's path too: there the drafter also hands the next step its token
+counts.
+
+The patches wrap `GPUModelRunner._prepare_inputs` and `propose_draft_token_ids` (which
+vLLM's CPU runner inherits) when vLLM imports that module (the same import hook as
+`cpu_seeded_sampling`), in every process that loads vLLM's plugins.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynamo.vllm.cpu_seeded_sampling import patch_on_import
 
 # Under vLLM's logger: this runs in vLLM's worker processes, where only its logging is set up.
 log = logging.getLogger("vllm.dynamo.free_k0")
 
-NGRAM_MODULE = "vllm.v1.spec_decode.ngram_proposer"
-_PATCHED = "_dynamo_skips_the_search_at_k0"
+if TYPE_CHECKING:
+    import torch
+
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+SKIPPED_METHODS = frozenset({"ngram", "eagle", "eagle3"})
+"""Speculative methods whose drafter the runner skips at K = 0 (see the module)."""
+_PATCHED = "_dynamo_free_k0"
 
 
-def skipping_at_k0(propose: Callable[..., list[list[int]]]) -> Callable[..., list[list[int]]]:
-    """`NgramProposer.propose` that returns no drafts, without searching, at K = 0."""
+def skips_drafting(runner: Any, k: int) -> bool:
+    """Whether `runner`'s step at `k` calls no drafter."""
+    config = runner.speculative_config
+    return (
+        k == 0
+        and config is not None
+        and config.method in SKIPPED_METHODS
+        and not runner.use_async_scheduling
+    )
+
+
+def no_drafts(sampled_token_ids: Any) -> list[list[int]] | torch.Tensor:
+    """An empty draft per sequence, in the form the runner's drafter would give it: a
+    list per sequence for n-gram, a (sequences, 0) tensor for a drafter with a model."""
+    import torch  # here: the worker's flag parsing imports this module's names, not torch
+
+    if isinstance(sampled_token_ids, torch.Tensor):
+        return sampled_token_ids.new_empty((sampled_token_ids.shape[0], 0), dtype=torch.int64)
+    return [[] for _ in sampled_token_ids]
+
+
+def skipping_drafter_at_k0(propose: Callable[..., Any]) -> Callable[..., Any]:
+    """`GPUModelRunner.propose_draft_token_ids` that calls no drafter at K = 0."""
 
     @functools.wraps(propose)
     def wrapper(
-        self: Any,
-        num_speculative_tokens: int,
-        sampled_token_ids: Sequence[Sequence[int]],
-        *args: Any,
-        **kwargs: Any,
-    ) -> list[list[int]]:
-        if num_speculative_tokens == 0:
-            return [[] for _ in sampled_token_ids]
-        return propose(self, num_speculative_tokens, sampled_token_ids, *args, **kwargs)
+        self: Any, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if not skips_drafting(self, scheduler_output.num_spec_tokens_to_schedule):
+            return propose(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        # What vLLM's own method resets before drafting: no draft, so no draft probabilities.
+        self._draft_probs = None
+        self._draft_prob_req_ids = None
+        return no_drafts(sampled_token_ids)
 
     setattr(wrapper, _PATCHED, True)
     return wrapper
 
 
-def patch_ngram_module(module: ModuleType) -> None:
-    """Wrap `NgramProposer.propose` in `module` (once)."""
-    proposer = getattr(module, "NgramProposer", None)
-    if proposer is None or getattr(proposer.propose, _PATCHED, False):
+def plain_sampling_without_drafts(prepare_inputs: Callable[..., Any]) -> Callable[..., Any]:
+    """`GPUModelRunner._prepare_inputs` that drops the speculative metadata of a step that
+    verifies no draft, so the step samples as an engine without speculation.
+
+    vLLM's method returns (logits rows, speculative metadata, most tokens sampled per
+    request). With no draft in the step, the metadata's logits rows are already the plain
+    ones and one token is sampled per request; only the metadata goes, and with it the
+    rejection sampler. A drafter with a model reads the sampler's layout when it proposes,
+    so for Eagle this is done only at K = 0, where it does not propose."""
+
+    @functools.wraps(prepare_inputs)
+    def wrapper(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        logits_indices, metadata, max_sampled = prepare_inputs(
+            self, scheduler_output, *args, **kwargs
+        )
+        if metadata is None or any(metadata.num_draft_tokens):
+            return logits_indices, metadata, max_sampled
+        stateless = self.speculative_config.method == "ngram"
+        if stateless or skips_drafting(self, scheduler_output.num_spec_tokens_to_schedule):
+            return logits_indices, None, max_sampled
+        return logits_indices, metadata, max_sampled
+
+    setattr(wrapper, _PATCHED, True)
+    return wrapper
+
+
+def patch_runner_module(module: ModuleType) -> None:
+    """Wrap the runner's `_prepare_inputs` and `propose_draft_token_ids` in `module` (once)."""
+    runner = getattr(module, "GPUModelRunner", None)
+    if runner is None or getattr(runner.propose_draft_token_ids, _PATCHED, False):
         return
-    proposer.propose = skipping_at_k0(proposer.propose)
-    log.info("n-gram speculation: steps at K = 0 skip the match search (dynamo_free_k0)")
+    runner._prepare_inputs = plain_sampling_without_drafts(runner._prepare_inputs)
+    runner.propose_draft_token_ids = skipping_drafter_at_k0(runner.propose_draft_token_ids)
+    log.info(
+        "speculation: steps at K = 0 run no drafter (%s) and sample as without "
+        "speculation (dynamo_free_k0)",
+        ", ".join(sorted(SKIPPED_METHODS)),
+    )
 
 
 def register() -> None:
     """The plugin's entry point (`vllm.general_plugins`): idempotent and cheap."""
-    patch_on_import(NGRAM_MODULE, patch_ngram_module)
+    patch_on_import(RUNNER_MODULE, patch_runner_module)

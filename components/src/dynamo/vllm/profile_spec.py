@@ -7,9 +7,10 @@
 It starts the real vLLM engine once per K from 0 to `--max-k`, each in a child process of
 its own (a clean Prometheus registry and memory each time). K = 0 is the speculating
 engine with a schedule of K = 0, which is what a worker runs in a K = 0 range, and a plain
-engine (no speculation) is measured as well, since K = 0 is not free: a drafter with a KV
-cache of its own (Eagle, Eagle3, MTP, draft models) still runs its forward pass, and
-n-gram still runs its match search. At every batch size each engine
+engine (no speculation) is measured as well, since K = 0 is not free everywhere: the
+`dynamo_free_k0` plugin spares n-gram's, Eagle's and Eagle3's drafter at K = 0, but MTP
+and draft models still run their forward pass (and the measurement shows what is left
+for the others). At every batch size each engine
 runs that many prompts twice: once for the prefill alone (one output token) and once for
 `--output-tokens` tokens, greedy, end-of-sequence ignored, prefix caching
 off. The decode step time is the difference of the two wall times divided by the
@@ -175,9 +176,9 @@ def load_prompts(path: Path | None, needed: int) -> tuple[list[Messages], str]:
 
 def spec_for_k(spec: dict[str, Any], k: int, max_batch: int) -> dict[str, Any]:
     """The speculating engine at K. K = 0 is that same engine with a schedule of K = 0 at
-    every batch size, which is what a worker runs in a K = 0 range: a drafter with its
-    own KV cache (Eagle, Eagle3, MTP, draft models) still runs its forward pass over the
-    new tokens to keep that cache in step, so it costs more than no speculation at all."""
+    every batch size, which is what a worker runs in a K = 0 range: MTP and draft models
+    still run their drafter's forward pass over the new tokens to keep its KV cache in
+    step (n-gram, Eagle and Eagle3 do not: `dynamo_free_k0`)."""
     if k > 0:
         return {**spec, "num_speculative_tokens": k}
     return {**spec, "num_speculative_tokens": 1,
@@ -186,9 +187,9 @@ def spec_for_k(spec: dict[str, Any], k: int, max_batch: int) -> dict[str, Any]:
 
 def planned_runs(max_k: int) -> list[int | None]:
     """The engines to start, in order: None is a plain engine (no speculation), then the
-    speculating engine at K = 0..max. The plain engine is measured for every method: even
-    n-gram's K = 0 is not free (vLLM runs its match search every step and drops the
-    result), and a drafter with its own KV runs its forward pass."""
+    speculating engine at K = 0..max. The plain engine is measured for every method: a
+    K = 0 step is free of drafting only where `dynamo_free_k0` skips the drafter, and
+    what it costs beyond that is what the profile is for."""
     return [None, *range(max_k + 1)]
 
 

@@ -29,7 +29,9 @@ from dynamo.vllm.config_layers import (
     ConfigLayers,
     speculative_fields,
 )
+from dynamo.vllm.free_k0 import SKIPPED_METHODS
 from dynamo.vllm.model_resolution import resolve_model_dir
+from dynamo.vllm.speculation_opt_out import SCHEDULER_CLS as OPT_OUT_SCHEDULER_CLS
 from dynamo.vllm.speculation_profile import (
     ProfileError,
     SpeculationProfile,
@@ -265,14 +267,26 @@ def _check_schedule(spec: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- --speculation-adapt
 
 
-FREE_AT_K0 = frozenset({"ngram"})
-"""Methods whose step at K = 0 runs no drafting work (the `dynamo_free_k0` vLLM plugin)."""
-
-
 def drafting_is_free_at_k0(spec: object) -> bool:
     """Whether a step at K = 0 costs what the plain engine's does for this speculative
     config: the chooser then prices K = 0 at the profile's no-speculation step time."""
-    return isinstance(spec, Mapping) and spec.get("method") in FREE_AT_K0
+    return isinstance(spec, Mapping) and spec.get("method") in SKIPPED_METHODS
+
+
+def configure_opt_out(values: dict[str, Any]) -> None:
+    """A speculating worker runs `speculation_opt_out`'s scheduler unless the user named
+    another one (then `"speculative_decoding": false` cannot be honoured: said once)."""
+    if not values.get("speculative_config"):
+        return
+    if values.get("scheduler_cls"):
+        log.warning(
+            '--scheduler-cls %s: requests that send "speculative_decoding": false are '
+            "speculated all the same (only %s drops their drafts)",
+            values["scheduler_cls"],
+            OPT_OUT_SCHEDULER_CLS,
+        )
+        return
+    values["scheduler_cls"] = OPT_OUT_SCHEDULER_CLS
 
 
 def configure_adaptation(
@@ -286,8 +300,12 @@ def configure_adaptation(
     """`--speculation-adapt`: vLLM's scheduler becomes the adaptive one
     (`adaptive_scheduler`), told through `additional_config` where the profile is and how
     to adapt. The profile's schedule stays in the speculative config: it keeps vLLM in
-    its dynamic-K mode, and the chooser replaces its K step by step."""
+    its dynamic-K mode, and the chooser replaces its K step by step.
+
+    Without adaptation a speculating worker still runs a scheduler of its own
+    (`speculation_opt_out`), so that a request can turn speculation off for itself."""
     if mode == "off":
+        configure_opt_out(values)
         return
     if not profile_path:
         raise ConfigError(

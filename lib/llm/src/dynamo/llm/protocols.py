@@ -52,6 +52,9 @@ class SamplingOptions(msgspec.Struct, omit_defaults=True):
     # Parallel sampling: `n` sequences from one prompt (vLLM's `n`), sharing its KV. Each
     # output then names its sequence in `LLMEngineOutput.index`. None (or 1): one sequence.
     n: int | None = None
+    # False: the worker never drafts for this request (bulk jobs that want throughput,
+    # not latency); None or True: the worker's speculation applies.
+    speculative_decoding: bool | None = None
 
 
 class StopConditions(msgspec.Struct, omit_defaults=True):
