@@ -278,11 +278,10 @@ def test_steps_that_draft_are_followed_now_and_then_by_two_at_k0_to_measure_it()
     assert [acceptance_only.choose(1) for _ in range(14)] == [3] * 14
 
 
-def test_k0_measured_by_the_schedulers_clock_undoes_a_clock_that_flatters_drafting() -> None:
-    """The scheduler's clock leaves out the engine loop around a step, which the profile's
-    clock counts: every K measures at 0.8x its profile. Priced at the profile, an unmeasured
-    K = 0 would lose to drafting that does not pay; measured, it wins where the profile
-    said so."""
+def test_k0_measured_like_the_others_undoes_a_uniform_served_correction() -> None:
+    """Served steps that measure below the profile's at every K (0.6x here): priced at the
+    profile, an unmeasured K = 0 would lose to drafting that does not pay; measured, it
+    wins where the profile said so."""
     chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
     assert chooser.best(16) == 0
     for _ in range(30):

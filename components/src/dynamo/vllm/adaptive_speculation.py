@@ -32,9 +32,8 @@ The window counts decoding steps, those at K = 0 included, so by the time a prob
 the acceptance measured before it has faded, and the probe speaks for today's traffic.
 The other way round, with step times adapting, `probe_every` steps in a row that draft
 are followed by two at K = 0 (the second verifies nothing and drafts nothing, a clean
-measurement): K = 0 is then priced by the same clock as the Ks that run, instead of by
-the profile's clock, which counts what the scheduler's does not (the engine loop around
-the step) and would make every K run look cheap beside a K = 0 never run.
+measurement): K = 0 is then priced by served measurement like the Ks that run, not at
+the profile's price beside Ks that carry their served correction.
 
 Pure arithmetic on plain numbers (no vLLM import): the scheduler feeds it and asks it,
 and the unit tests drive it with synthetic counts.
