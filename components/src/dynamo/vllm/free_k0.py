@@ -37,15 +37,14 @@ import functools
 import logging
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from dynamo.vllm.cpu_seeded_sampling import patch_on_import
 
 # Under vLLM's logger: this runs in vLLM's worker processes, where only its logging is set up.
 log = logging.getLogger("vllm.dynamo.free_k0")
-
-if TYPE_CHECKING:
-    import torch
 
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 SKIPPED_METHODS = frozenset({"ngram", "eagle", "eagle3"})
@@ -67,8 +66,6 @@ def skips_drafting(runner: Any, k: int) -> bool:
 def no_drafts(sampled_token_ids: Any) -> list[list[int]] | torch.Tensor:
     """An empty draft per sequence, in the form the runner's drafter would give it: a
     list per sequence for n-gram, a (sequences, 0) tensor for a drafter with a model."""
-    import torch  # here: the worker's flag parsing imports this module's names, not torch
-
     if isinstance(sampled_token_ids, torch.Tensor):
         return sampled_token_ids.new_empty((sampled_token_ids.shape[0], 0), dtype=torch.int64)
     return [[] for _ in sampled_token_ids]
@@ -107,11 +104,12 @@ def plain_sampling_without_drafts(prepare_inputs: Callable[..., Any]) -> Callabl
         logits_indices, metadata, max_sampled = prepare_inputs(
             self, scheduler_output, *args, **kwargs
         )
-        if metadata is None or any(metadata.num_draft_tokens):
-            return logits_indices, metadata, max_sampled
-        stateless = self.speculative_config.method == "ngram"
-        if stateless or skips_drafting(self, scheduler_output.num_spec_tokens_to_schedule):
-            return logits_indices, None, max_sampled
+        no_draft = metadata is not None and not any(metadata.num_draft_tokens)
+        if no_draft and (
+            self.speculative_config.method == "ngram"  # stateless: never reads the layout
+            or skips_drafting(self, scheduler_output.num_spec_tokens_to_schedule)
+        ):
+            metadata = None
         return logits_indices, metadata, max_sampled
 
     setattr(wrapper, _PATCHED, True)

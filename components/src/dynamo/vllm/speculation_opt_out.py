@@ -12,8 +12,9 @@ say so: no drafts.
 With vLLM's asynchronous scheduling (GPU builds) the slots for drafts are scheduled
 before the drafts exist; there the opted-out request's drafts are marked invalid, as a
 grammar marks tokens it forbids: nothing is accepted from them, but their slots are
-still verified (vLLM pads a request's missing drafts with invalid tokens). The runner may still propose drafts for the request (n-gram's search,
-a drafter's forward pass run batched with the others); only their verification is saved.
+still verified (vLLM pads a request's missing drafts with invalid tokens). The runner
+may still propose drafts for the request (n-gram's search, a drafter's forward pass run
+batched with the others); only their verification is saved.
 """
 
 from __future__ import annotations
