@@ -30,6 +30,7 @@ from dynamo.llm.protocols import (
     TokenLogprob,
     TopLogprob,
 )
+from dynamo.runtime import NoResponderError
 from dynamo.testing.engines import InMemoryEngineClient
 from dynamo.testing.tokenizers import EOS_TOKEN_ID
 
@@ -94,9 +95,12 @@ class FakeStream:
     """A response stream from one instance, scripted as a list of outputs and exceptions
     (an exception is raised when the stream reaches it)."""
 
-    def __init__(self, instance_id: int, items: list[Any]) -> None:
+    def __init__(
+        self, instance_id: int, items: list[Any], on_no_responder: Callable[[int], None]
+    ) -> None:
         self.instance_id = instance_id
         self._items: Iterator[Any] = iter(items)
+        self._on_no_responder = on_no_responder
         self.closed = False
 
     def __aiter__(self) -> FakeStream:
@@ -104,6 +108,8 @@ class FakeStream:
 
     async def __anext__(self) -> Any:
         item = next(self._items, StopAsyncIteration())
+        if isinstance(item, NoResponderError):
+            self._on_no_responder(self.instance_id)  # as the real stream tells its client
         if isinstance(item, BaseException):
             raise item
         return item
@@ -119,7 +125,13 @@ class FakeClient:
     Scripted two ways: `FakeClient(scripts, ids)` answers the n-th `direct` call with the
     n-th script whatever instance it goes to (the routable instances are `ids`);
     `FakeClient.per_instance({id: script})` answers each instance with its own script, for
-    tests where which instance is picked decides the outcome."""
+    tests where which instance is picked decides the outcome.
+
+    Like the real client, it pauses an instance whose stream answered "no responders"
+    (`NoResponderError`): it leaves `routable_ids()` until `wait_routable` (which ends
+    every pause at once and counts the waits) or until the test clears `paused`."""
+
+    lease_ttl = 5.0
 
     def __init__(
         self,
@@ -137,6 +149,8 @@ class FakeClient:
         self.options: list[dict[str, Any]] = []
         self.listeners: list[Callable[[list[int]], None]] = []
         self.closed = False
+        self.paused: set[int] = set()
+        self.waits = 0  # wait_routable calls
 
     @classmethod
     def per_instance(cls, scripts: Mapping[int, list[Any]]) -> FakeClient:
@@ -153,7 +167,12 @@ class FakeClient:
         return list(self.ids)
 
     def routable_ids(self) -> list[int]:
-        return list(self.ids)
+        return [i for i in self.ids if i not in self.paused]
+
+    async def wait_routable(self, timeout: float) -> bool:
+        self.waits += 1
+        self.paused.clear()
+        return bool(self.ids)
 
     def add_listener(self, listener: Callable[[list[int]], None]) -> None:
         self.listeners.append(listener)
@@ -170,7 +189,7 @@ class FakeClient:
             script = list(self._by_instance[instance_id])
         else:
             script = next(self._in_order)
-        stream = FakeStream(instance_id, script)
+        stream = FakeStream(instance_id, script, self.paused.add)
         self.streams.append(stream)
         return stream
 

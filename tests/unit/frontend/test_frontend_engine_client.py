@@ -17,6 +17,7 @@ from dynamo.frontend.__main__ import build_parser, config_from_args
 from dynamo.frontend.engine_client import (
     DEFAULT_FIRST_TOKEN_TIMEOUT_S,
     DEFAULT_INTER_TOKEN_TIMEOUT_S,
+    MAX_PLACEMENT_ATTEMPTS,
     EngineFailedError,
     EngineUnavailableError,
     RuntimeEngineClient,
@@ -41,6 +42,7 @@ from dynamo.runtime import (
     ConnectionLostError,
     InstanceGoneError,
     NoInstancesError,
+    NoResponderError,
     RemoteError,
     StreamTimeoutError,
 )
@@ -101,6 +103,36 @@ async def test_every_instance_lost_before_output_is_unavailable() -> None:
     with pytest.raises(EngineUnavailableError):
         await _collect(_client(fake))
     assert fake.sent == [("req", 1)]
+
+
+async def test_no_responders_everywhere_waits_and_sends_again_instead_of_a_503() -> None:
+    """Both workers answer "no responders" (reconnecting to NATS after their node was
+    lost): the request waits for the first to be probed again, is charged no placement
+    (more tries than `MAX_PLACEMENT_ATTEMPTS`), and is served."""
+    fake = FakeClient([[NoResponderError(1)], [NoResponderError(2)], [NoResponderError(1)], [DONE]])
+    outputs = await _collect(_client(fake))
+    assert outputs == [DONE]
+    assert len(fake.sent) == 4 > MAX_PLACEMENT_ATTEMPTS
+    assert fake.waits >= 1, "it waited for a paused instance instead of failing"
+    assert {request.request_id for request in fake.requests} == {"req"}
+
+
+async def test_no_responders_past_the_lease_ttl_is_a_lost_worker() -> None:
+    """After one lease TTL of "no responders" a live worker's key would have been put
+    again and a dead one's has expired: the instance counts as lost, as before."""
+    fake = FakeClient([[NoResponderError(1)], [NoResponderError(1)]], ids=[1])
+    fake.lease_ttl = 0.0
+    with pytest.raises(EngineUnavailableError):
+        await _collect(_client(fake))
+    assert fake.sent == [("req", 1)]
+
+
+async def test_a_paused_instance_is_skipped_while_another_serves() -> None:
+    fake = FakeClient.per_instance({1: [NoResponderError(1)], 2: [DONE]})
+    for _ in range(3):
+        assert await _collect(RuntimeEngineClient(fake, RoundRobinRouter())) == [DONE]
+    assert fake.sent_to.count(1) == 1, "left out after its one no-responders answer"
+    assert fake.waits == 0
 
 
 async def test_worker_gone_after_output_is_a_failure() -> None:

@@ -5,10 +5,15 @@ A worker whose NATS connection dropped has no subscription until it reconnects (
 second on a cluster); its instance key, put again unchanged, brings the client no event.
 Left out for a lease TTL (18 s on a cluster), the only worker of a model was a 503 for that
 long (seen in the chaos soak after a NATS node restart). Now: 0.5 s, doubling with each
-such answer in a row up to the lease TTL, and reset once it answers or re-registers.
+failed probe in a row up to `SUSPECT_MAX_S`, reset once it answers or re-registers; the
+answers of requests sent before the pause began are not probes (many requests meeting one
+reconnecting worker at once counted as many strikes, and left it out for the whole lease:
+seen when a NATS cluster lost the node of both the frontend and the worker). And
+`wait_routable` wakes when the first pause ends.
 
 The runtime here is a stand-in that only hands the client its discovery callbacks (the
-watch's contract); the clock is the test's.
+watch's contract); the clock is the test's, except in the `wait_routable` tests, which
+wait for real.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import pytest
 
 import dynamo.runtime.client as client_module
 from dynamo.runtime import naming, wire
-from dynamo.runtime.client import SUSPECT_FIRST_S, Client
+from dynamo.runtime.client import SUSPECT_FIRST_S, SUSPECT_MAX_S, Client
 from dynamo.runtime.runtime import Endpoint
 
 LEASE_TTL_S = 18.0
@@ -85,7 +90,7 @@ def test_one_no_responders_leaves_the_instance_out_for_half_a_second(clock: Cloc
     assert client.routable_ids() == [INSTANCE]
 
 
-def test_no_responders_in_a_row_double_the_pause_up_to_the_lease_ttl(clock: Clock) -> None:
+def test_failed_probes_in_a_row_double_the_pause_up_to_its_bound(clock: Clock) -> None:
     client, _ = registered_client()
     pauses = []
     for _ in range(8):
@@ -94,8 +99,43 @@ def test_no_responders_in_a_row_double_the_pause_up_to_the_lease_ttl(clock: Cloc
         while not client.routable_ids():
             clock.now += 0.25
         pauses.append(clock.now - start)
-    assert pauses[:4] == [0.5, 1.0, 2.0, 4.0]
-    assert pauses[-1] == LEASE_TTL_S
+    assert pauses[:3] == [0.5, 1.0, 2.0]
+    assert pauses[-1] == SUSPECT_MAX_S < LEASE_TTL_S
+
+
+def test_answers_to_requests_sent_before_the_pause_are_not_probes(clock: Clock) -> None:
+    """Twenty requests in flight when the worker's subscription vanished all answer "no
+    responders": one strike, so it is probed again after the first pause."""
+    client, _ = registered_client()
+    for _ in range(20):
+        client.mark_unreachable(INSTANCE)
+        clock.now += 0.01
+    clock.now += SUSPECT_FIRST_S
+    assert client.routable_ids() == [INSTANCE]
+
+
+async def test_wait_routable_wakes_when_the_first_pause_ends() -> None:
+    client, _ = registered_client()
+    client.mark_unreachable(INSTANCE)
+    assert client.routable_ids() == []
+    assert await client.wait_routable(timeout=30.0)
+    assert client.routable_ids() == [INSTANCE]
+
+
+async def test_wait_routable_answers_false_at_once_without_instances() -> None:
+    runtime = WatchOnlyRuntime()
+    endpoint = Endpoint(runtime, "ns", "backend", "generate")  # type: ignore[arg-type]
+    client = Client(runtime, endpoint)  # type: ignore[arg-type]
+    assert not await client.wait_routable(timeout=30.0)
+
+
+async def test_wait_routable_gives_up_after_its_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(client_module, "SUSPECT_FIRST_S", 60.0)
+    monkeypatch.setattr(client_module, "SUSPECT_MAX_S", 60.0)
+    client, _ = registered_client()
+    client.mark_unreachable(INSTANCE)  # paused for a minute
+    assert not await client.wait_routable(timeout=0.05)
+    assert client.routable_ids() == []
 
 
 def test_an_answer_or_a_new_registration_starts_the_count_again(clock: Clock) -> None:

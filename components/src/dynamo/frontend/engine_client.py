@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -38,6 +39,7 @@ from dynamo.runtime import (
     InstanceGoneError,
     InstanceOverloadedError,
     NoInstancesError,
+    NoResponderError,
     RemoteError,
     RequestTooLargeError,
     ResponseStream,
@@ -166,6 +168,13 @@ class RuntimeEngineClient:
     to the router again for that request, whatever the router prefers (a KV router would
     otherwise pick the same dead worker's cached prefix every time).
 
+    "No responders" is the exception: nothing reached the worker, and a live worker
+    answers it while it reconnects to NATS (losing a node of a NATS cluster). For up to
+    one lease TTL (after which a dead worker's key has expired) such a request is neither
+    charged a placement nor kept off that worker, and when every ready instance is left
+    out after such an answer (`Client.routable_ids`), it waits for the first to be
+    probed again instead of failing with a 503.
+
     `close()` while requests are in flight lets them finish first: the model registry
     closes an endpoint's client when its last model card goes, which is also the first
     step of that worker's graceful drain, and while the runtime `Client` stays open it
@@ -209,7 +218,9 @@ class RuntimeEngineClient:
             raise EngineUnavailableError(f"the workers of {request.model} are gone")
         self._active += 1
         try:
-            legs = RequestLegs(request, self.migration_limit)
+            legs = RequestLegs(
+                request, self.migration_limit, unreachable_patience_s=self._client.lease_ttl
+            )
             while True:
                 target = await self._choose(
                     legs.leg, legs.failed, resuming=legs.resuming, lost=legs.lost
@@ -252,8 +263,12 @@ class RuntimeEngineClient:
         lost: DynamoRuntimeError | None,
     ) -> int:
         """Ask the router where `request` goes among the routable instances it was not
-        lost on."""
+        lost on (waiting, up to one lease TTL, while the only ones left are paused after a
+        "no responders")."""
         candidates = [i for i in self._client.routable_ids() if i not in failed]
+        if not candidates and any(i not in failed for i in self._client.instance_ids()):
+            await self._client.wait_routable(self._client.lease_ttl)
+            candidates = [i for i in self._client.routable_ids() if i not in failed]
         if not candidates:
             if resuming:
                 raise EngineFailedError(
@@ -337,7 +352,13 @@ class RequestLegs:
     refusing worker means: place the request again (nothing streamed yet), migrate it
     (tokens streamed, migrations left), or fail it."""
 
-    def __init__(self, request: PreprocessedRequest, migration_limit: int) -> None:
+    def __init__(
+        self,
+        request: PreprocessedRequest,
+        migration_limit: int,
+        *,
+        unreachable_patience_s: float = 0.0,
+    ) -> None:
         self.request = request
         self.leg = request  # what the next placement sends
         self.migration_limit = migration_limit
@@ -347,6 +368,9 @@ class RequestLegs:
         self.migrations = 0
         self.lost: DynamoRuntimeError | None = None  # why the last placement failed
         self._first_of_leg = True
+        # How long "no responders" is waited out (see RuntimeEngineClient), from the first.
+        self.unreachable_patience_s = unreachable_patience_s
+        self._unreachable_since: float | None = None
 
     @property
     def resuming(self) -> bool:
@@ -375,6 +399,8 @@ class RequestLegs:
         return migrating
 
     def _next_leg(self, target: int, exc: InstanceGoneError | StreamTimeoutError) -> bool:
+        if isinstance(exc, NoResponderError) and self._waits_out(exc):
+            return False
         self._exclude(target, exc)
         request_id = self.request.request_id
         if not self.generated and self.placements + 1 < MAX_PLACEMENT_ATTEMPTS:
@@ -396,6 +422,20 @@ class RequestLegs:
             )  # fmt: skip
             return True
         raise EngineFailedError(_lost_message(exc)) from exc
+
+    def _waits_out(self, exc: NoResponderError) -> bool:
+        """Whether this "no responders" is sent again as it is (same leg, no placement
+        charged, the instance not excluded): until `unreachable_patience_s` has passed
+        since the first one."""
+        now = time.monotonic()
+        if self._unreachable_since is None:
+            self._unreachable_since = now
+        if now - self._unreachable_since >= self.unreachable_patience_s:
+            return False
+        self.lost = exc
+        self._first_of_leg = True
+        log.debug("request %s: %s; sending it again", self.request.request_id, exc)
+        return True
 
     def refused_by(self, target: int, exc: InstanceOverloadedError) -> None:
         """`target` refused before running anything (full): safe to send elsewhere, up to

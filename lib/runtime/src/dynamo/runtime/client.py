@@ -12,9 +12,12 @@ next when its instance fails is a placement decision, made by the caller (the LL
 layer's engine client re-places or migrates through its router). The stream only reports
 *why* it failed, with typed errors:
 
-* `InstanceGoneError` when the instance had no subscriber any more (NATS answers "no
-  responders" at once; nothing was processed, so sending elsewhere is safe; the instance
-  is also left out of `routable_ids()` for one lease TTL), when its key leaves the bucket
+* `NoResponderError` (an `InstanceGoneError`) when the instance had no subscriber (NATS
+  answers "no responders" at once; nothing was processed, so sending elsewhere, or to it
+  again later, is safe; the instance is left out of `routable_ids()` for a pause of
+  `SUSPECT_FIRST_S` to `SUSPECT_MAX_S`, and `wait_routable()` waits for the first pause to
+  end);
+* `InstanceGoneError` when the instance's key leaves the bucket
   before the END frame (a SIGKILLed worker is detected within the lease window instead of
   hanging the caller), when it shut down before finishing, or when it was no longer
   registered by the time the stream started (nothing sent);
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 import uuid
@@ -54,6 +58,7 @@ from dynamo.runtime.errors import (
     FramesLostError,
     InstanceGoneError,
     NoInstancesError,
+    NoResponderError,
     RequestTooLargeError,
     StreamProtocolError,
     StreamTimeoutError,
@@ -71,10 +76,16 @@ T = TypeVar("T")
 
 SUSPECT_FIRST_S = 0.5
 """How long an instance that answered "no responders" is first left out of routing; each
-further such answer in a row doubles it, up to one lease TTL. A worker whose connection
-dropped is unsubscribed only until it reconnects (a second or so on a cluster), and its
-key, put again unchanged, brings no event that would clear it: left out for a whole lease
-TTL (18 s on a cluster), the only worker of a model was a 503 for that long."""
+probe after the pause that finds no responder again doubles it, up to `SUSPECT_MAX_S`. A
+worker whose connection dropped is unsubscribed only until it reconnects (a second or so
+on a cluster), and its key, put again unchanged, brings no event that would clear it."""
+
+SUSPECT_MAX_S = 2.0
+"""The longest pause between two probes of an instance that keeps answering "no
+responders". A dead worker's key lives until its lease expires (18 s on a cluster); a
+probe of it costs one immediate "no responders", while a pause as long as the lease
+left a worker that had only reconnected, the only one of its model, a 503 for that long
+(seen on a NATS cluster losing the node both the frontend and the worker were on)."""
 
 InstancesListener = Callable[[list[int]], None]
 
@@ -88,7 +99,7 @@ class Client:
         self._instances: dict[int, wire.InstanceInfo] = {}
         self._ready: list[int] = []
         self._suspect: dict[int, float] = {}  # instance -> monotonic time it is excluded until
-        self._strikes: dict[int, int] = {}  # instance -> "no responders" in a row
+        self._strikes: dict[int, int] = {}  # instance -> failed probes in a row
         self._streams_by_instance: dict[int, set[ResponseStream[Any]]] = collections.defaultdict(
             set
         )
@@ -136,14 +147,19 @@ class Client:
 
     # ------------------------------------------------------------------ instances
 
+    @property
+    def lease_ttl(self) -> float:
+        """Seconds a dead instance's key outlives it (the runtime's lease TTL)."""
+        return self.runtime.lease_ttl
+
     def instance_ids(self) -> list[int]:
         """Ready instances (registered and not draining), sorted."""
         return list(self._ready)
 
     def routable_ids(self) -> list[int]:
         """Ready instances minus those that just answered "no responders" (left out for
-        `SUSPECT_FIRST_S`, doubling with each such answer in a row up to one lease TTL, or
-        until they re-register): where a new request may be sent."""
+        `SUSPECT_FIRST_S`, doubling with each failed probe in a row up to `SUSPECT_MAX_S`,
+        or until they re-register): where a new request may be sent."""
         if not self._suspect:
             return list(self._ready)
         now = time.monotonic()
@@ -203,11 +219,34 @@ class Client:
 
     def mark_unreachable(self, instance_id: int) -> None:
         """`instance_id` had no responder: leave it out of `routable_ids()` for a while
-        (see `SUSPECT_FIRST_S`; after a lease TTL its key has expired, or it is back)."""
+        (see `SUSPECT_FIRST_S`). Requests sent to it before it was left out answer "no
+        responders" too: only the first answer after a pause counts as a failed probe
+        (one reconnecting worker met by many requests at once would otherwise be left out
+        as long as a dead one)."""
+        now = time.monotonic()
+        if self._suspect.get(instance_id, 0.0) > now:
+            return
         strikes = self._strikes.get(instance_id, 0) + 1
         self._strikes[instance_id] = strikes
-        pause = min(self.runtime.lease_ttl, SUSPECT_FIRST_S * 2 ** (strikes - 1))
-        self._suspect[instance_id] = time.monotonic() + pause
+        pause = min(SUSPECT_MAX_S, SUSPECT_FIRST_S * 2 ** (strikes - 1))
+        self._suspect[instance_id] = now + pause
+
+    async def wait_routable(self, timeout: float) -> bool:
+        """Wait until an instance is routable: a left-out instance's pause ends, or the
+        ready set changes (one registers, or a dead one's key expires). True when one
+        is; False after `timeout` seconds, or at once when no instance is ready."""
+        deadline = time.monotonic() + timeout
+        while not self.routable_ids():
+            now = time.monotonic()
+            if not self._ready or now >= deadline:
+                return False
+            soonest = min(
+                (self._suspect[i] for i in self._ready if i in self._suspect), default=now
+            )
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), max(0.0, min(soonest, deadline) - now))
+        return True
 
     def mark_reachable(self, instance_id: int) -> None:
         """`instance_id` answered a request: its "no responders" in a row start again."""
@@ -447,7 +486,7 @@ class ResponseStream(Generic[T]):
         self._ended_remotely = True
         self._client.mark_unreachable(self.instance_id)
         log.debug("instance %016x had no responder", self.instance_id)
-        self._error = InstanceGoneError(self.instance_id, "no responder on its subject")
+        self._error = NoResponderError(self.instance_id)
 
     def _process(self, data: bytes) -> bool:
         """Decode one frame; True when it produced items."""

@@ -36,6 +36,17 @@ class InstanceGoneError(DynamoRuntimeError):
         super().__init__(f"instance {instance_id:016x} is gone" + (f": {detail}" if detail else ""))
 
 
+class NoResponderError(InstanceGoneError):
+    """NATS answered "no responders" for the instance's subject: nothing was delivered, so
+    nothing ran there. The instance may be dead (its key lives on until its lease
+    expires) or only between two connections (a worker reconnecting after losing its
+    NATS node has no subscription for a moment): the caller may send the request to it
+    again later."""
+
+    def __init__(self, instance_id: int) -> None:
+        super().__init__(instance_id, "no responder on its subject")
+
+
 class ConnectionLostError(InstanceGoneError):
     """This process lost its NATS connection while the stream was open. The instance may
     be alive and still working (closing the stream sends it a STOP once reconnected), but

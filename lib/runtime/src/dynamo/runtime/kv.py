@@ -42,6 +42,20 @@ TRANSIENT_ERRORS = (TimeoutError, NoRespondersError, NoStreamResponseError, Serv
 the metadata leader being elected, a server catching up): no answer in time, no
 responder, or 503 "temporarily unavailable". Worth retrying for a while."""
 
+_NO_PEERS_FOR_PLACEMENT = 10005
+"""JetStream's code for "no suitable peers for placement": a replicated stream cannot be
+placed *now* because a peer is offline (a node restarting, or a cluster whose metadata
+leader has not yet heard from every peer just after it formed). Transient until the
+budget is spent; then it is a replica shortage like `_INSUFFICIENT_RESOURCES`."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a JetStream call that raised `exc` may succeed if tried again soon."""
+    if isinstance(exc, TRANSIENT_ERRORS):
+        return True
+    return isinstance(exc, APIError) and exc.err_code == _NO_PEERS_FOR_PLACEMENT
+
+
 TRANSIENT_BUDGET_S = 15.0
 """How long a JetStream call is retried through transient errors: longer than a leader
 election (nats-server takes 4 to 9 s, a little more on a loaded machine)."""
@@ -52,15 +66,15 @@ _RETRY_S = 0.5
 async def retry_transient(
     action: Callable[[], Awaitable[T]], *, what: str, budget_s: float = TRANSIENT_BUDGET_S
 ) -> T:
-    """`await action()`, retried every 0.5 s through `TRANSIENT_ERRORS` for up to
-    `budget_s` seconds; the last error is raised when the budget is spent."""
+    """`await action()`, retried every 0.5 s through transient errors (`is_transient`) for
+    up to `budget_s` seconds; the last error is raised when the budget is spent."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + budget_s
     while True:
         try:
             return await action()
-        except TRANSIENT_ERRORS as exc:
-            if loop.time() >= deadline:
+        except Exception as exc:
+            if not is_transient(exc) or loop.time() >= deadline:
                 raise
             log.debug("%s: JetStream not ready (%r); retrying", what, exc)
             await asyncio.sleep(_RETRY_S)
@@ -123,14 +137,19 @@ async def wait_for_stream_leader(
 
 
 # JetStream's error codes for a replica count the servers cannot place: more replicas
-# than JetStream servers in the cluster, or any replication on a single server.
+# than JetStream servers in the cluster, or any replication on a single server (and
+# `_NO_PEERS_FOR_PLACEMENT` once retrying it has not helped).
 _INSUFFICIENT_RESOURCES = 10023
 _REPLICAS_WITHOUT_CLUSTER = 10074
 
 
 def is_replica_shortage(exc: APIError) -> bool:
     """Whether JetStream refused a stream because it cannot place its replicas."""
-    return exc.err_code in (_INSUFFICIENT_RESOURCES, _REPLICAS_WITHOUT_CLUSTER)
+    return exc.err_code in (
+        _INSUFFICIENT_RESOURCES,
+        _REPLICAS_WITHOUT_CLUSTER,
+        _NO_PEERS_FOR_PLACEMENT,
+    )
 
 
 def replica_error(what: str, replicas: int, exc: APIError) -> ConfigError:
@@ -138,7 +157,7 @@ def replica_error(what: str, replicas: int, exc: APIError) -> ConfigError:
     return ConfigError(
         f"NATS cannot create {what} with {replicas} replicas ({exc.description}): "
         "--nats-replicas ($DYN_NATS_REPLICAS) must be at most the number of JetStream "
-        "servers in the NATS cluster (1 for a single server)"
+        "servers running in the NATS cluster (1 for a single server)"
     )
 
 

@@ -371,17 +371,44 @@ class NatsCluster:
         return self
 
     def wait_for_leader(self, timeout: float = 30.0) -> None:
-        """Wait until the running nodes agree on a JetStream metadata leader and each
-        reports itself healthy: before that, creating a replicated stream fails with
-        "no suitable peers for placement"."""
+        """Wait until the running nodes agree on a JetStream metadata leader, each reports
+        itself healthy, and the leader counts every other running node as a current peer:
+        before that, creating a replicated stream fails with "no suitable peers for
+        placement" (the leader still holds a peer offline)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.metadata_leader() is not None and all(
-                node.monitor("/healthz") == {"status": "ok"} for node in self.nodes if node.running
+            leader = self.metadata_leader()
+            if (
+                leader is not None
+                and all(
+                    node.monitor("/healthz") == {"status": "ok"}
+                    for node in self.nodes
+                    if node.running
+                )
+                and self._peers_current(leader)
             ):
                 return
             time.sleep(0.05)
         raise NatsServerError(f"no JetStream metadata leader in cluster {self.name!r}")
+
+    def _peers_current(self, leader: NatsServer) -> bool:
+        """Whether `leader`'s metadata group lists every other running node as current
+        and online."""
+        meta = (leader.monitor("/jsz") or {}).get("meta_cluster")
+        peers = meta.get("replicas") if isinstance(meta, dict) else None
+        if not isinstance(peers, list):
+            return False
+        current = {
+            peer.get("name")
+            for peer in peers
+            if isinstance(peer, dict) and peer.get("current") and not peer.get("offline")
+        }
+        others = {
+            node.cluster.server_name
+            for node in self.nodes
+            if node.running and node.cluster is not None and node is not leader
+        }
+        return others <= current
 
     def metadata_leader(self) -> NatsServer | None:
         """The node that leads the JetStream metadata group, when the running nodes agree
