@@ -6,7 +6,7 @@ port."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,10 +169,10 @@ class FakeClient:
     def routable_ids(self) -> list[int]:
         return [i for i in self.ids if i not in self.paused]
 
-    async def wait_routable(self, timeout: float) -> bool:
+    async def wait_routable(self, timeout: float, excluding: Collection[int] = ()) -> bool:
         self.waits += 1
         self.paused.clear()
-        return bool(self.ids)
+        return any(i not in excluding for i in self.ids)
 
     def add_listener(self, listener: Callable[[list[int]], None]) -> None:
         self.listeners.append(listener)

@@ -72,11 +72,11 @@ def registered_client() -> tuple[Client, WatchOnlyRuntime]:
     return client, runtime
 
 
-def put_instance(runtime: WatchOnlyRuntime) -> None:
-    info = wire.InstanceInfo("ns", "backend", "generate", INSTANCE, "subject", started_at=1.0)
+def put_instance(runtime: WatchOnlyRuntime, instance: int = INSTANCE) -> None:
+    info = wire.InstanceInfo("ns", "backend", "generate", instance, "subject", started_at=1.0)
     assert runtime.on_put is not None
     runtime.on_put(
-        naming.instance_key("ns", "backend", "generate", INSTANCE), wire.encode_instance(info)
+        naming.instance_key("ns", "backend", "generate", instance), wire.encode_instance(info)
     )
 
 
@@ -152,3 +152,20 @@ def test_an_answer_or_a_new_registration_starts_the_count_again(clock: Clock) ->
     client.mark_unreachable(INSTANCE)
     clock.now += SUSPECT_FIRST_S
     assert client.routable_ids() == [INSTANCE]
+
+
+async def test_wait_routable_waits_for_an_instance_outside_those_excluded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request already lost on one instance waits for the paused other one, not for
+    the one it may not use (which is routable)."""
+    monkeypatch.setattr(client_module, "SUSPECT_FIRST_S", 60.0)
+    monkeypatch.setattr(client_module, "SUSPECT_MAX_S", 60.0)
+    client, runtime = registered_client()
+    other = INSTANCE + 1
+    put_instance(runtime, other)
+    client.mark_unreachable(other)
+    assert client.routable_ids() == [INSTANCE]
+    assert await client.wait_routable(timeout=30.0, excluding={other})
+    assert not await client.wait_routable(timeout=0.05, excluding={INSTANCE})
+    assert not await client.wait_routable(timeout=30.0, excluding={INSTANCE, other})

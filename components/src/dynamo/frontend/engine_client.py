@@ -267,7 +267,7 @@ class RuntimeEngineClient:
         "no responders")."""
         candidates = [i for i in self._client.routable_ids() if i not in failed]
         if not candidates and any(i not in failed for i in self._client.instance_ids()):
-            await self._client.wait_routable(self._client.lease_ttl)
+            await self._client.wait_routable(self._client.lease_ttl, excluding=failed)
             candidates = [i for i in self._client.routable_ids() if i not in failed]
         if not candidates:
             if resuming:

@@ -48,7 +48,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from dynamo.runtime import naming, request_parts, wire
@@ -231,21 +231,22 @@ class Client:
         pause = min(SUSPECT_MAX_S, SUSPECT_FIRST_S * 2 ** (strikes - 1))
         self._suspect[instance_id] = now + pause
 
-    async def wait_routable(self, timeout: float) -> bool:
-        """Wait until an instance is routable: a left-out instance's pause ends, or the
-        ready set changes (one registers, or a dead one's key expires). True when one
-        is; False after `timeout` seconds, or at once when no instance is ready."""
+    async def wait_routable(self, timeout: float, excluding: Collection[int] = ()) -> bool:
+        """Wait until an instance not in `excluding` is routable: a left-out instance's
+        pause ends, or the ready set changes (one registers, or a dead one's key expires).
+        True when one is; False after `timeout` seconds, or at once when no instance
+        outside `excluding` is ready."""
         deadline = time.monotonic() + timeout
-        while not self.routable_ids():
+        while not [i for i in self.routable_ids() if i not in excluding]:
             now = time.monotonic()
-            if not self._ready or now >= deadline:
+            waiting = [self._suspect.get(i, now) for i in self._ready if i not in excluding]
+            if not waiting or now >= deadline:
                 return False
-            soonest = min(
-                (self._suspect[i] for i in self._ready if i in self._suspect), default=now
-            )
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), max(0.0, min(soonest, deadline) - now))
+                await asyncio.wait_for(
+                    self._changed.wait(), max(0.0, min(*waiting, deadline) - now)
+                )
         return True
 
     def mark_reachable(self, instance_id: int) -> None:
