@@ -127,6 +127,16 @@ async def test_no_responders_past_the_lease_ttl_is_a_lost_worker() -> None:
     assert fake.sent == [("req", 1)]
 
 
+async def test_a_client_that_does_not_wait_fails_at_once_as_before() -> None:
+    """The prefill leg of a disaggregated request does not wait for unreachable prefill
+    workers: the decode worker prefilling itself is the better way out."""
+    fake = FakeClient([[NoResponderError(1)], [NoResponderError(2)], [DONE]])
+    with pytest.raises(EngineUnavailableError):
+        await _collect(_client(fake, wait_for_unreachable=False))
+    assert len(fake.sent) == 2
+    assert fake.waits == 0
+
+
 async def test_a_paused_instance_is_skipped_while_another_serves() -> None:
     fake = FakeClient.per_instance({1: [NoResponderError(1)], 2: [DONE]})
     for _ in range(3):

@@ -173,7 +173,9 @@ class RuntimeEngineClient:
     one lease TTL (after which a dead worker's key has expired) such a request is neither
     charged a placement nor kept off that worker, and when every ready instance is left
     out after such an answer (`Client.routable_ids`), it waits for the first to be
-    probed again instead of failing with a 503.
+    probed again instead of failing with a 503. Not with `wait_for_unreachable=False`
+    (the prefill leg of a disaggregated request, which has a better way out than
+    waiting: the decode worker prefills itself).
 
     `close()` while requests are in flight lets them finish first: the model registry
     closes an endpoint's client when its last model card goes, which is also the first
@@ -190,8 +192,10 @@ class RuntimeEngineClient:
         deadlines: StreamDeadlines | None = None,
         on_migration: MigrationHook | None = None,
         on_routed: RoutedHook | None = None,
+        wait_for_unreachable: bool = True,
     ) -> None:
         self._client = client
+        self.wait_for_unreachable = wait_for_unreachable
         self._router = router
         self.migration_limit = max(0, migration_limit)
         self.deadlines = deadlines if deadlines is not None else StreamDeadlines()
@@ -218,9 +222,8 @@ class RuntimeEngineClient:
             raise EngineUnavailableError(f"the workers of {request.model} are gone")
         self._active += 1
         try:
-            legs = RequestLegs(
-                request, self.migration_limit, unreachable_patience_s=self._client.lease_ttl
-            )
+            patience = self._client.lease_ttl if self.wait_for_unreachable else 0.0
+            legs = RequestLegs(request, self.migration_limit, unreachable_patience_s=patience)
             while True:
                 target = await self._choose(
                     legs.leg, legs.failed, resuming=legs.resuming, lost=legs.lost
@@ -266,7 +269,11 @@ class RuntimeEngineClient:
         lost on (waiting, up to one lease TTL, while the only ones left are paused after a
         "no responders")."""
         candidates = [i for i in self._client.routable_ids() if i not in failed]
-        if not candidates and any(i not in failed for i in self._client.instance_ids()):
+        if (
+            not candidates
+            and self.wait_for_unreachable
+            and any(i not in failed for i in self._client.instance_ids())
+        ):
             await self._client.wait_routable(self._client.lease_ttl, excluding=failed)
             candidates = [i for i in self._client.routable_ids() if i not in failed]
         if not candidates:

@@ -63,7 +63,7 @@ from dynamo.llm.model_card import (
     ModelCardWatcher,
     fetch_tokenizer_files,
 )
-from dynamo.llm.protocols import ModelCard
+from dynamo.llm.protocols import ModelCard, WorkerType
 from dynamo.runtime import DistributedRuntime
 from dynamo.runtime.nats_options import NatsConnectOptions
 
@@ -269,6 +269,9 @@ class ModelCardSync:
                 if self._on_routed is not None
                 else None
             ),
+            # A prefill leg that finds no reachable worker falls back to a local prefill
+            # at once rather than wait for one (see `DisaggregatedEngineClient`).
+            wait_for_unreachable=card.worker_type is not WorkerType.PREFILL,
         )
 
 
