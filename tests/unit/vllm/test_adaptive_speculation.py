@@ -158,6 +158,26 @@ def test_measured_step_times_correct_the_profile() -> None:
     assert chooser.best(4) == 0
 
 
+def test_step_time_corrections_are_kept_per_batch_size() -> None:
+    """Served drafting costs the profile's time at 4 sequences and half as much again at
+    32: K = 1 stays priced right at 4 and loses its edge at 32, and 64 (never measured)
+    takes the nearest bucket's ratio, 32's."""
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
+    for _ in range(40):
+        for k in (0, 1, 2, 3):
+            chooser.observe_step(k, 4, chooser.cost.profiled_ms(k, 4))
+            slower = 1.5 if k else 1.0
+            chooser.observe_step(k, 32, slower * chooser.cost.profiled_ms(k, 32))
+    assert chooser.cost.correction(1, 4) == pytest.approx(1.0)
+    assert chooser.cost.correction(1, 32) == pytest.approx(1.5)
+    assert chooser.cost.correction(1, 64) == pytest.approx(1.5)
+    assert chooser.cost.correction(1, 8) == pytest.approx(1.0)  # bucket 4 is nearer
+    assert chooser.cost.correction(1) == pytest.approx(1.25)  # every bucket, weighted
+    assert chooser.cost.correction(0, 32) == pytest.approx(1.0)
+    assert chooser.best(4) == 3
+    assert chooser.best(32) < chooser.best(4)
+
+
 def test_an_unmeasured_k_borrows_the_mean_correction() -> None:
     chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
     assert chooser.cost.correction(2) == 1.0

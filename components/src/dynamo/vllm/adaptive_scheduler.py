@@ -111,12 +111,13 @@ class AdaptiveSpeculationScheduler(SpeculationOptOutScheduler):
         estimate = self.chooser.acceptance
         log.info(
             "adaptive speculation: K chosen over the last %.0fs %s; acceptance per position "
-            "%s, drafted %.2f; step time x%s of the profile's",
+            "%s, drafted %.2f; step time x%s of the profile's (per batch size and K: %s)",
             now - self._reported_at,
             dict(sorted(self._chosen.items())),
             [round(rate, 3) for rate in estimate.rates()],
             estimate.drafted_fraction(),
             [round(self.chooser.cost.correction(k), 2) for k in range(self.chooser.max_k + 1)],
+            self.chooser.cost.by_batch(),
         )
         self._chosen.clear()
         self._reported_at = now

@@ -21,7 +21,11 @@ estimates and picks, for the batch about to run, the K with the highest goodput
   is the fraction of sequence-steps that carried a draft (below 1 for n-gram, which
   proposes nothing where the context has no match), estimated the same way.
 * `step(K, b)`, the profile's step time corrected by this worker's own: a decayed ratio of
-  measured to profiled time, one per K (a K not run lately borrows the mean ratio).
+  measured to profiled time per K and batch-size bucket (powers of two), since what a
+  served step adds to the profile's grows with the batch (a quick n-gram run measured
+  1.09x at K = 0 and 1.14-1.24x at K = 1 over all batches, and K = 1 kept winning at 16
+  to 64 sequences where it lost). A bucket not measured yet takes the ratio of the
+  nearest bucket measured at that K; a K not run lately borrows the mean ratio.
 
 Two rules keep speculation from losing. K > 0 wins only when its goodput beats K = 0 by
 `margin` (an estimate's noise must not cost throughput). And a K that is never chosen is
@@ -41,6 +45,7 @@ and the unit tests drive it with synthetic counts.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -190,6 +195,12 @@ def conditional_rates(acceptance: Sequence[float]) -> list[float]:
     return out
 
 
+def batch_bucket(batch: int) -> int:
+    """The power of two nearest `batch` (in log scale), as its exponent: the buckets
+    step-time corrections are kept in."""
+    return max(0, round(math.log2(max(batch, 1))))
+
+
 @dataclass
 class StepCost:
     """The profile's step time at (K, batch), corrected by measured steps."""
@@ -197,7 +208,8 @@ class StepCost:
     profile: SpeculationProfile
     decay: float
     k0_ms: Sequence[float]  # what a step without drafting costs (the plain engine's)
-    ratios: dict[int, DecayedRate] = field(default_factory=dict)
+    ratios: dict[int, dict[int, DecayedRate]] = field(default_factory=dict)
+    """K -> batch bucket (`batch_bucket`) -> measured over profiled time."""
 
     def profiled_ms(self, k: int, batch: int) -> float:
         times = self.k0_ms if k == 0 else self.profile.times_for(k).step_ms
@@ -209,32 +221,61 @@ class StepCost:
             return
         low, high = RATIO_BOUNDS
         sample = min(max(measured_ms / self.profiled_ms(k, batch), low), high)
-        ratio = self.ratios.setdefault(k, DecayedRate(0.0, 0.0))
+        ratio = self.ratios.setdefault(k, {}).setdefault(batch_bucket(batch), DecayedRate(0, 0))
         ratio.fade(self.decay)
         ratio.add(sample, 1.0)
 
-    def correction(self, k: int) -> float:
-        """Measured over profiled time for K. A K > 0 not measured yet borrows the mean
-        of the measured Ks (1 before any measurement). K = 0 not measured yet keeps the
+    def correction(self, k: int, batch: int | None = None) -> float:
+        """Measured over profiled time for K at `batch` (None: over every batch size,
+        weighted by measurements). A K > 0 not measured yet borrows the mean of the
+        measured Ks (1 before any measurement). K = 0 not measured yet keeps the
         profile's time: borrowing a drafting K's ratio would price no speculation as
         dearly as speculation served costs, and a worker that never runs K = 0 would never
         learn otherwise (seen: n-gram kept K = 3 at 16 sequences, 0.82x no speculation).
         Priced at the profile, K = 0 wins where served drafting costs more than profiled,
         runs, and is measured from then on."""
-        own = self.ratios.get(k)
-        if own is not None and own.trials > 1e-9:
-            return own.rate(1.0)
+        own = self._measured(k, batch)
+        if own is not None:
+            return own
         if k == 0:
             return 1.0
-        measured = [r for r in self.ratios.values() if r.trials > 1e-9]
-        return sum(r.rate(1.0) for r in measured) / len(measured) if measured else 1.0
+        measured = [r for r in (self._measured(j, batch) for j in self.ratios) if r is not None]
+        return sum(measured) / len(measured) if measured else 1.0
+
+    def _measured(self, k: int, batch: int | None) -> float | None:
+        """K's ratio at the bucket of `batch`, else at the nearest bucket measured (the
+        mean of two as near); every bucket's, weighted, when `batch` is None."""
+        buckets = {b: r for b, r in self.ratios.get(k, {}).items() if r.trials > 1e-9}
+        if not buckets:
+            return None
+        if batch is None:
+            trials = sum(r.trials for r in buckets.values())
+            return sum(r.hits for r in buckets.values()) / trials
+        want = batch_bucket(batch)
+        nearest = min(abs(b - want) for b in buckets)
+        rates = [r.rate(1.0) for b, r in buckets.items() if abs(b - want) == nearest]
+        return sum(rates) / len(rates)
+
+    def by_batch(self) -> dict[int, list[float | None]]:
+        """For the log: per measured batch bucket (as its batch size), the ratio of each K
+        measured there (None where it was not)."""
+        buckets = sorted({b for per_k in self.ratios.values() for b in per_k})
+        max_k = max(self.ratios, default=0)
+        table: dict[int, list[float | None]] = {}
+        for bucket in buckets:
+            row: list[float | None] = []
+            for k in range(max_k + 1):
+                ratio = self.ratios.get(k, {}).get(bucket)
+                row.append(round(ratio.rate(1.0), 2) if ratio and ratio.trials > 1e-9 else None)
+            table[2**bucket] = row
+        return table
 
     def step_ms(self, k: int, batch: int) -> float:
         """The corrected step time at K, never below a smaller K's: a step verifies and
         drafts more tokens as K grows, so a K that measured cheaper than a smaller one
         measured noise (on CPU the steps of neighbouring Ks differ by a few percent, as
         much as two measurements of one K do), and must not win on it."""
-        return max(self.profiled_ms(j, batch) * self.correction(j) for j in range(k + 1))
+        return max(self.profiled_ms(j, batch) * self.correction(j, batch) for j in range(k + 1))
 
 
 class AdaptiveK:
