@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import uuid
 
+import msgspec
+import pytest
 from e2e_prompts import chat_ids, greedy_request
 
 from dynamo.llm.protocols import (
@@ -19,7 +21,7 @@ from dynamo.llm.protocols import (
     SamplingOptions,
     StopConditions,
 )
-from dynamo.runtime import DistributedRuntime
+from dynamo.runtime import DistributedRuntime, ErrorKind, RemoteError
 from dynamo.testing.processes import WorkerProcess
 from dynamo.testing.waiting import wait_until_async
 
@@ -175,3 +177,29 @@ async def test_worker_exports_every_worker_metric_of_the_dashboard(
         "dynamo_worker_prompt_tokens_total",
     } <= wanted
     assert sorted(wanted - exported_names(text)) == []
+
+
+async def test_min_p_is_refused_by_the_speculating_worker_not_ignored(
+    runtime, ngram_worker, plain_worker, tokenizer
+):
+    """vLLM applies no min_p while it speculates (it loads no min_p logits processor);
+    the speculating worker refuses it as the client's error, naming the field, and the
+    worker without speculation serves it."""
+    ids = chat_ids(tokenizer, "What is the capital of Japan?")
+    request = msgspec.structs.replace(
+        greedy_request(ids, 8, model="test"), sampling_options=SamplingOptions(min_p=0.2)
+    )
+
+    async def first_output(worker: WorkerProcess) -> LLMEngineOutput:
+        endpoint = runtime.namespace(worker.namespace).component(worker.component)
+        client = await endpoint.endpoint("generate").client()
+        await client.wait_for_instances(timeout=30)
+        async for out in client.round_robin(request, response_type=LLMEngineOutput):
+            return out
+        raise AssertionError("no output")
+
+    with pytest.raises(RemoteError) as info:
+        await first_output(ngram_worker)
+    assert info.value.kind is ErrorKind.INVALID_REQUEST
+    assert "`min_p` is not applied by this worker: it speculates (ngram)" in info.value.message
+    assert (await first_output(plain_worker)).token_ids

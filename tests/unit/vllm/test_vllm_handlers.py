@@ -49,11 +49,12 @@ from dynamo.llm.protocols import (
     PreprocessedRequest,
     PromptTokensDetails,
     SamplingOptions,
+    SpeculativeInfo,
     StopConditions,
     WorkerType,
 )
 from dynamo.runtime import Context, InvalidRequestError, WorkerOverloadedError
-from dynamo.vllm.engine import EngineFacts, VllmEngine
+from dynamo.vllm.engine import EngineFacts, VllmEngine, applied_defaults
 from dynamo.vllm.handlers import GenerateHandler, RequestCounters
 from dynamo.vllm.kv_layout import KV_LAYOUT_PARAM
 from dynamo.vllm.kv_storage_check import (
@@ -147,6 +148,7 @@ class Worker:
         kv_layout: str = "",
         kv_probe: KvStorageProbe | None = None,
         storage_check: SharedStorageCheck | None = None,
+        speculative: SpeculativeInfo | None = None,
     ) -> None:
         self.llm = llm
         self.engine = VllmEngine(AsyncEngineArgs(model=str(model_dir)))
@@ -156,7 +158,7 @@ class Worker:
             block_size=BLOCK_SIZE,
             num_gpu_blocks=100,
             max_num_seqs=8,
-            speculative=None,
+            speculative=speculative,
             sampling_defaults=dict(MODEL_DEFAULTS),
             kv_connector=kv_connector,
             kv_layout=kv_layout,
@@ -531,6 +533,34 @@ async def test_a_value_vllms_sampling_params_refuse_is_the_clients_error(tiny_mo
     assert worker.llm.params == []  # never reached the engine
     assert worker.counters.finished == {"rejected": 1}
     assert worker.counters.in_flight == 0
+
+
+async def test_a_speculating_worker_refuses_min_p_which_vllm_would_ignore(
+    tiny_model: Path,
+) -> None:
+    """While it speculates vLLM loads no min_p logits processor (`vllm serve` ignores the
+    value with one warning at start-up): refused, naming the field, never sent."""
+    ngram = SpeculativeInfo(method="ngram", num_speculative_tokens=3)
+    worker = Worker(tiny_model, FakeAsyncLLM([]), speculative=ngram)
+    with pytest.raises(InvalidRequestError) as info:
+        await worker.run(make_request(sampling=SamplingOptions(min_p=0.1)))
+    assert str(info.value).startswith("`min_p` is not applied by this worker: it speculates")
+    assert worker.llm.params == []
+    assert worker.counters.finished == {"rejected": 1}
+    # A neutral min_p asks for nothing and is served; so is min_p without speculation.
+    served = Worker(
+        tiny_model, FakeAsyncLLM([step([5], finish_reason="length")]), speculative=ngram
+    )
+    await served.run(make_request(sampling=SamplingOptions(min_p=0.0)))
+    plain = Worker(tiny_model, FakeAsyncLLM([step([5], finish_reason="length")]))
+    await plain.run(make_request(sampling=SamplingOptions(min_p=0.1)))
+    assert plain.sent_params().min_p == pytest.approx(0.1)
+
+
+def test_a_speculating_engine_drops_a_model_default_it_would_not_apply() -> None:
+    defaults = {"min_p": 0.05, "top_p": 0.9}
+    assert applied_defaults(dict(defaults), spec_config=None) == defaults
+    assert applied_defaults(dict(defaults), spec_config=object()) == {"top_p": 0.9}
 
 
 async def test_a_request_the_engine_refuses_is_the_clients_error(tiny_model: Path) -> None:

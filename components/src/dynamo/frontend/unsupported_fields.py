@@ -178,7 +178,11 @@ SUPPORT: tuple[FieldSupport, ...] = (
     _openai("moderation", R, "no moderation", CHAT, neutral=_is_none),
     # ------------------------------------------------------------------ vLLM extensions
     _vllm("top_k", H, "-1 or 0 disable it"),
-    _vllm("min_p", H, "0..1"),
+    _vllm(
+        "min_p",
+        H,
+        "0..1; a worker that speculates refuses it (400): vLLM applies no min_p then",
+    ),
     _vllm("repetition_penalty", H, "(0, 2]"),
     _vllm("stop_token_ids", H, "hidden from the text"),
     _vllm("ignore_eos", H, "keeps going past EOS"),

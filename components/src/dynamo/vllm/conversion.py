@@ -37,6 +37,22 @@ _SAMPLING_FIELDS = tuple(
 _DEFAULTABLE = frozenset(_SAMPLING_FIELDS) - {"n"}
 
 
+UNAPPLIED_WHILE_SPECULATING = ("min_p",)
+"""Sampling fields vLLM does not apply while it speculates: with a speculative config it
+loads none of its built-in logits processors but min-tokens' (min_p's and logit_bias's
+included), and `vllm serve` then ignores the value with one warning at start-up. A
+worker here refuses a request that sets one instead of answering it as if it had not."""
+
+
+def unapplied_while_speculating(options: SamplingOptions) -> str | None:
+    """The first field of `options` a speculating vLLM engine would silently ignore (a
+    neutral value, such as `min_p` 0, is no request for it), or None."""
+    for name in UNAPPLIED_WHILE_SPECULATING:
+        if getattr(options, name):
+            return name
+    return None
+
+
 def to_sampling_params(
     request: PreprocessedRequest,
     *,

@@ -17,6 +17,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from dynamo.llm.protocols import SpeculativeInfo
 from dynamo.vllm.adaptive_speculation import adaptive_entry
+from dynamo.vllm.conversion import UNAPPLIED_WHILE_SPECULATING
 from dynamo.vllm.engine_stats import EngineStats, make_stat_logger_factory
 from dynamo.vllm.kv_layout import describe_kv_layout
 from dynamo.vllm.spec_config import ConfigError
@@ -55,6 +56,24 @@ class EngineFacts:
     sampling_defaults: dict[str, Any]
     kv_connector: str | None = None  # vLLM KV connector for disaggregation (None: aggregated)
     kv_layout: str = ""  # what a prefill/decode pair must share (`kv_layout.describe_kv_layout`)
+
+
+def applied_defaults(defaults: dict[str, Any], spec_config: Any) -> dict[str, Any]:
+    """The model's sampling defaults this engine applies: while it speculates, vLLM
+    applies no `UNAPPLIED_WHILE_SPECULATING` field, so a default for one is dropped (and
+    said) rather than advertised on the card and sent back with every request, which
+    the handler would then refuse."""
+    if spec_config is None:
+        return defaults
+    kept = dict(defaults)
+    for name in UNAPPLIED_WHILE_SPECULATING:
+        if kept.get(name):
+            log.warning(
+                "the model's default %s=%r is not applied: vLLM applies no %s while it "
+                "speculates",
+                name, kept.pop(name), name,
+            )  # fmt: skip
+    return kept
 
 
 def speculative_info(spec_config: Any, *, adaptive: bool = False) -> SpeculativeInfo | None:
@@ -121,7 +140,9 @@ class VllmEngine:
                 cfg.speculative_config,
                 adaptive=adaptive_entry(cfg.additional_config) is not None,
             ),
-            sampling_defaults=dict(cfg.model_config.get_diff_sampling_param()),
+            sampling_defaults=applied_defaults(
+                dict(cfg.model_config.get_diff_sampling_param()), cfg.speculative_config
+            ),
             kv_connector=getattr(cfg.kv_transfer_config, "kv_connector", None),
             kv_layout=describe_kv_layout(cfg),
         )

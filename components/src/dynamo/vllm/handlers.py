@@ -29,7 +29,12 @@ from dynamo.llm.protocols import (
     WorkerType,
 )
 from dynamo.runtime import Context, InvalidRequestError, WorkerOverloadedError
-from dynamo.vllm.conversion import OutputTracker, to_prompt, to_sampling_params
+from dynamo.vllm.conversion import (
+    OutputTracker,
+    to_prompt,
+    to_sampling_params,
+    unapplied_while_speculating,
+)
 from dynamo.vllm.engine import VllmEngine
 from dynamo.vllm.kv_layout import KV_LAYOUT_PARAM, KvLayoutCheck
 from dynamo.vllm.kv_storage_check import KvStorageNotSharedError, SharedStorageCheck
@@ -120,6 +125,16 @@ class GenerateHandler:
         facts = self.engine.facts
         assert facts is not None, "handler served before the engine started"
         prefill = self.worker_type is WorkerType.PREFILL
+        if facts.speculative is not None:
+            unapplied = unapplied_while_speculating(request.sampling_options)
+            if unapplied is not None:
+                self.counters.finish(REJECTED)
+                raise InvalidRequestError(
+                    f"`{unapplied}` is not applied by this worker: it speculates "
+                    f"({facts.speculative.method}), and vLLM applies no {unapplied} while it "
+                    "speculates; send the request without it, or to a model served without "
+                    "speculation"
+                )
         try:
             transfer = self._kv_transfer_params(request)
             params = to_sampling_params(
