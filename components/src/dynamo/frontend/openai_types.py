@@ -106,9 +106,12 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # Dynamo's extension: `false` turns the worker's speculative decoding off for this
     # request (no drafts are verified for it); unset or `true`: the worker's setting.
     speculative_decoding: bool | None = None
+    # OpenAI's: token id (as a string key) -> bias; vLLM's extensions restrict or forbid.
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
     # Fields declared only so that a value we do not serve is refused with a 400 naming
     # it instead of being ignored (`unsupported_fields.SUPPORT` says which values).
-    logit_bias: dict[str, float] | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
     include_stop_str_in_output: bool | None = None
@@ -117,8 +120,6 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     truncation_side: str | None = None
     prompt_logprobs: int | None = None
     logprob_token_ids: list[int] | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
     add_special_tokens: bool | None = None
     logits_processors: list[Any] | None = None
     thinking_token_budget: int | None = None

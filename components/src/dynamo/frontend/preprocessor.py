@@ -433,8 +433,38 @@ async def checked_constraints_off_loop(
     return await loop.run_in_executor(constraint_pool(), checked_constraints, req)
 
 
+LOGIT_BIAS_BOUND = 100.0
+"""vLLM clamps each bias to [-100, 100] (OpenAI's documented range)."""
+
+
+def logit_bias_by_token(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` (token ids as string keys) as vLLM takes it: integer keys,
+    each bias clamped to [-100, 100], as `vllm serve` does; a key that is not a token id
+    is the client's error (400, naming the field). None or empty: no bias."""
+    if not bias:
+        return None
+    by_token: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if token < 0:
+            raise bad_request(
+                f"`logit_bias` keys must be token ids (non-negative integers), got {key!r}",
+                "logit_bias",
+            )
+        by_token[token] = min(LOGIT_BIAS_BOUND, max(-LOGIT_BIAS_BOUND, value))
+    return by_token
+
+
 def _check_common(req: SamplingFields) -> None:
     check_stop(req.stop)
+    logit_bias_by_token(req.logit_bias)  # raises on a key that is not a token id
+    if req.allowed_token_ids is not None and not req.allowed_token_ids:
+        raise bad_request("`allowed_token_ids` must not be empty", "allowed_token_ids")
+    if req.bad_words is not None and not all(req.bad_words):
+        raise bad_request("`bad_words` cannot contain an empty string", "bad_words")
     if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
         raise bad_request(f"`n` must be between 1 and {MAX_CHOICES}, got {req.n}", "n")
     if req.top_k is not None and req.top_k < -1:
@@ -446,6 +476,7 @@ def _sampling_options(req: SamplingFields, defaults: SamplingDefaults | None) ->
     from the card (its generation_config.json), as `vllm serve` does. An explicit value,
     0 included, always wins."""
     values = {name: getattr(req, name) for name in SamplingOptions.__struct_fields__}
+    values["logit_bias"] = logit_bias_by_token(req.logit_bias)
     if defaults is not None:
         for name, value in values.items():
             if value is None and name in SamplingDefaults.__struct_fields__:

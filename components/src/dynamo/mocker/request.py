@@ -195,6 +195,18 @@ def _check_supported(request: PreprocessedRequest) -> None:
             "structured output (`response_format`, `structured_outputs`, `guided_*`) "
             "is not supported by the mocker; use a vLLM worker"
         )
+    sampling = request.sampling_options
+    for name in MOCKER_CANNOT_EMULATE:
+        if getattr(sampling, name):
+            raise InvalidRequest(
+                f"`{name}` cannot be emulated by the mocker (its tokens do not come from "
+                "logits); use a vLLM worker"
+            )
+
+
+MOCKER_CANNOT_EMULATE = ("logit_bias", "bad_words")
+"""Sampling fields whose effect random tokens cannot show (`allowed_token_ids` can: the
+tokens are drawn from the allowed ids)."""
 
 
 def admit_request(
@@ -238,7 +250,7 @@ def admit_request(
         eos_token_ids=frozenset(eos),
         logprobs=request.output_options.logprobs,
         sampler=TokenSampler(
-            prompt,
+            request.sampling_options.allowed_token_ids or prompt,
             random.Random(rng.getrandbits(64)),
             vocab_size=config.vocab_size,
             excluded=config.special_token_ids | frozenset(config.eos_token_ids),

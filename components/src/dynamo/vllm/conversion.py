@@ -37,7 +37,7 @@ _SAMPLING_FIELDS = tuple(
 _DEFAULTABLE = frozenset(_SAMPLING_FIELDS) - {"n"}
 
 
-UNAPPLIED_WHILE_SPECULATING = ("min_p",)
+UNAPPLIED_WHILE_SPECULATING = ("min_p", "logit_bias")
 """Sampling fields vLLM does not apply while it speculates: with a speculative config it
 loads none of its built-in logits processors but min-tokens' (min_p's and logit_bias's
 included), and `vllm serve` then ignores the value with one warning at start-up. A

@@ -55,6 +55,11 @@ class SamplingOptions(msgspec.Struct, omit_defaults=True):
     # False: the worker never drafts for this request (bulk jobs that want throughput,
     # not latency); None or True: the worker's speculation applies.
     speculative_decoding: bool | None = None
+    # vLLM's: a bias added to the logits of each token id (clamped to [-100, 100]);
+    # only these token ids may be sampled; words (strings) the output may not contain.
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
 
 class StopConditions(msgspec.Struct, omit_defaults=True):
