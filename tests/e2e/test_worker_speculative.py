@@ -182,9 +182,9 @@ async def test_worker_exports_every_worker_metric_of_the_dashboard(
 async def test_min_p_is_refused_by_the_speculating_worker_not_ignored(
     runtime, ngram_worker, plain_worker, tokenizer
 ):
-    """vLLM applies no min_p while it speculates (it loads no min_p logits processor);
-    the speculating worker refuses it as the client's error, naming the field, and the
-    worker without speculation serves it."""
+    """vLLM applies no min_p while it speculates (and refuses one); the speculating
+    worker refuses it as the client's error before the engine, naming the field and the
+    way out, and the worker without speculation serves it."""
     ids = chat_ids(tokenizer, "What is the capital of Japan?")
     request = msgspec.structs.replace(
         greedy_request(ids, 8, model="test"), sampling_options=SamplingOptions(min_p=0.2)

@@ -538,8 +538,8 @@ async def test_a_value_vllms_sampling_params_refuse_is_the_clients_error(tiny_mo
 async def test_a_speculating_worker_refuses_min_p_which_vllm_would_ignore(
     tiny_model: Path,
 ) -> None:
-    """While it speculates vLLM loads no min_p logits processor (`vllm serve` ignores the
-    value with one warning at start-up): refused, naming the field, never sent."""
+    """While it speculates vLLM applies no min_p (and its `SamplingParams.verify` refuses
+    one): refused before the engine, naming the field and the way out, never sent."""
     ngram = SpeculativeInfo(method="ngram", num_speculative_tokens=3)
     worker = Worker(tiny_model, FakeAsyncLLM([]), speculative=ngram)
     with pytest.raises(InvalidRequestError) as info:

@@ -39,13 +39,15 @@ _DEFAULTABLE = frozenset(_SAMPLING_FIELDS) - {"n"}
 
 UNAPPLIED_WHILE_SPECULATING = ("min_p", "logit_bias")
 """Sampling fields vLLM does not apply while it speculates: with a speculative config it
-loads none of its built-in logits processors but min-tokens' (min_p's and logit_bias's
-included), and `vllm serve` then ignores the value with one warning at start-up. A
-worker here refuses a request that sets one instead of answering it as if it had not."""
+loads none of its built-in logits processors but min-tokens', and `SamplingParams.verify`
+refuses a request that sets one ("The min_p and logit_bias sampling parameters are not
+yet supported with speculative decoding"). A worker here refuses it first, naming the
+field and the way out; and drops a model default for one, which would otherwise be sent
+back with every request and make vLLM refuse them all."""
 
 
 def unapplied_while_speculating(options: SamplingOptions) -> str | None:
-    """The first field of `options` a speculating vLLM engine would silently ignore (a
+    """The first field of `options` a speculating vLLM engine does not apply (a
     neutral value, such as `min_p` 0, is no request for it), or None."""
     for name in UNAPPLIED_WHILE_SPECULATING:
         if getattr(options, name):

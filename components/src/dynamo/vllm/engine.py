@@ -60,9 +60,9 @@ class EngineFacts:
 
 def applied_defaults(defaults: dict[str, Any], spec_config: Any) -> dict[str, Any]:
     """The model's sampling defaults this engine applies: while it speculates, vLLM
-    applies no `UNAPPLIED_WHILE_SPECULATING` field, so a default for one is dropped (and
-    said) rather than advertised on the card and sent back with every request, which
-    the handler would then refuse."""
+    applies no `UNAPPLIED_WHILE_SPECULATING` field and refuses a request that sets one,
+    so a default for one is dropped (and said) rather than advertised on the card and
+    sent back with every request, each of which would then be refused."""
     if spec_config is None:
         return defaults
     kept = dict(defaults)
