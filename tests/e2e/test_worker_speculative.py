@@ -203,3 +203,68 @@ async def test_min_p_is_refused_by_the_speculating_worker_not_ignored(
     assert info.value.kind is ErrorKind.INVALID_REQUEST
     assert "`min_p` is not applied by this worker: it speculates (ngram)" in info.value.message
     assert (await first_output(plain_worker)).token_ids
+
+
+async def first_outputs(
+    runtime, worker: WorkerProcess, request: PreprocessedRequest
+) -> list[LLMEngineOutput]:
+    endpoint = runtime.namespace(worker.namespace).component(worker.component)
+    client = await endpoint.endpoint("generate").client()
+    await client.wait_for_instances(timeout=30)
+    return [out async for out in client.round_robin(request, response_type=LLMEngineOutput)]
+
+
+def with_sampling(tokenizer, prompt: str, max_tokens: int, **fields) -> PreprocessedRequest:
+    request = greedy_request(chat_ids(tokenizer, prompt), max_tokens, model="test")
+    options = msgspec.structs.replace(request.sampling_options, **fields)
+    return msgspec.structs.replace(request, sampling_options=options)
+
+
+async def test_allowed_token_ids_restrict_the_output_with_and_without_speculation(
+    runtime, ngram_worker, plain_worker, tokenizer
+):
+    """vLLM masks every other token, also in its rejection sampler when it verifies
+    drafts: the n-gram worker's output stays inside the set too."""
+    allowed = sorted(set(tokenizer.encode(" one two three four five", add_special_tokens=False)))
+    request = with_sampling(tokenizer, "Count to ten.", 24, allowed_token_ids=allowed)
+    for worker in (plain_worker, ngram_worker):
+        tokens = [t for out in await first_outputs(runtime, worker, request) for t in out.token_ids]
+        assert tokens and set(tokens) <= set(allowed), (worker.component, tokens)
+
+
+async def test_logit_bias_steers_the_plain_worker_and_is_refused_by_the_speculating_one(
+    runtime, ngram_worker, plain_worker, tokenizer
+):
+    (forced,) = tokenizer.encode(" banana", add_special_tokens=False)[:1]
+    request = with_sampling(
+        tokenizer, "What is the capital of Japan?", 6, logit_bias={forced: 100.0}
+    )
+    tokens = [
+        t for out in await first_outputs(runtime, plain_worker, request) for t in out.token_ids
+    ]
+    assert tokens == [forced] * 6
+    with pytest.raises(RemoteError) as info:
+        await first_outputs(runtime, ngram_worker, request)
+    assert info.value.kind is ErrorKind.INVALID_REQUEST
+    assert "`logit_bias` is not applied by this worker: it speculates (ngram)" in info.value.message
+
+
+async def test_bad_words_are_never_generated_with_and_without_speculation(
+    runtime, ngram_worker, plain_worker, tokenizer
+):
+    """vLLM bans a bad word's token sequence, and the same word after a space when that
+    tokenizes to as many tokens (so " Tokyo", one token against two for "Tokyo", cannot be
+    banned on this tokenizer: vLLM's rule, kept as it is). "capital" and " capital" are one
+    token each: neither is generated, where the answer without the ban has one."""
+    prompt = "What is the capital of Japan? Answer in one sentence."
+    banned_ids = {tokenizer.encode(w, add_special_tokens=False)[0] for w in ("capital", " capital")}
+    assert all(
+        len(tokenizer.encode(w, add_special_tokens=False)) == 1 for w in ("capital", " capital")
+    )
+    plain = with_sampling(tokenizer, prompt, 16)
+    free = [t for out in await first_outputs(runtime, plain_worker, plain) for t in out.token_ids]
+    assert banned_ids & set(free), tokenizer.decode(free)
+    banned = with_sampling(tokenizer, prompt, 16, bad_words=["capital"])
+    for worker in (plain_worker, ngram_worker):
+        tokens = [t for out in await first_outputs(runtime, worker, banned) for t in out.token_ids]
+        assert tokens and not banned_ids & set(tokens), (worker.component, tokenizer.decode(tokens))

@@ -185,6 +185,28 @@ def test_speculation_turned_off_reaches_the_wire_and_silence_adds_nothing(
     assert silent.request.sampling_options.speculative_decoding is None
 
 
+def test_logit_bias_allowed_ids_and_bad_words_reach_the_wire_as_vllm_takes_them(
+    preprocessor: Preprocessor,
+) -> None:
+    """OpenAI's string keys become token ids and each bias is clamped to [-100, 100], as
+    `vllm serve` does; the other two pass as sent."""
+    fields = {
+        "logit_bias": {"5": 150.0, "6": -0.5, "7": -1000},
+        "allowed_token_ids": [5, 6, 7],
+        "bad_words": ["Paris", "London"],
+    }
+    for prepared in (
+        preprocessor.prepare_chat_sync(chat_request(**fields), "r"),
+        preprocessor.prepare_completion_sync(completion_request(**fields), "r"),
+    ):
+        options = prepared.request.sampling_options
+        assert options.logit_bias == {5: 100.0, 6: -0.5, 7: -100.0}
+        assert options.allowed_token_ids == [5, 6, 7]
+        assert options.bad_words == ["Paris", "London"]
+    silent = preprocessor.prepare_chat_sync(chat_request(logit_bias={}), "r").request
+    assert silent.sampling_options.logit_bias is None
+
+
 def test_ignore_eos_keeps_eos_text_visible(preprocessor: Preprocessor) -> None:
     prepared = preprocessor.prepare_completion_sync(completion_request(ignore_eos=True), "r")
     assert prepared.request.stop_conditions.ignore_eos is True
@@ -208,6 +230,12 @@ def test_completion_logprobs_and_echo(preprocessor: Preprocessor) -> None:
         ({"min_tokens": 50, "max_tokens": 10}, "min_tokens"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"stop_token_ids": [10**7]}, "stop_token_ids"),
+        ({"allowed_token_ids": [5, 10**7]}, "allowed_token_ids"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"logit_bias": {"10000000": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"hello": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"-3": 1.0}}, "logit_bias"),
+        ({"bad_words": ["fine", ""]}, "bad_words"),
     ],
 )
 def test_invalid_options_are_400_naming_the_field(

@@ -309,6 +309,15 @@ async def test_bad_requests_are_refused_as_invalid_before_any_output() -> None:
             request("e", prompt(4)), sampling_options=SamplingOptions(top_p=0.0)
         ),
         "greater than max allowed: 5": request("f", prompt(4), logprobs=6),
+        "allowed_token_ids contains out-of-vocab token id!": msgspec.structs.replace(
+            request("h", prompt(4)), sampling_options=SamplingOptions(allowed_token_ids=[99999])
+        ),
+        "`logit_bias` cannot be emulated by the mocker": msgspec.structs.replace(
+            request("i", prompt(4)), sampling_options=SamplingOptions(logit_bias={5: 1.0})
+        ),
+        "`bad_words` cannot be emulated by the mocker": msgspec.structs.replace(
+            request("j", prompt(4)), sampling_options=SamplingOptions(bad_words=["x"])
+        ),
     }
     try:
         for reason, req in bad.items():
@@ -318,6 +327,20 @@ async def test_bad_requests_are_refused_as_invalid_before_any_output() -> None:
         assert tokens_of(await collect(engine, request("g", prompt(4), logprobs=5)))
     finally:
         await engine.stop()
+
+
+async def test_allowed_token_ids_are_the_only_tokens_generated() -> None:
+    engine, _ = await started()
+    allowed = [300, 301, 302]
+    try:
+        req = msgspec.structs.replace(
+            request("a", prompt(6), max_tokens=24),
+            sampling_options=SamplingOptions(allowed_token_ids=allowed),
+        )
+        tokens = tokens_of(await collect(engine, req))
+    finally:
+        await engine.stop()
+    assert tokens and set(tokens) <= set(allowed)
 
 
 async def test_max_tokens_defaults_to_the_rest_of_the_context() -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -340,11 +340,9 @@ class Preprocessor:
         )
         stops = _stop_strings(req.stop)
         stop_token_ids = list(req.stop_token_ids or [])
-        bad = next((t for t in stop_token_ids if t >= self.vocab_size), None)
-        if bad is not None:
-            raise bad_request(
-                f"Token id {bad} in `stop_token_ids` is outside the vocabulary", "stop_token_ids"
-            )
+        self._check_in_vocabulary(stop_token_ids, "stop_token_ids")
+        self._check_in_vocabulary(req.allowed_token_ids or (), "allowed_token_ids")
+        self._check_in_vocabulary(logit_bias_by_token(req.logit_bias) or (), "logit_bias")
         request = PreprocessedRequest(
             request_id=request_id,
             model=self.card.name,
@@ -374,6 +372,13 @@ class Preprocessor:
             echo_text=echo_text,
         )
         return Prepared(request=request, plan=plan)
+
+    def _check_in_vocabulary(self, token_ids: Iterable[int], field: str) -> None:
+        """400 naming `field` for the first token id outside the tokenizer's vocabulary
+        (vLLM refuses the same ids, but only once the request reached a worker)."""
+        bad = next((t for t in token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"Token id {bad} in `{field}` is outside the vocabulary", field)
 
     def _checked_max_tokens(
         self, prompt_len: int, max_tokens: int | None, param: str, prompt_param: str

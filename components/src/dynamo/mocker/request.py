@@ -179,6 +179,11 @@ def _check_sampling(request: PreprocessedRequest, config: MockEngineConfig) -> N
     top_p = request.sampling_options.top_p
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}.")
+    allowed = request.sampling_options.allowed_token_ids
+    if allowed is not None and not allowed:
+        raise InvalidRequest("allowed_token_ids is not None and empty!")
+    if allowed and any(not 0 <= t < config.vocab_size for t in allowed):
+        raise InvalidRequest("allowed_token_ids contains out-of-vocab token id!")
     logprobs = request.output_options.logprobs
     if logprobs is not None and logprobs > config.max_logprobs:
         raise InvalidRequest(
