@@ -439,8 +439,7 @@ class RequestLegs:
             self._unreachable_since = now
         if now - self._unreachable_since >= self.unreachable_patience_s:
             return False
-        self.lost = exc
-        self._first_of_leg = True
+        self._note_lost(exc)
         log.debug("request %s: %s; sending it again", self.request.request_id, exc)
         return True
 
@@ -458,6 +457,10 @@ class RequestLegs:
     def _exclude(self, target: int, exc: DynamoRuntimeError) -> None:
         if not isinstance(exc, ConnectionLostError):  # our connection failed, not the worker
             self.failed.add(target)
+        self._note_lost(exc)
+
+    def _note_lost(self, exc: DynamoRuntimeError) -> None:
+        """The placement failed with `exc`: the next output starts a new leg."""
         self.lost = exc
         self._first_of_leg = True
 

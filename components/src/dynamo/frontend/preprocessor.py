@@ -342,12 +342,13 @@ class Preprocessor:
         stop_token_ids = list(req.stop_token_ids or [])
         self._check_in_vocabulary(stop_token_ids, "stop_token_ids")
         self._check_in_vocabulary(req.allowed_token_ids or (), "allowed_token_ids")
-        self._check_in_vocabulary(logit_bias_by_token(req.logit_bias) or (), "logit_bias")
+        logit_bias = logit_bias_by_token(req.logit_bias)
+        self._check_in_vocabulary(logit_bias or (), "logit_bias")
         request = PreprocessedRequest(
             request_id=request_id,
             model=self.card.name,
             token_ids=token_ids,
-            sampling_options=_sampling_options(req, self.card.sampling_defaults),
+            sampling_options=_sampling_options(req, self.card.sampling_defaults, logit_bias),
             stop_conditions=StopConditions(
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
@@ -465,7 +466,6 @@ def logit_bias_by_token(bias: dict[str, float] | None) -> dict[int, float] | Non
 
 def _check_common(req: SamplingFields) -> None:
     check_stop(req.stop)
-    logit_bias_by_token(req.logit_bias)  # raises on a key that is not a token id
     if req.allowed_token_ids is not None and not req.allowed_token_ids:
         raise bad_request("`allowed_token_ids` must not be empty", "allowed_token_ids")
     if req.bad_words is not None and not all(req.bad_words):
@@ -476,12 +476,16 @@ def _check_common(req: SamplingFields) -> None:
         raise bad_request("`top_k` must be -1 (disabled), 0 (disabled) or positive", "top_k")
 
 
-def _sampling_options(req: SamplingFields, defaults: SamplingDefaults | None) -> SamplingOptions:
+def _sampling_options(
+    req: SamplingFields,
+    defaults: SamplingDefaults | None,
+    logit_bias: dict[int, float] | None,
+) -> SamplingOptions:
     """The request's sampling fields; one it leaves unset (None) takes the model's default
     from the card (its generation_config.json), as `vllm serve` does. An explicit value,
     0 included, always wins."""
     values = {name: getattr(req, name) for name in SamplingOptions.__struct_fields__}
-    values["logit_bias"] = logit_bias_by_token(req.logit_bias)
+    values["logit_bias"] = logit_bias  # by token id (`logit_bias_by_token`), not as sent
     if defaults is not None:
         for name, value in values.items():
             if value is None and name in SamplingDefaults.__struct_fields__:
