@@ -6,14 +6,17 @@ tests/e2e → `e2e`, so `pytest -m unit` is the fast subset.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
 from dynamo.runtime.nats_server import NatsServer
+from dynamo.testing.leftovers import finish_leftovers
 
 _FOLDER_MARKS = {
     "unit": pytest.mark.unit,
@@ -94,6 +97,28 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     terminalreporter.write_sep("=", f"slowest {len(slowest)} modules ({total:.0f} s in all)")
     for module, seconds in slowest:
         terminalreporter.write_line(f"{seconds:8.1f} s {100 * seconds / total:5.1f}%  {module}")
+
+
+LEFTOVERS_TIMEOUT_S = 20.0
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session", autouse=True)
+async def no_leftovers_at_the_end(request: pytest.FixtureRequest) -> None:
+    """At the session's end, finish what tests left on the shared event loop, bounded,
+    and fail naming whatever would make the loop's close hang (dynamo.testing.leftovers).
+    A finalizer, not the code after a `yield`: that would run inside this fixture's own
+    async generator, which the loop's generators must not include while it runs."""
+    loop = asyncio.get_running_loop()
+
+    def finish() -> None:
+        leftovers = loop.run_until_complete(finish_leftovers(LEFTOVERS_TIMEOUT_S))
+        if leftovers.stuck:
+            pytest.fail(
+                f"the session's event loop would not close: {leftovers.describe()}",
+                pytrace=False,
+            )
+
+    request.addfinalizer(finish)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,10 @@ Claims:
 * a handler refusing a request with `InvalidRequestError` reaches the client as a
   `RemoteError` of kind `INVALID_REQUEST` with the handler's message; a
   `WorkerOverloadedError` before any output reaches it as `InstanceOverloadedError`, after
-  outputs as an ordinary remote error (the client must not resend it).
+  outputs as an ordinary remote error (the client must not resend it);
+* a request lost between the client and the handler fails within the accept timeout
+  (the worker confirms every request at once), while a handler merely slow to produce
+  its first item is not failed by it.
 
 Servers and clients are two runtimes (two NATS connections) in the test's own loop; the
 outage test has a nats-server of its own, which it stops.
@@ -40,9 +43,11 @@ from dynamo.runtime import (
     InstanceOverloadedError,
     InvalidRequestError,
     RemoteError,
+    RequestNotAcceptedError,
     RequestTooLargeError,
     ServedEndpoint,
     WorkerOverloadedError,
+    naming,
     wire,
 )
 from dynamo.runtime import client as runtime_client
@@ -320,9 +325,9 @@ async def test_a_full_outbound_buffer_during_an_outage_cancels_the_handler(buffe
         # Nobody to deregister from or flush to: every close is bounded.
         with contextlib.suppress(Exception):
             await asyncio.wait_for(client_nc.close(), 2)
+        await endpoint.drain(0)
         if worker is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(worker.shutdown(drain_timeout=0), 2)
+            await asyncio.wait_for(worker.abandon(), STEP_TIMEOUT_S)
         else:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(worker_nc.close(), 2)
@@ -368,3 +373,55 @@ async def test_a_handler_refusing_for_load_is_overloaded_only_before_any_output(
             await drain(stream)
         assert info.value.kind is ErrorKind.INTERNAL
         assert info.value.remote_type == "WorkerOverloadedError"
+
+
+# ----------------------------------------------------------------------- lost requests
+
+
+async def test_a_request_lost_on_its_way_fails_fast_and_a_slow_handler_does_not(
+    worker_rt: DistributedRuntime, client_rt: DistributedRuntime, namespace: str
+) -> None:
+    """The worker confirms each request as it reaches the handler (an ACCEPTED frame), so
+    a request NATS lost on its way (here: the instance's subscription swallows it, as a
+    node failing mid-route does) fails within the accept timeout as
+    `RequestNotAcceptedError`, not after the first-output deadline; a STOP goes out in
+    case it did arrive, and the instance is paused. A handler slower than the accept
+    timeout to produce its first item is not failed: the confirmation came at once."""
+    probe = Probe()
+
+    async def slow(request: Any, ctx: Context) -> AsyncIterator[str]:
+        await asyncio.sleep(1.0)  # longer than the accept timeout below
+        yield "late"
+
+    served = await serve(worker_rt, namespace, slow)
+    client = await client_of(client_rt, namespace)
+    instance = worker_rt.instance_id
+    stream = client.direct(b"x", instance, accept_timeout=0.3, first_item_timeout=STEP_TIMEOUT_S)
+    assert await drain(stream) == ["late"]
+
+    assert served.server is not None
+    subject = served.server.subject
+    await served.server.stop_accepting()
+    swallowed: list[bytes] = []
+    stops: list[bytes] = []
+
+    async def swallow(msg: Any) -> None:
+        swallowed.append(msg.data)
+
+    async def record_stop(msg: Any) -> None:
+        stops.append(msg.data)
+        probe.closed.set()
+
+    await worker_rt.nc.subscribe(subject, cb=swallow)
+    await worker_rt.nc.subscribe(naming.control_subject(instance), cb=record_stop)
+    await worker_rt.nc.flush()
+    started = asyncio.get_running_loop().time()
+    lost = client.direct(b"y", instance, accept_timeout=0.3, first_item_timeout=STEP_TIMEOUT_S)
+    with pytest.raises(RequestNotAcceptedError, match="did not confirm the request"):
+        await first_item(lost)
+    assert asyncio.get_running_loop().time() - started < STEP_TIMEOUT_S / 2
+    await lost.aclose()
+    assert len(swallowed) == 1  # it did reach NATS: only the handler never saw it
+    await asyncio.wait_for(probe.closed.wait(), STEP_TIMEOUT_S)
+    assert len(stops) == 1
+    assert instance not in client.routable_ids()  # paused, as after a "no responders"

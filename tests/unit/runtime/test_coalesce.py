@@ -74,6 +74,24 @@ def test_a_stream_packs_what_waits_into_numbered_frames_then_its_terminal_frame(
     assert stream.take_frames() == []
 
 
+def test_an_accepted_stream_sends_its_confirmation_as_frame_0_before_any_item() -> None:
+    coalescer = ReplyCoalescer(nc=None)  # type: ignore[arg-type]  # never publishes here
+    stream = ReplyStream(coalescer, PREFIX + "3")
+    stream.accept()
+    assert [wire.decode_frame(f)[:2] for f in stream.take_frames()] == [
+        (0, wire.FrameKind.ACCEPTED)
+    ]
+    stream.accept()  # the handler was quick: the confirmation leaves with its first items
+    stream.push(wire.encode("a"))
+    stream.finish(wire.encode_end)
+    assert [wire.decode_frame(f)[:2] for f in stream.take_frames()] == [
+        (1, wire.FrameKind.ACCEPTED),
+        (2, wire.FrameKind.DATA),
+        (3, wire.FrameKind.END),
+    ]
+    assert stream.items_pushed == 1
+
+
 def test_a_failed_frame_drops_what_waits_and_says_where_the_client_stopped_hearing() -> None:
     failures: list[bool] = []
     stream = ReplyStream(ReplyCoalescer(nc=None), PREFIX + "2", lambda: failures.append(True))  # type: ignore[arg-type]

@@ -23,6 +23,7 @@ from dynamo.frontend.chat_parsers import ChatParsingOptions
 from dynamo.frontend.chat_template_file import ChatTemplateError, load_chat_template
 from dynamo.frontend.disagg import DEFAULT_PREFILL_TIMEOUT_S
 from dynamo.frontend.engine_client import (
+    DEFAULT_ACCEPT_TIMEOUT_S,
     DEFAULT_FIRST_TOKEN_TIMEOUT_S,
     DEFAULT_INTER_TOKEN_TIMEOUT_S,
 )
@@ -221,6 +222,16 @@ def build_parser() -> argparse.ArgumentParser:
         "and migrated (the workers' --migration-limit) or fails with an error event. "
         "0 disables; $DYN_INTER_TOKEN_TIMEOUT overrides the default.",
     )
+    parser.add_argument(
+        "--accept-timeout",
+        type=non_negative_float,
+        default=os.environ.get("DYN_ACCEPT_TIMEOUT", str(DEFAULT_ACCEPT_TIMEOUT_S)),
+        help="Seconds a worker may take to confirm that a request reached it (it does so "
+        "at once, before any compute) before the request counts as lost on its way (a NATS "
+        "node failing while routing it) or the worker as frozen: the request is cancelled "
+        "there and placed on another worker. 0 disables; $DYN_ACCEPT_TIMEOUT overrides "
+        "the default.",
+    )
     add_http_hardening_arguments(parser)
     parser.add_argument(
         "--return-spec-stats",
@@ -338,6 +349,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         worker_wait_s=args.worker_wait_timeout,
         first_token_timeout_s=args.first_token_timeout,
         inter_token_timeout_s=args.inter_token_timeout,
+        accept_timeout_s=args.accept_timeout,
         api_key=vars(args).get("api_key") or os.environ.get("DYN_API_KEY") or None,
         max_inflight_requests=args.max_inflight_requests,
         max_waiting_requests=args.max_waiting_requests,

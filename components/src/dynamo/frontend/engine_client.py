@@ -75,6 +75,10 @@ DEFAULT_FIRST_TOKEN_TIMEOUT_S = 300.0
 """Generous: a long prompt's prefill on a big model, queued behind others under load."""
 DEFAULT_INTER_TOKEN_TIMEOUT_S = 60.0
 """No healthy engine goes a minute between two outputs of a running request."""
+DEFAULT_ACCEPT_TIMEOUT_S = 15.0
+"""A worker confirms a request as it reaches the handler, one event-loop turn later, and
+before any compute: 15 s of silence means the request was lost on its way (a NATS node
+failing while routing it) or the worker is frozen, not that it is slow."""
 
 
 @dataclass(frozen=True)
@@ -89,15 +93,19 @@ class StreamDeadlines:
 
     first_token_s: float | None = DEFAULT_FIRST_TOKEN_TIMEOUT_S
     inter_token_s: float | None = DEFAULT_INTER_TOKEN_TIMEOUT_S
+    accept_s: float | None = DEFAULT_ACCEPT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         _check_deadline("first_token_s", self.first_token_s)
         _check_deadline("inter_token_s", self.inter_token_s)
+        _check_deadline("accept_s", self.accept_s)
 
     @classmethod
-    def from_seconds(cls, first_token_s: float, inter_token_s: float) -> StreamDeadlines:
+    def from_seconds(
+        cls, first_token_s: float, inter_token_s: float, accept_s: float = DEFAULT_ACCEPT_TIMEOUT_S
+    ) -> StreamDeadlines:
         """From command-line values, where 0 disables a deadline."""
-        return cls(first_token_s or None, inter_token_s or None)
+        return cls(first_token_s or None, inter_token_s or None, accept_s or None)
 
 
 def _check_deadline(name: str, value: float | None) -> None:
@@ -303,6 +311,7 @@ class RuntimeEngineClient:
             request_id=request.request_id,
             first_item_timeout=self.deadlines.first_token_s,
             item_timeout=self.deadlines.inter_token_s,
+            accept_timeout=self.deadlines.accept_s,
         )
 
     def _routed(self, legs: RequestLegs, target: int) -> None:

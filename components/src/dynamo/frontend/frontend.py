@@ -26,6 +26,7 @@ from dynamo.frontend.card_retry import CardRetries
 from dynamo.frontend.chat_parsers import ChatParsingOptions
 from dynamo.frontend.disagg import DEFAULT_PREFILL_TIMEOUT_S
 from dynamo.frontend.engine_client import (
+    DEFAULT_ACCEPT_TIMEOUT_S,
     DEFAULT_FIRST_TOKEN_TIMEOUT_S,
     DEFAULT_INTER_TOKEN_TIMEOUT_S,
     ComponentRoutedHook,
@@ -97,6 +98,7 @@ class FrontendConfig:
     worker_wait_s: float = DEFAULT_WORKER_WAIT_S
     first_token_timeout_s: float = DEFAULT_FIRST_TOKEN_TIMEOUT_S  # 0: no deadline
     inter_token_timeout_s: float = DEFAULT_INTER_TOKEN_TIMEOUT_S  # 0: no deadline
+    accept_timeout_s: float = DEFAULT_ACCEPT_TIMEOUT_S  # 0: no deadline
     # None or "": no authentication. Kept out of repr so that no log of the config shows it.
     api_key: str | None = field(default=None, repr=False)
     max_inflight_requests: int = DEFAULT_MAX_INFLIGHT  # per model
@@ -118,7 +120,9 @@ class FrontendConfig:
 
     @property
     def stream_deadlines(self) -> StreamDeadlines:
-        return StreamDeadlines.from_seconds(self.first_token_timeout_s, self.inter_token_timeout_s)
+        return StreamDeadlines.from_seconds(
+            self.first_token_timeout_s, self.inter_token_timeout_s, self.accept_timeout_s
+        )
 
 
 CARD_APPLY_TIMEOUT_S = 2 * FETCH_TIMEOUT_S

@@ -22,6 +22,11 @@ layer's engine client re-places or migrates through its router). The stream only
   hanging the caller), when it shut down before finishing, or when it was no longer
   registered by the time the stream started (nothing sent);
 * `NoInstancesError` when there is nobody to send to;
+* `RequestNotAcceptedError` (a `StreamTimeoutError`) when the instance does not confirm
+  the request (its ACCEPTED frame, sent as the request reaches the handler) within
+  `accept_timeout`: the request was lost on its way (a NATS node failing while it was
+  routed) or the instance is frozen; a STOP is sent in case it did get there, and the
+  instance is paused as after a "no responders";
 * `StreamTimeoutError` when the instance stays silent longer than the stream's deadline
   (`first_item_timeout` before the first item, `item_timeout` between items): it holds its
   lease but stopped answering this request (a STOP is sent, so it stops working on it);
@@ -59,6 +64,7 @@ from dynamo.runtime.errors import (
     InstanceGoneError,
     NoInstancesError,
     NoResponderError,
+    RequestNotAcceptedError,
     RequestTooLargeError,
     StreamProtocolError,
     StreamTimeoutError,
@@ -310,6 +316,7 @@ class Client:
         request_id: str | None = ...,
         first_item_timeout: float | None = ...,
         item_timeout: float | None = ...,
+        accept_timeout: float | None = ...,
     ) -> ResponseStream[T]: ...
 
     @overload
@@ -322,6 +329,7 @@ class Client:
         request_id: str | None = ...,
         first_item_timeout: float | None = ...,
         item_timeout: float | None = ...,
+        accept_timeout: float | None = ...,
     ) -> ResponseStream[Any]: ...
 
     def direct(
@@ -333,12 +341,15 @@ class Client:
         request_id: str | None = None,
         first_item_timeout: float | None = None,
         item_timeout: float | None = None,
+        accept_timeout: float | None = None,
     ) -> ResponseStream[Any]:
         """A stream of `request` sent to `instance_id` (nothing is sent before the first
         `__anext__`). Items are decoded as `response_type` (plain data when None). The
-        stream fails with `StreamTimeoutError` when no frame arrives within
-        `first_item_timeout` seconds before its first item or `item_timeout` seconds
-        after one (None: wait as long as the instance holds its lease)."""
+        stream fails with `RequestNotAcceptedError` when the instance does not confirm
+        the request within `accept_timeout` seconds, and with `StreamTimeoutError` when
+        no frame arrives within `first_item_timeout` seconds before its first item or
+        `item_timeout` seconds after one (None: wait as long as the instance holds its
+        lease)."""
         return ResponseStream(
             self,
             request,
@@ -347,6 +358,7 @@ class Client:
             request_id=request_id,
             first_item_timeout=first_item_timeout,
             item_timeout=item_timeout,
+            accept_timeout=accept_timeout,
         )
 
     def round_robin(self, request: object, **kwargs: Any) -> ResponseStream[Any]:
@@ -383,6 +395,7 @@ class ResponseStream(Generic[T]):
         request_id: str | None = None,
         first_item_timeout: float | None = None,
         item_timeout: float | None = None,
+        accept_timeout: float | None = None,
     ) -> None:
         self._client = client
         self.instance_id = instance_id
@@ -392,6 +405,7 @@ class ResponseStream(Generic[T]):
         self._batch_decoder = wire.batch_decoder_for(response_type)
         self._first_item_timeout = first_item_timeout
         self._item_timeout = item_timeout
+        self._accept_timeout = accept_timeout
         self._received_item = False
         self._ended_remotely = False  # END / ERROR frame or no responder: nothing to cancel
         self._cancel_sent = False
@@ -511,6 +525,8 @@ class ResponseStream(Generic[T]):
         if kind is wire.FrameKind.BATCH:
             self._items.extend(self._batch_decoder.decode(body))
             return bool(self._items)
+        if kind is wire.FrameKind.ACCEPTED:
+            return False
         if kind is wire.FrameKind.END:
             self._done = True
             self._ended_remotely = True
@@ -524,7 +540,12 @@ class ResponseStream(Generic[T]):
 
     async def _wait(self) -> None:
         """Wait for the next frame (or `fail`), at most the deadline that applies now."""
-        limit = self._item_timeout if self._received_item else self._first_item_timeout
+        if self._received_item:
+            limit = self._item_timeout
+        elif self._seq == 0 and self._accept_timeout is not None:
+            limit = self._accept_timeout  # no frame yet: not even the ACCEPTED one
+        else:
+            limit = self._first_item_timeout
         waiter = self._waiter = asyncio.get_running_loop().create_future()
         # A timer handle, not `asyncio.wait_for`: this runs once per token of every stream.
         timer = None if limit is None else waiter.get_loop().call_later(limit, self._expire, limit)
@@ -542,11 +563,19 @@ class ResponseStream(Generic[T]):
         waiter = self._waiter
         if waiter is None or waiter.done() or self._error is not None:
             return
-        what = "next output" if self._received_item else "first output"
-        self._error = StreamTimeoutError(
-            f"instance {self.instance_id:016x} sent no {what} within {limit:g}s",
-            self.instance_id,
-        )
+        if self._seq == 0 and self._accept_timeout is not None:
+            self._client.mark_unreachable(self.instance_id)
+            self._error = RequestNotAcceptedError(
+                f"instance {self.instance_id:016x} did not confirm the request within "
+                f"{limit:g}s (lost on its way, or the instance is frozen)",
+                self.instance_id,
+            )
+        else:
+            what = "next output" if self._received_item else "first output"
+            self._error = StreamTimeoutError(
+                f"instance {self.instance_id:016x} sent no {what} within {limit:g}s",
+                self.instance_id,
+            )
         waiter.set_result(None)
 
     def _wake(self) -> None:

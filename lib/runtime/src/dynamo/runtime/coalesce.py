@@ -89,6 +89,7 @@ class ReplyStream:
     """
 
     __slots__ = (
+        "_accepted",
         "_coalescer",
         "_items",
         "_nbytes",
@@ -98,6 +99,7 @@ class ReplyStream:
         "error",
         "failed_seq",
         "failed_size",
+        "items_pushed",
         "on_failure",
         "reply",
         "seq",
@@ -114,6 +116,8 @@ class ReplyStream:
         self.reply = reply
         self.on_failure = on_failure
         self.seq = 0
+        self._accepted = False  # an ACCEPTED frame waits for the next flush
+        self.items_pushed = 0  # every item the producer pushed, sent or waiting
         self._items: list[bytes] = []
         self._nbytes = 0
         self._scheduled = False
@@ -129,10 +133,18 @@ class ReplyStream:
         """Queue an encoded item for the next flush (dropped once a frame failed)."""
         if self.error is not None:
             return
+        self.items_pushed += 1
         self._items.append(item)
         self._nbytes += len(item)
         if self._nbytes >= STREAM_HIGH_WATER_BYTES:
             self.space.clear()
+        self._schedule()
+
+    def accept(self) -> None:
+        """Tell the client, at the next flush, that the request reached its handler
+        (frame 0): a client that hears nothing in time knows the request was lost on its
+        way, not merely slow to produce."""
+        self._accepted = True
         self._schedule()
 
     def finish(self, terminal: TerminalFrame) -> None:
@@ -156,8 +168,15 @@ class ReplyStream:
         self._scheduled = False
         items, self._items, self._nbytes = self._items, [], 0
         self.space.set()
-        frames = wire.pack_frames(self.seq, items) if items else []
-        self.seq += len(frames)
+        frames: list[bytes] = []
+        if self._accepted:
+            self._accepted = False
+            frames.append(wire.encode_accepted(self.seq))
+            self.seq += 1
+        if items:
+            packed = wire.pack_frames(self.seq, items)
+            frames.extend(packed)
+            self.seq += len(packed)
         if self._terminal is not None:
             frames.append(self._terminal(self.seq))
             self._terminal = None

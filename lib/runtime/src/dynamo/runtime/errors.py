@@ -159,6 +159,12 @@ class StreamTimeoutError(DynamoRuntimeError, TimeoutError):
         super().__init__(message)
 
 
+class RequestNotAcceptedError(StreamTimeoutError):
+    """The instance did not confirm the request in time: it never reached the handler
+    (lost with a NATS node that failed while routing it) or the instance is frozen.
+    Nothing was produced, so the request may be placed elsewhere."""
+
+
 class ClientClosedError(DynamoRuntimeError):
     """The `Client` a stream was opened through was closed: it no longer watches the
     instances, so it could not tell the stream that its instance went away."""

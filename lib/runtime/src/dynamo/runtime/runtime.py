@@ -68,6 +68,9 @@ when the new leader takes over expires. The last heartbeat is at most TTL/3 old 
 loss and a failed heartbeat is retried every 0.5 s, so 2/3 of the TTL must exceed the
 9 s election plus a retry and a put: 18 s leaves 12 s."""
 ENV_LEASE_TTL = "DYN_LEASE_TTL"
+CLOSE_TIMEOUT_S = 2.0
+"""The longest closing the NATS connection may take once the runtime is done with it
+(nats-py first flushes what it buffered, which waits on a broker that may be gone)."""
 
 ReconnectListener = Callable[[], Awaitable[None] | None]
 
@@ -224,9 +227,37 @@ class DistributedRuntime:
             await watcher.close()
         self._closed = True
         self.inbox.close_all()
-        with contextlib.suppress(Exception):
+        try:
             await self.nc.drain()
+        except Exception:  # reconnecting, or the flush after draining failed: not closed
+            await self._close_connection()
         log.info("runtime %s shut down", self.name)
+
+    async def abandon(self) -> None:
+        """Stop everything this runtime runs without one call to NATS: for when the
+        broker is gone (`shutdown` would wait out a timeout per call). Requests in flight
+        are cancelled, the keys expire with their leases, the connection is closed, and no
+        task of this runtime is left running. Idempotent."""
+        if self._closed:
+            return
+        for served in list(self._served):
+            await served.abandon()
+        await cancel_and_wait(self._restore_task)
+        await self._leases.close(delete=False)
+        for watcher in list(self._watchers):
+            await watcher.close()
+        self._closed = True
+        self.inbox.close_all()
+        await self._close_connection()
+        log.info(
+            "runtime %s abandoned its connection (its keys expire with their leases)", self.name
+        )
+
+    async def _close_connection(self) -> None:
+        """Close the NATS connection (stopping nats-py's reconnect loop), bounded: nats-py
+        flushes what it buffered first, and the broker may be gone."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.nc.close(), CLOSE_TIMEOUT_S)
 
     def add_reconnect_listener(self, listener: ReconnectListener) -> None:
         """Run `listener()` after every reconnect (after leases and watches are restored).
@@ -561,6 +592,18 @@ class ServedEndpoint:
                 self.key,
                 wire.encode_instance(self._info(wire.InstanceStatus.DRAINING)),
             )
+
+    async def abandon(self) -> None:
+        """Stop serving without a NATS call (the broker is gone): requests in flight are
+        cancelled and the key expires with its lease."""
+        if self._stopped:
+            return
+        self._stopped = True
+        runtime = self.endpoint.runtime
+        if self.server is not None:
+            await self.server.drain(0)
+        runtime.remove_reconnect_listener(self._probe_recent_ends)
+        runtime._remove_served(self)
 
     async def stop(self, drain_timeout: float = 10.0) -> None:
         """Deregister at once, finish in-flight requests (bounded), then forget the key."""

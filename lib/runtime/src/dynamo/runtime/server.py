@@ -268,6 +268,7 @@ class EndpointServer:
         self._registry.add(reply, inflight)
         settled = asyncio.Event()  # the handler is done, or a frame could not be sent
         stream = ReplyStream(self.coalescer, reply, on_failure=settled.set)
+        stream.accept()
         producer = asyncio.create_task(self._produce(request, inflight.context, stream, settled))
         inflight.producer = producer
         try:
@@ -277,7 +278,11 @@ class EndpointServer:
             if inflight.context.is_stopped():
                 return  # the client is gone (its producer was cancelled): no terminal frame
             error = await producer
-            stream.finish(wire.encode_end if error is None else _terminal_error(error))
+            stream.finish(
+                wire.encode_end
+                if error is None
+                else _terminal_error(error, stream.items_pushed > 0)
+            )
         except asyncio.CancelledError:
             inflight.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -336,16 +341,16 @@ class EndpointServer:
         return None
 
 
-def _terminal_error(error: BaseException) -> Callable[[int], bytes]:
-    return lambda seq: _error_frame(seq, error)
+def _terminal_error(error: BaseException, produced: bool) -> Callable[[int], bytes]:
+    return lambda seq: _error_frame(seq, error, produced)
 
 
-def _error_frame(seq: int, error: BaseException) -> bytes:
+def _error_frame(seq: int, error: BaseException, produced: bool) -> bytes:
     """The terminal frame of a handler that raised: a refusal keeps its kind, except an
-    `OVERLOADED` one after outputs were sent (the caller must not send it elsewhere and
-    repeat them); anything else is reported under its class name."""
+    `OVERLOADED` one after outputs were `produced` (the caller must not send it elsewhere
+    and repeat them); anything else is reported under its class name."""
     if isinstance(error, RequestRefusedError) and (
-        seq == 0 or error.kind is not wire.ErrorKind.OVERLOADED
+        not produced or error.kind is not wire.ErrorKind.OVERLOADED
     ):
         return wire.encode_kind_error(seq, error.kind, str(error))
     return wire.encode_error(seq, type(error).__name__, str(error))

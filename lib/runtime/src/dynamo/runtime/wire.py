@@ -5,6 +5,7 @@ so nothing is encoded twice.
 
 Response stream, one NATS message per frame, published to the request's reply inbox:
 
+    [seq, ACCEPTED, nil]           the worker took the request (frame 0, sent at once)
     [seq, DATA,  payload]          one response item
     [seq, BATCH, [payload, ...]]   several items that were ready at once
     [seq, END,   nil]              the handler finished
@@ -34,6 +35,7 @@ class FrameKind(enum.IntEnum):
     BATCH = 1
     END = 2
     ERROR = 3
+    ACCEPTED = 4  # the request reached its handler: a request lost on its way never gets it
 
 
 class ControlAction(enum.IntEnum):
@@ -124,6 +126,10 @@ def _pack_group(seq: int, group: list[bytes]) -> bytes:
 
 def encode_end(seq: int) -> bytes:
     return _encoder.encode((seq, FrameKind.END, None))
+
+
+def encode_accepted(seq: int) -> bytes:
+    return _encoder.encode((seq, FrameKind.ACCEPTED, None))
 
 
 class ErrorKind(str, enum.Enum):

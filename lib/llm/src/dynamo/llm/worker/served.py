@@ -16,7 +16,6 @@ re-announces the cache (`KvEventPublisher.resync`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Generic, TypeVar
@@ -46,8 +45,6 @@ B = TypeVar("B", bound=EngineBackend)
 
 PUBLISHER_STOP_S = 3.0
 """Bound on stopping a publisher: a lost cancellation must not hang the shutdown."""
-DISCONNECTED_STOP_S = 1.0
-"""How long `stop` waits for the runtime to close when NATS is already unreachable."""
 CONNECT_WAIT_S = 30.0
 """How long a starting worker waits for NATS (processes often start together)."""
 
@@ -189,8 +186,7 @@ class ServedWorker(Generic[B]):
                 return
             log.warning("%s: lost NATS while leaving; its keys expire with their leases", self.name)
             await cancel_and_wait(leave)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(runtime.shutdown(drain_timeout=0), DISCONNECTED_STOP_S)
+        await runtime.abandon()
 
     async def _deregister(self, runtime: DistributedRuntime, drain_timeout: float) -> None:
         if self.card is not None:
