@@ -589,14 +589,24 @@ async def _soak(stack: SoakStack, config: SoakConfig) -> SoakReport:
         frontend_rss_mib=(rss_before, stack.frontend_rss_mib()),
         problems=[
             *(f"{f.kind}: {f.detail}" for f in faults if not f.recovered_in_time),
-            *(
-                f"{r.outcome} {r.kind}: {r.detail}"
-                for r in records
-                if r.outcome in ("hung", "wrong")
-            ),
+            *(_problem(r, records, faults) for r in records if r.outcome in ("hung", "wrong")),
         ],
         failures=dict(Counter(r.detail[:120] for r in records if r.outcome == "failed")),
         losses=dict(Counter(r.detail[:120] for r in records if r.outcome == "connection_lost")),
+    )
+
+
+def _problem(record: Record, records: list[Record], faults: list[Fault]) -> str:
+    """One line on a hung or wrong request: what, when it was sent and which faults came
+    before its end, in seconds from the first request (to find it in the workers' logs)."""
+    origin = min(r.started for r in records)
+    until = record.ended or float("inf")
+    during = ", ".join(
+        f"{f.kind} at +{f.started - origin:.1f}s" for f in faults if f.started < until
+    )
+    return (
+        f"{record.outcome} {record.kind}: {record.detail} (sent at +{record.started - origin:.1f}s; "
+        f"faults before its end: {during or 'none'})"
     )
 
 
