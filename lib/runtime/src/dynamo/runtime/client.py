@@ -542,8 +542,8 @@ class ResponseStream(Generic[T]):
         """Wait for the next frame (or `fail`), at most the deadline that applies now."""
         if self._received_item:
             limit = self._item_timeout
-        elif self._seq == 0 and self._accept_timeout is not None:
-            limit = self._accept_timeout  # no frame yet: not even the ACCEPTED one
+        elif self._awaiting_acceptance:
+            limit = self._accept_timeout
         else:
             limit = self._first_item_timeout
         waiter = self._waiter = asyncio.get_running_loop().create_future()
@@ -558,12 +558,17 @@ class ResponseStream(Generic[T]):
         if isinstance(self._error, StreamTimeoutError):
             await self._cancel_remote()  # it may still be working on the request
 
+    @property
+    def _awaiting_acceptance(self) -> bool:
+        """No frame yet, not even the ACCEPTED one, and an accept deadline applies."""
+        return self._seq == 0 and self._accept_timeout is not None
+
     def _expire(self, limit: float) -> None:
         """The deadline passed with no frame (any frame would have resolved the waiter)."""
         waiter = self._waiter
         if waiter is None or waiter.done() or self._error is not None:
             return
-        if self._seq == 0 and self._accept_timeout is not None:
+        if self._awaiting_acceptance:
             self._client.mark_unreachable(self.instance_id)
             self._error = RequestNotAcceptedError(
                 f"instance {self.instance_id:016x} did not confirm the request within "

@@ -221,12 +221,7 @@ class DistributedRuntime:
             await served.mark_draining()
         for served in list(self._served):
             await served.stop(drain_timeout)
-        await cancel_and_wait(self._restore_task)
-        await self._leases.close(delete=True)
-        for watcher in list(self._watchers):
-            await watcher.close()
-        self._closed = True
-        self.inbox.close_all()
+        await self._stop_background(delete_keys=True)
         try:
             await self.nc.drain()
         except Exception:  # reconnecting, or the flush after draining failed: not closed
@@ -242,16 +237,21 @@ class DistributedRuntime:
             return
         for served in list(self._served):
             await served.abandon()
-        await cancel_and_wait(self._restore_task)
-        await self._leases.close(delete=False)
-        for watcher in list(self._watchers):
-            await watcher.close()
-        self._closed = True
-        self.inbox.close_all()
+        await self._stop_background(delete_keys=False)
         await self._close_connection()
         log.info(
             "runtime %s abandoned its connection (its keys expire with their leases)", self.name
         )
+
+    async def _stop_background(self, *, delete_keys: bool) -> None:
+        """Stop the restore, the lease heartbeat (deleting the keys now, or leaving them
+        to expire) and the watches, and close the inbox: all but the connection."""
+        await cancel_and_wait(self._restore_task)
+        await self._leases.close(delete=delete_keys)
+        for watcher in list(self._watchers):
+            await watcher.close()
+        self._closed = True
+        self.inbox.close_all()
 
     async def _close_connection(self) -> None:
         """Close the NATS connection (stopping nats-py's reconnect loop), bounded: nats-py
