@@ -5,7 +5,9 @@ Claims: completions and chat work streaming and non-streaming with correct usage
 (`stream_options.include_usage` included) and greedy output is sensible ("Tokyo"); a
 stream is the same text as the non-streamed response; stop strings end the response
 without leaking and cancel the work on the worker; a client that goes away mid-request
-cancels it on the worker; bad input gets OpenAI-shaped 4xx JSON; `/metrics` is free of
+cancels it on the worker; vLLM's token fields (`truncate_prompt_tokens`,
+`return_token_ids`, `include_stop_str_in_output`) act on the real engine's tokens; bad
+input gets OpenAI-shaped 4xx JSON; `/metrics` is free of
 `_created` noise; seeded requests whose prefills vLLM splits over steps (four long prompts
 at once, more than a step's token budget) are served and leave the engine serving (they
 used to kill a CPU engine: `CPU Generator does not use offset`).
@@ -237,6 +239,61 @@ def test_stop_string_ends_response_without_leaking(client: openai.OpenAI) -> Non
     assert "".join(streamed) == expected
     assert not any(stop in piece for piece in streamed)
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_vllm_token_fields_with_a_real_engine(client: openai.OpenAI, tokenizer) -> None:
+    """vLLM's `truncate_prompt_tokens`, `return_token_ids` and `include_stop_str_in_output`
+    through the frontend and a real worker: a prompt longer than the context is served
+    from its last 16 tokens, the ids returned are the ones the engine generated (they
+    decode to the text; a chat's EOS comes last), and an included stop string ends the
+    greedy text right after it."""
+    long_text = "Tell me a story. " + "hello " * (CONTEXT_LENGTH + 100)
+    resp = client.completions.create(
+        model=MODEL,
+        prompt=long_text,
+        temperature=0,
+        max_tokens=4,
+        extra_body={"truncate_prompt_tokens": 16, "return_token_ids": True},
+    )
+    choice = resp.choices[0]
+    assert resp.usage.prompt_tokens == 16
+    assert choice.model_extra["prompt_token_ids"] == tokenizer.encode(long_text)[-16:]
+    assert decoded(tokenizer, choice.model_extra["token_ids"]) == choice.text
+
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of Japan?"}],
+        temperature=0,
+        max_tokens=32,
+        extra_body={"return_token_ids": True},
+    )
+    ids = chat.choices[0].model_extra["token_ids"]
+    assert chat.choices[0].finish_reason == "stop" and ids[-1] == tokenizer.eos_token_id
+    assert decoded(tokenizer, ids[:-1]) == chat.choices[0].message.content
+    assert len(chat.model_extra["prompt_token_ids"]) == chat.usage.prompt_tokens
+
+    kwargs = dict(
+        model=MODEL,
+        prompt="Once upon a time, in a small village near Paris, there lived a cat named",
+        temperature=0,
+        max_tokens=32,
+        extra_body={"ignore_eos": True},
+    )
+    baseline = client.completions.create(**kwargs).choices[0].text
+    words = re.findall(r"[A-Za-z]{4,}", baseline[len(baseline) // 3 :])
+    assert words, f"no usable stop word in {baseline!r}"
+    stop = words[0]
+    kwargs["extra_body"] = {"ignore_eos": True, "include_stop_str_in_output": True}
+    included = client.completions.create(**kwargs, stop=[stop]).choices[0]
+    # The text ends with the stop's first occurrence (whichever worker answered: the two
+    # session workers may part at a bf16 near-tie, so the baseline is only the source of
+    # the word, as in the test below).
+    assert included.finish_reason == "stop"
+    assert included.text.index(stop) == len(included.text) - len(stop), included.text
+
+
+def decoded(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, clean_up_tokenization_spaces=False)
 
 
 def test_stop_string_cancels_the_worker_request(

@@ -110,21 +110,22 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
+    # vLLM's extensions served by the frontend itself (tokenization and the response).
+    include_stop_str_in_output: bool | None = None  # the stop string stays in the text
+    truncate_prompt_tokens: int | None = None  # see `truncation`
+    truncation_side: str | None = None  # "left" (default) or "right"
+    add_special_tokens: bool | None = None  # default: true for completions, false for chat
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N"
+    return_token_ids: bool | None = None  # prompt and output token ids in the response
     # Fields declared only so that a value we do not serve is refused with a 400 naming
     # it instead of being ignored (`unsupported_fields.SUPPORT` says which values).
     use_beam_search: bool | None = None
     length_penalty: float | None = None
-    include_stop_str_in_output: bool | None = None
     spaces_between_special_tokens: bool | None = None
-    truncate_prompt_tokens: int | None = None
-    truncation_side: str | None = None
     prompt_logprobs: int | None = None
     logprob_token_ids: list[int] | None = None
-    add_special_tokens: bool | None = None
     logits_processors: list[Any] | None = None
     thinking_token_budget: int | None = None
-    return_tokens_as_token_ids: bool | None = None
-    return_token_ids: bool | None = None
     vllm_xargs: dict[str, Any] | None = None
     # Structured output (see `structured_output`): OpenAI's field, vLLM's extension, and
     # the older `guided_*` extensions vLLM 0.32 dropped but clients still send.
@@ -219,12 +220,13 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
     verbosity: str | None = None
     moderation: dict[str, Any] | None = None
-    echo: bool | None = None
-    documents: list[dict[str, Any]] | None = None
     chat_template: str | None = None
+    # For the chat template, as vLLM passes them (see `preprocessor`).
+    reasoning_effort: str | None = None
+    documents: list[dict[str, str]] | None = None
+    echo: bool | None = None  # the last message, when the assistant's, starts the reply
     include_reasoning: bool | None = None
 
 
@@ -273,11 +275,15 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int]
 
 
-class CompletionChoice(msgspec.Struct):
+class CompletionChoice(msgspec.Struct, omit_defaults=True):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    # `return_token_ids` (vLLM's): the prompt's ids (first chunk of a stream) and the
+    # choice's generated ids (each chunk's own).
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 # `object` is written as a msgspec tag: always present, even with omit_defaults.
@@ -325,11 +331,12 @@ class AssistantMessage(msgspec.Struct, omit_defaults=True):
     tool_calls: list[ToolCall] = []
 
 
-class ChatChoice(msgspec.Struct):
+class ChatChoice(msgspec.Struct, omit_defaults=True):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    token_ids: list[int] | None = None  # `return_token_ids`
 
 
 class ChatCompletion(msgspec.Struct, omit_defaults=True, tag_field="object", tag="chat.completion"):
@@ -339,6 +346,7 @@ class ChatCompletion(msgspec.Struct, omit_defaults=True, tag_field="object", tag
     choices: list[ChatChoice]
     usage: Usage | None = None
     metrics: PerRequestMetrics | None = None  # `return_spec_stats`; beside usage
+    prompt_token_ids: list[int] | None = None  # `return_token_ids`
 
 
 class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
@@ -362,11 +370,12 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
     tool_calls: list[ToolCallChunk] | None = None
 
 
-class ChatChunkChoice(msgspec.Struct):
+class ChatChunkChoice(msgspec.Struct, omit_defaults=True):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    token_ids: list[int] | None = None  # `return_token_ids`: this chunk's
 
 
 class ChatCompletionChunk(
@@ -378,6 +387,7 @@ class ChatCompletionChunk(
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     metrics: PerRequestMetrics | None = None  # `return_spec_stats`; beside usage
+    prompt_token_ids: list[int] | None = None  # `return_token_ids`: the first chunk's
 
 
 class ModelInfo(msgspec.Struct):

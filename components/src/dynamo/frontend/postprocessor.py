@@ -85,6 +85,10 @@ class TextDelta:
     # The visible tokens of this batch (a final EOS/stop token excluded): parsers of the
     # chat output (`chat_output.py`) look for marker tokens in them.
     token_ids: list[int] = field(default_factory=list)
+    # Every token id of this batch as the engine produced it, a final EOS/stop token
+    # included (vLLM's `token_ids`); filled only when the request asked
+    # (`return_token_ids`).
+    generated_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None  # OpenAI name, set on the last delta
     error: str | None = None  # the engine failed the request
@@ -119,7 +123,7 @@ class Postprocessor:
         self._report_spec_stats = report_spec_stats
         self._prompt_tokens = len(prompt_ids)
         self._detok = IncrementalDetokenizer(decode, prompt_ids)
-        self._stops = StopStringMatcher(plan.stop_strings)
+        self._stops = StopStringMatcher(plan.stop_strings, plan.include_stop_str)
         self._texts = token_texts
         self._counts = _Counts()
         self.finished = False
@@ -201,6 +205,8 @@ class Postprocessor:
         self._counts.completion_tokens += len(ids)
         delta.token_count += len(ids)
         delta.token_ids.extend(ids)
+        if self._plan.return_token_ids:
+            delta.generated_ids.extend(ids)
         parts.append(self._detok.add(ids))
 
     def end_of_stream(self) -> TextDelta:
@@ -220,6 +226,8 @@ class Postprocessor:
         delta.token_count += len(ids)
         visible = self._visible_ids(output)
         delta.token_ids.extend(visible)
+        if self._plan.return_token_ids:
+            delta.generated_ids.extend(ids)
         if self._plan.logprobs is not None and output.log_probs:
             self._add_logprobs(delta, output.log_probs[: len(visible)])
         if output.error is not None or output.finish_reason is FinishReason.ERROR:
@@ -284,6 +292,10 @@ class Postprocessor:
         delta.logprobs = items
 
     def _alternative(self, token_id: int, logprob: float) -> Alternative:
+        """One logprob entry; named `token_id:N` when the request asked for ids
+        (`return_tokens_as_token_ids`, for tokens whose text is not valid UTF-8 alone)."""
         assert self._texts is not None
         text, data = self._texts.get(token_id)
+        if self._plan.tokens_as_ids:
+            text = f"token_id:{token_id}"
         return Alternative(text, data, logprob)

@@ -44,13 +44,14 @@ from dynamo.frontend.structured_output import (
     constraint_pool,
     structured_output_of,
 )
-from dynamo.frontend.template_kwargs import TemplateKwargsPolicy
+from dynamo.frontend.template_kwargs import REASONING_EFFORTS, TemplateKwargsPolicy
 from dynamo.frontend.tool_calls import (
     ToolRequest,
     template_reads_tools,
     tool_request,
     with_tool_constraint,
 )
+from dynamo.frontend.truncation import PromptTruncation
 from dynamo.llm.protocols import (
     ModelCard,
     OutputOptions,
@@ -84,7 +85,14 @@ class OutputPlan:
     hidden_stop_ids: frozenset[int]
     skip_special_tokens: bool
     logprobs: int | None  # None: not requested; N: N top alternatives per token
+    # Completions: the prompt; chat: the last message when it is the assistant's (vLLM's
+    # `echo`). Written before the generated text of every choice.
     echo_text: str | None = None
+    include_stop_str: bool = False  # the matched stop string (or stop token) is kept
+    # `return_token_ids`: the response carries the prompt's and each choice's token ids.
+    return_token_ids: bool = False
+    prompt_token_ids: list[int] | None = None  # set only with `return_token_ids`
+    tokens_as_ids: bool = False  # logprob tokens named `token_id:N`
 
 
 @dataclass(frozen=True)
@@ -167,10 +175,13 @@ class Preprocessor:
         """`constraints`: `checked_constraints(req)` when the caller already has them."""
         constraints = constraints or checked_constraints(req)
         _check_common(req)
-        token_ids, prompt_text = self._completion_prompt(req.prompt)
+        truncation = PromptTruncation.of(req, self.context_length)
+        add_special = req.add_special_tokens is not False  # vLLM's default here: true
+        token_ids, prompt_text = self._completion_prompt(req.prompt, add_special, truncation)
         echo_text = None
         if req.echo:
-            echo_text = prompt_text if prompt_text is not None else self._decode_keep(token_ids)
+            kept_text = prompt_text if truncation is None else None
+            echo_text = kept_text if kept_text is not None else self._decode_keep(token_ids)
         return self._build(
             req,
             request_id,
@@ -195,9 +206,10 @@ class Preprocessor:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("`top_logprobs` requires `logprobs` to be true", "top_logprobs")
         tools = constraints.tools
-        text = self.render_chat(req, tools)
-        self.prompt_bound.check_text(len(text), self.context_length, "messages")
-        token_ids = self._encode(text, False)
+        truncation = PromptTruncation.of(req, self.context_length)
+        text = self._bounded_text(self.render_chat(req, tools), truncation, "messages")
+        # vLLM's default for chat: false (the template writes the special tokens).
+        token_ids = self._truncated(self._encode(text, bool(req.add_special_tokens)), truncation)
         max_tokens, param = req.max_tokens, "max_tokens"
         if req.max_completion_tokens is not None:
             max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
@@ -209,7 +221,7 @@ class Preprocessor:
             max_tokens_param=param,
             prompt_param="messages",
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-            echo_text=None,
+            echo_text=_chat_echo(req) if req.echo else None,
             structured_output=with_tool_constraint(
                 constraints.output, tools.constraint if tools is not None else None
             ),
@@ -240,15 +252,18 @@ class Preprocessor:
         if add_generation is None:
             add_generation = not continue_final
         messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
-        tool_args = self._tool_arguments(tools)
+        variables = {
+            **template_args.variables,
+            **_top_level_template_variables(req, template_args.variables),
+            **self._tool_arguments(tools),
+        }
         try:
             rendered = self.tokenizer.apply_chat_template(
                 messages,
                 tokenize=False,
                 add_generation_prompt=add_generation,
                 continue_final_message=continue_final,
-                **tool_args,
-                **template_args.variables,
+                **variables,
             )
         except OpenAIError:
             raise
@@ -275,14 +290,17 @@ class Preprocessor:
             )
         return {"tools": tools.template_tools}
 
-    def _completion_prompt(self, prompt: Any) -> tuple[list[int], str | None]:
-        """Token ids of a completions prompt, plus its text when it was given as text."""
+    def _completion_prompt(
+        self, prompt: Any, add_special: bool, truncation: PromptTruncation | None
+    ) -> tuple[list[int], str | None]:
+        """Token ids of a completions prompt (truncated as asked), plus its text when it
+        was given as text."""
         if isinstance(prompt, str):
-            return self._checked_text_prompt(prompt), prompt
+            return self._checked_text_prompt(prompt, add_special, truncation), prompt
         if not prompt:
             raise bad_request("`prompt` must not be empty", "prompt")
         if all(isinstance(t, int) for t in prompt):
-            return self._checked_ids(prompt), None
+            return self._checked_ids(prompt, truncation), None
         if len(prompt) > 1:
             raise bad_request(
                 "Only one prompt per request is supported (a string or a list of token ids)",
@@ -290,19 +308,42 @@ class Preprocessor:
             )
         only = prompt[0]
         if isinstance(only, str):
-            return self._checked_text_prompt(only), only
-        return self._checked_ids(only), None
+            return self._checked_text_prompt(only, add_special, truncation), only
+        return self._checked_ids(only, truncation), None
 
-    def _checked_text_prompt(self, text: str) -> list[int]:
-        self.prompt_bound.check_text(len(text), self.context_length, "prompt")
-        ids = self._encode(text, True)
+    def _checked_text_prompt(
+        self, text: str, add_special: bool, truncation: PromptTruncation | None
+    ) -> list[int]:
+        ids = self._encode(self._bounded_text(text, truncation, "prompt"), add_special)
         if not ids:
             raise bad_request("`prompt` must not be empty", "prompt")
-        return ids
+        return self._truncated(ids, truncation)
 
-    def _checked_ids(self, ids: Sequence[Any]) -> list[int]:
+    def _bounded_text(self, text: str, truncation: PromptTruncation | None, param: str) -> str:
+        """`text` if it can fit the context; else a 400, or, when the request truncates,
+        the side it keeps cut to what the context could hold (as vLLM trims before
+        tokenizing), so an over-long prompt is never tokenized whole."""
+        limit = self.prompt_bound.max_chars(self.context_length)
+        if truncation is None or limit is None:
+            self.prompt_bound.check_text(len(text), self.context_length, param)
+            return text
+        return truncation.trim_text(text, limit)
+
+    def _truncated(self, ids: list[int], truncation: PromptTruncation | None) -> list[int]:
+        if truncation is None:
+            return ids
+        kept = truncation.apply(ids)
+        if not kept:
+            raise bad_request(
+                "`truncate_prompt_tokens` keeps no token of the prompt", "truncate_prompt_tokens"
+            )
+        return kept
+
+    def _checked_ids(self, ids: Sequence[Any], truncation: PromptTruncation | None) -> list[int]:
         if not ids:
             raise bad_request("`prompt` must not be empty", "prompt")
+        if truncation is not None:
+            ids = self._truncated(list(ids), truncation)
         check_token_prompt(len(ids), self.context_length, "prompt")  # before the vocab scan
         if not all(isinstance(t, int) for t in ids):
             raise bad_request("`prompt` token list must contain only integers", "prompt")
@@ -360,8 +401,9 @@ class Preprocessor:
             eos_token_ids=list(self.eos_token_ids),
             structured_output=structured_output,
         )
-        hidden = set(stop_token_ids)
-        if not req.ignore_eos:
+        include_stop = bool(req.include_stop_str_in_output)
+        hidden: set[int] = set() if include_stop else set(stop_token_ids)
+        if not req.ignore_eos and not include_stop:
             hidden.update(self.eos_token_ids)
         plan = OutputPlan(
             stream=bool(req.stream),
@@ -371,6 +413,10 @@ class Preprocessor:
             skip_special_tokens=req.skip_special_tokens is not False,
             logprobs=logprobs,
             echo_text=echo_text,
+            include_stop_str=include_stop,
+            return_token_ids=bool(req.return_token_ids),
+            prompt_token_ids=token_ids if req.return_token_ids else None,
+            tokens_as_ids=bool(req.return_tokens_as_token_ids),
         )
         return Prepared(request=request, plan=plan)
 
@@ -530,6 +576,37 @@ def _flatten_content(index: int, content: Any) -> str:
             )
         texts.append(part.text)
     return "\n".join(texts)
+
+
+def _chat_echo(req: ChatCompletionRequest) -> str | None:
+    """vLLM's chat `echo`: the last message's text when the assistant wrote it (the
+    response then continues it), else nothing."""
+    last = req.messages[-1] if req.messages else None
+    if last is None or last.role != "assistant":
+        return None
+    return _flatten_content(len(req.messages) - 1, last.content) or None
+
+
+def _top_level_template_variables(
+    req: ChatCompletionRequest, kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """`documents` and `reasoning_effort` for the chat template, as vLLM passes them
+    (they win over the same keys in `chat_template_kwargs`); a reasoning effort also sets
+    `enable_thinking` (false for `none`) unless the kwargs set it."""
+    variables: dict[str, Any] = {}
+    if req.documents is not None:
+        variables["documents"] = req.documents
+    effort = req.reasoning_effort
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad_request(
+                f"`reasoning_effort` must be one of {', '.join(REASONING_EFFORTS)}",
+                "reasoning_effort",
+            )
+        variables["reasoning_effort"] = effort
+        if "enable_thinking" not in kwargs:
+            variables["enable_thinking"] = effort != "none"
+    return variables
 
 
 def _first_set(*values: bool | None) -> bool | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -106,10 +106,12 @@ class _Accumulator:
     def __init__(self) -> None:
         self.parts: list[str] = []
         self.logprobs: list[TokenLogprobs] = []
+        self.generated_ids: list[int] = []  # filled only with `return_token_ids`
         self.finish_reason: str | None = None
 
     def add(self, delta: TextDelta) -> None:
         self.parts.append(delta.text)
+        self.generated_ids.extend(delta.generated_ids)
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
@@ -127,6 +129,7 @@ class _CompletionChoice:
         self.acc = _Accumulator()
         self.echo_pending = echo_text is not None
         self.offset = len(echo_text or "")  # text_offset of the next token
+        self.prompt_ids_sent = False  # `return_token_ids`: on the first chunk only
 
 
 class CompletionFormatter(ChunkStreamEnd):
@@ -145,13 +148,19 @@ class CompletionFormatter(ChunkStreamEnd):
     def events(self, delta: TextDelta) -> bytes:
         state = self._choice(delta.index)
         text = self._take_echo(state) + delta.text
-        if not text and delta.finish_reason is None and not delta.logprobs:
+        if (
+            not text
+            and delta.finish_reason is None
+            and not delta.logprobs
+            and not delta.generated_ids
+        ):
             return b""
         choice = CompletionChoice(
             index=delta.index,
             text=text,
             logprobs=self._logprobs(state, delta.logprobs),
             finish_reason=delta.finish_reason,
+            **self._token_ids(state, delta.generated_ids),
         )
         return sse_event(self._wrap([choice]))
 
@@ -171,8 +180,22 @@ class CompletionFormatter(ChunkStreamEnd):
         text = self._take_echo(state) + acc.text
         logprobs = self._logprobs(state, acc.logprobs) if self._plan.logprobs is not None else None
         return CompletionChoice(
-            index=index, text=text, logprobs=logprobs, finish_reason=acc.finish_reason
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=acc.finish_reason,
+            **self._token_ids(state, acc.generated_ids),
         )
+
+    def _token_ids(self, state: _CompletionChoice, generated: list[int]) -> dict[str, Any]:
+        """`prompt_token_ids` (once per choice) and `token_ids`, with `return_token_ids`."""
+        if not self._plan.return_token_ids:
+            return {}
+        fields: dict[str, Any] = {"token_ids": generated}
+        if not state.prompt_ids_sent:
+            state.prompt_ids_sent = True
+            fields["prompt_token_ids"] = self._plan.prompt_token_ids
+        return fields
 
     def _choice(self, index: int) -> _CompletionChoice:
         state = self._choices.get(index)
@@ -263,23 +286,33 @@ class ChatFormatter(ChunkStreamEnd):
     def events(self, delta: TextDelta) -> bytes:
         state = self._choice(delta.index)
         pieces = self._parse(state, delta)
-        if state.role_sent and not pieces and delta.finish_reason is None and not delta.logprobs:
+        if (
+            state.role_sent
+            and not pieces
+            and delta.finish_reason is None
+            and not delta.logprobs
+            and not delta.generated_ids
+        ):
             return b""
-        role = None if state.role_sent else "assistant"
+        first = not state.role_sent
         state.role_sent = True
-        content = pieces.content if (pieces.content or role) else None
+        role = "assistant" if first else None
+        # The echoed last message (vLLM's `echo`) opens the first chunk's content.
+        content = (self._plan.echo_text or "") + pieces.content if first else pieces.content
         choice = ChatChunkChoice(
             index=delta.index,
             delta=ChatDelta(
                 role=role,
-                content=content,
+                content=content if (content or role) else None,
                 reasoning_content=pieces.reasoning or None,
                 tool_calls=[_tool_call_chunk(p) for p in pieces.tool_calls] or None,
             ),
             logprobs=self._logprobs(delta.logprobs),
             finish_reason=self._finish_reason(state, delta.finish_reason),
+            token_ids=delta.generated_ids if self._plan.return_token_ids else None,
         )
-        return sse_event(self._chunk([choice]))
+        prompt_ids = self._plan.prompt_token_ids if first else None
+        return sse_event(self._chunk([choice], prompt_token_ids=prompt_ids))
 
     def usage_event(self, usage: Usage, metrics: PerRequestMetrics | None = None) -> bytes:
         return sse_event(self._chunk([], usage, metrics))
@@ -299,6 +332,7 @@ class ChatFormatter(ChunkStreamEnd):
                 choices=[self._body_choice(index) for index in indices],
                 usage=usage,
                 metrics=metrics,
+                prompt_token_ids=self._plan.prompt_token_ids,
             )
         )
 
@@ -311,10 +345,13 @@ class ChatFormatter(ChunkStreamEnd):
             ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
             for c in merge_tool_calls(pieces.tool_calls)
         ]
+        # null when the message is only tool calls or only reasoning (as vLLM sends it)
+        content = pieces.content or (None if calls or pieces.reasoning else "")
+        if self._plan.echo_text:
+            content = self._plan.echo_text + (content or "")
         message = AssistantMessage(
             role="assistant",
-            # null when the message is only tool calls or only reasoning (as vLLM sends it)
-            content=pieces.content or (None if calls or pieces.reasoning else ""),
+            content=content,
             reasoning_content=pieces.reasoning or None,
             tool_calls=calls,
         )
@@ -323,6 +360,7 @@ class ChatFormatter(ChunkStreamEnd):
             message=message,
             logprobs=logprobs,
             finish_reason=self._finish_reason(state, acc.finish_reason),
+            token_ids=acc.generated_ids if self._plan.return_token_ids else None,
         )
 
     def _choice(self, index: int) -> _ChatChoice:
@@ -360,6 +398,7 @@ class ChatFormatter(ChunkStreamEnd):
         choices: list[ChatChunkChoice],
         usage: Usage | None = None,
         metrics: PerRequestMetrics | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> ChatCompletionChunk:
         return ChatCompletionChunk(
             id=self._id,
@@ -368,6 +407,7 @@ class ChatFormatter(ChunkStreamEnd):
             choices=choices,
             usage=usage,
             metrics=metrics,
+            prompt_token_ids=prompt_token_ids,
         )
 
     def _logprobs(self, items: list[TokenLogprobs] | None) -> ChatLogprobs | None:

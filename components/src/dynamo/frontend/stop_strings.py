@@ -3,7 +3,13 @@
 Text arrives in deltas whose boundaries can fall inside a stop string ("Hel" + "lo"
 with stop "Hello"). The matcher therefore holds back the longest tail of the text seen
 so far that could still grow into a stop string, releases it as soon as it cannot, and
-cuts the output right before the earliest match.
+cuts the output right before the match that completes first (vLLM's rule: the result is
+the same whether text arrives one token at a time or several at once; ties go to the
+earlier stop in the request's list).
+
+With `include_stop_str_in_output` (vLLM's extension) the stop string is part of the text:
+nothing is held back (a partial stop is text either way) and the output ends right after
+the match.
 """
 
 from __future__ import annotations
@@ -19,12 +25,16 @@ class StopStringMatcher:
     when the stream ends without a match.
     """
 
-    __slots__ = ("_held", "_max_hold", "_stops", "matched")
+    __slots__ = ("_include", "_max_tail", "_stops", "_tail", "matched")
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include_in_output: bool = False) -> None:
         self._stops = tuple(s for s in stops if s)
-        self._max_hold = max((len(s) for s in self._stops), default=1) - 1
-        self._held = ""
+        self._include = include_in_output
+        self._max_tail = max((len(s) for s in self._stops), default=1) - 1
+        # The last characters seen that could begin a stop: held back from the output
+        # (default), or already emitted and kept only to find a stop that spans deltas
+        # (`include_in_output`).
+        self._tail = ""
         self.matched: str | None = None
 
     @property
@@ -36,33 +46,35 @@ class StopStringMatcher:
             return "", self.matched
         if not self._stops:
             return delta, None
-        text = self._held + delta
-        cut, stop = self._earliest_match(text)
+        seen = len(self._tail) if self._include else 0  # characters already emitted
+        text = self._tail + delta
+        start, stop = self._first_completed(text)
         if stop is not None:
-            self._held = ""
+            self._tail = ""
             self.matched = stop
-            return text[:cut], stop
-        hold = self._partial_suffix_len(text)
-        self._held = text[len(text) - hold :] if hold else ""
-        return text[: len(text) - hold], None
+            return text[seen : start + len(stop) if self._include else start], stop
+        keep = self._partial_suffix_len(text)
+        self._tail = text[len(text) - keep :] if keep else ""
+        return (delta, None) if self._include else (text[: len(text) - keep], None)
 
     def flush(self) -> str:
-        held, self._held = self._held, ""
-        return "" if self.matched is not None else held
+        tail, self._tail = self._tail, ""
+        return "" if self.matched is not None or self._include else tail
 
-    def _earliest_match(self, text: str) -> tuple[int, str | None]:
-        # `text` is the held tail (no complete stop, by construction) plus the new delta,
-        # so any match ends in the delta; searching it whole is cheap as the tail is short.
-        best, best_stop = len(text) + 1, None
+    def _first_completed(self, text: str) -> tuple[int, str | None]:
+        """(start, stop) of the match that ends first in `text` (stop None: no match).
+        `text` is the tail (no complete stop, by construction) plus the new delta, so any
+        match ends in the delta; searching it whole is cheap as the tail is short."""
+        best_end, best_start, best_stop = len(text) + 1, -1, None
         for stop in self._stops:
             index = text.find(stop)
-            if index != -1 and index < best:
-                best, best_stop = index, stop
-        return best, best_stop
+            if index != -1 and index + len(stop) < best_end:
+                best_end, best_start, best_stop = index + len(stop), index, stop
+        return best_start, best_stop
 
     def _partial_suffix_len(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of a stop."""
-        for length in range(min(self._max_hold, len(text)), 0, -1):
+        for length in range(min(self._max_tail, len(text)), 0, -1):
             tail = text[-length:]
             if any(stop.startswith(tail) for stop in self._stops):
                 return length
