@@ -6,7 +6,8 @@ Claims: completions and chat work streaming and non-streaming with correct usage
 stream is the same text as the non-streamed response; stop strings end the response
 without leaking and cancel the work on the worker; a client that goes away mid-request
 cancels it on the worker; vLLM's token fields (`truncate_prompt_tokens`,
-`return_token_ids`, `include_stop_str_in_output`) act on the real engine's tokens; bad
+`return_token_ids`, `include_stop_str_in_output`, `prompt_logprobs`, `echo` with
+`logprobs`) act on the real engine's tokens; bad
 input gets OpenAI-shaped 4xx JSON; `/metrics` is free of
 `_created` noise; seeded requests whose prefills vLLM splits over steps (four long prompts
 at once, more than a step's token budget) are served and leave the engine serving (they
@@ -290,6 +291,40 @@ def test_vllm_token_fields_with_a_real_engine(client: openai.OpenAI, tokenizer) 
     # the word, as in the test below).
     assert included.finish_reason == "stop"
     assert included.text.index(stop) == len(included.text) - len(stop), included.text
+
+
+def test_prompt_logprobs_and_echoed_logprobs_with_a_real_engine(
+    client: openai.OpenAI, tokenizer
+) -> None:
+    """vLLM's `prompt_logprobs` from the engine: one entry per prompt token (null first),
+    the prompt's own token first with its rank, then the best alternative; with `echo` and
+    `logprobs`, the prompt's tokens lead `logprobs` with the same values."""
+    prompt = "The capital of Japan is Tokyo, and the capital of France is"
+    ids = tokenizer.encode(prompt)
+    resp = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        temperature=0,
+        max_tokens=2,
+        echo=True,
+        logprobs=1,
+        extra_body={"prompt_logprobs": 1},
+    )
+    choice = resp.choices[0]
+    positions = choice.model_extra["prompt_logprobs"]
+    assert len(positions) == len(ids) == resp.usage.prompt_tokens and positions[0] is None
+    for token, position in zip(ids[1:], positions[1:], strict=True):
+        own = position[str(token)]
+        assert next(iter(position)) == str(token) and own["rank"] >= 1
+        assert own["decoded_token"] == tokenizer.decode([token])
+        best = min(position.values(), key=lambda e: e["rank"])
+        assert best["rank"] == 1 and best["logprob"] >= own["logprob"]
+    logprobs = choice.logprobs
+    assert logprobs.tokens[: len(ids)] == [tokenizer.decode([t]) for t in ids]
+    assert logprobs.token_logprobs[0] is None
+    prompt_values = [p[str(t)]["logprob"] for t, p in zip(ids[1:], positions[1:], strict=True)]
+    assert logprobs.token_logprobs[1 : len(ids)] == prompt_values
+    assert choice.text.startswith(prompt)
 
 
 def decoded(tokenizer, ids: list[int]) -> str:

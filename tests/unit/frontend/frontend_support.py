@@ -27,6 +27,7 @@ from dynamo.llm.protocols import (
     ModelCard,
     PreprocessedRequest,
     PromptTokensDetails,
+    RankedLogprob,
     TokenLogprob,
     TopLogprob,
 )
@@ -257,6 +258,9 @@ class ScriptedEngine:
             out = LLMEngineOutput(token_ids=chunk)
             if request.output_options.logprobs is not None:
                 out.log_probs = [_fake_logprob(t, request.output_options.logprobs) for t in chunk]
+            prompt_top = request.output_options.prompt_logprobs
+            if prompt_top is not None and step_index == 1:
+                out.prompt_logprobs = fake_prompt_logprobs(request.token_ids, prompt_top)
             if sent >= len(ids) and not script.never_finish:
                 out.finish_reason = finish
                 out.completion_usage = CompletionUsage(
@@ -266,6 +270,19 @@ class ScriptedEngine:
                     prompt_tokens_details=PromptTokensDetails(cached_tokens=script.cached_tokens),
                 )
             yield out
+
+
+def fake_prompt_logprobs(prompt: Sequence[int], top: int) -> list[list[RankedLogprob] | None]:
+    """vLLM's shape: None first, then the prompt token (logprob -0.5, rank 2) and `top`
+    alternatives 100, 101, ... ranked 1, 3, 4, ... (so the prompt token is not the best)."""
+    positions: list[list[RankedLogprob] | None] = [None]
+    for token in prompt[1:]:
+        ranked = [RankedLogprob(token, -0.5, 2)]
+        ranked += [
+            RankedLogprob(100 + i, -0.25 * (i + 1), 1 if i == 0 else i + 2) for i in range(top)
+        ]
+        positions.append(ranked)
+    return positions
 
 
 def _fake_logprob(token_id: int, top: int) -> TokenLogprob:

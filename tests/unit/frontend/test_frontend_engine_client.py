@@ -22,6 +22,7 @@ from dynamo.frontend.engine_client import (
     EngineUnavailableError,
     RuntimeEngineClient,
     StreamDeadlines,
+    continuation,
 )
 from dynamo.llm.kv_router.hashing import compute_block_hashes
 from dynamo.llm.kv_router.scheduler import KvRouter, build_kv_router
@@ -31,6 +32,7 @@ from dynamo.llm.protocols import (
     KvBlockStored,
     LLMEngineOutput,
     ModelCard,
+    OutputOptions,
     PreprocessedRequest,
     PromptTokensDetails,
     RouterEvent,
@@ -287,6 +289,21 @@ async def test_a_cut_stream_with_tokens_out_migrates_under_a_new_id() -> None:
     assert [t for o in outputs for t in o.token_ids][:1] == [7]
     assert fake.sent == [("req", 2), ("req-r1", 2)]
     assert fake.requests[1].token_ids[-1] == 7, "the continuation carries the streamed token"
+
+
+def test_a_continuation_does_not_ask_for_the_prompt_logprobs_again() -> None:
+    """They came with the first leg's first output; the continuation's prompt (prompt +
+    generated) is not the client's."""
+    original = PreprocessedRequest(
+        request_id="r",
+        model="m",
+        token_ids=[1, 2, 3],
+        output_options=OutputOptions(logprobs=2, prompt_logprobs=1),
+    )
+    leg = continuation(original, [7, 8])
+    assert leg.token_ids == [1, 2, 3, 7, 8]
+    assert leg.output_options == OutputOptions(logprobs=2)
+    assert original.output_options.prompt_logprobs == 1
 
 
 def _kv_card(instance_id: int) -> ModelCard:

@@ -119,6 +119,8 @@ def reply_token_texts(frontend: Frontend, tokenizer: Any, count: int) -> list[st
 
 
 async def test_echo_and_completion_logprobs(frontend: Frontend, tokenizer: Any) -> None:
+    """vLLM's shape: the echoed prompt's tokens lead `logprobs` (the first with no value),
+    then the completion's, with offsets counted over the echoed text."""
     status, body, _ = await post(
         frontend, "/v1/completions", completion_body(echo=True, logprobs=1, max_tokens=3)
     )
@@ -128,12 +130,17 @@ async def test_echo_and_completion_logprobs(frontend: Frontend, tokenizer: Any) 
     assert REPLY.startswith("".join(tokens))
     prompt = completion_body()["prompt"]
     assert choice["text"] == prompt + "".join(tokens)
+    prompt_ids = frontend.client.requests[-1].token_ids
+    prompt_tokens = [tokenizer.decode([t]) for t in prompt_ids]
+    assert "".join(prompt_tokens) == prompt
     lp = choice["logprobs"]
-    assert lp["tokens"] == tokens
-    assert lp["token_logprobs"] == [-0.25] * 3
-    starts = [len(prompt + "".join(tokens[:i])) for i in range(len(tokens))]
+    assert lp["tokens"] == prompt_tokens + tokens
+    assert lp["token_logprobs"] == [None] + [-0.5] * (len(prompt_ids) - 1) + [-0.25] * 3
+    everything = prompt_tokens + tokens
+    starts = [len("".join(everything[:i])) for i in range(len(everything))]
     assert lp["text_offset"] == starts, "offsets count the echoed prompt"
-    assert all(len(top) == 1 for top in lp["top_logprobs"])
+    assert lp["top_logprobs"][0] is None
+    assert all(len(top) == 1 for top in lp["top_logprobs"][len(prompt_ids) :])
 
 
 async def test_chat_logprobs(frontend: Frontend, tokenizer: Any) -> None:

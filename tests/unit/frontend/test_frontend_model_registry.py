@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from frontend_support import MODEL, make_card
 
@@ -19,7 +20,9 @@ from dynamo.llm.protocols import (
     KvStorageProbe,
     LLMEngineOutput,
     ModelCard,
+    OutputOptions,
     PreprocessedRequest,
+    RankedLogprob,
     WorkerType,
 )
 from dynamo.testing.engines import InMemoryEngineClient
@@ -231,3 +234,33 @@ def test_prefill_leg_does_not_touch_the_original_request() -> None:
     assert leg.stop_conditions.max_tokens == 1
     assert original.stop_conditions.max_tokens is None
     assert original.kv_transfer_params is None
+
+
+@pytest.mark.parametrize("prefill_works", [True, False])
+async def test_prompt_logprobs_come_from_where_the_prompt_was_computed(prefill_works: bool) -> None:
+    """Remote prefill: the prefill worker's prompt logprobs reach the client on the first
+    output, and the decode leg is not asked for them (it loads the KV, it does not run the
+    prompt). Local prefill: the decode leg is asked, and its own come through."""
+    from_prefill = [None, [RankedLogprob(2, -0.5, 1)], [RankedLogprob(3, -0.25, 1)]]
+    from_decode = [None, [RankedLogprob(2, -0.75, 2)], [RankedLogprob(3, -0.5, 1)]]
+
+    async def prefill_handler(req: PreprocessedRequest) -> AsyncIterator[LLMEngineOutput]:
+        yield LLMEngineOutput(
+            finish_reason=FinishReason.LENGTH,
+            prompt_logprobs=from_prefill,
+            disaggregated_params={"remote_block_ids": [4]} if prefill_works else None,
+        )
+
+    async def decode_handler(req: PreprocessedRequest) -> AsyncIterator[LLMEngineOutput]:
+        asked = req.output_options.prompt_logprobs is not None
+        yield LLMEngineOutput(token_ids=[9], prompt_logprobs=from_decode if asked else None)
+        yield LLMEngineOutput(token_ids=[10], finish_reason=FinishReason.EOS)
+
+    request = msgspec.structs.replace(_request(), output_options=OutputOptions(prompt_logprobs=1))
+    decode = InMemoryEngineClient(decode_handler)
+    client = DisaggregatedEngineClient(InMemoryEngineClient(prefill_handler), decode)
+    outputs = [o async for o in client.generate(request)]
+    assert outputs[0].prompt_logprobs == (from_prefill if prefill_works else from_decode)
+    assert outputs[1].prompt_logprobs is None
+    asked_decode = decode.requests[0].output_options.prompt_logprobs
+    assert asked_decode == (None if prefill_works else 1)

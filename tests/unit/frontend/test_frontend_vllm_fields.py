@@ -399,3 +399,110 @@ async def test_bad_reasoning_effort_or_documents_are_a_400(frontend: Frontend) -
         frontend, "/v1/chat/completions", {**base, "documents": [{"title": 3}]}
     )
     assert status == 400, body
+
+
+# ---------------------------------------------------------------------- prompt logprobs
+
+
+async def test_prompt_logprobs_have_vllms_shape_in_completions_and_chat(
+    frontend: Frontend, tokenizer: Any
+) -> None:
+    status, body = await post(
+        frontend, "/v1/completions", {"prompt": "Say hello there", "prompt_logprobs": 2}
+    )
+    assert status == 200, body
+    prompt = frontend.client.requests[-1].token_ids
+    assert frontend.client.requests[-1].output_options.prompt_logprobs == 2
+    positions = body["choices"][0]["prompt_logprobs"]
+    assert len(positions) == len(prompt) and positions[0] is None
+    for token, position in zip(prompt[1:], positions[1:], strict=True):
+        assert list(position) == [str(token), "100", "101"]  # the prompt token first
+        own = position[str(token)]
+        assert own == {
+            "logprob": -0.5,
+            "rank": 2,
+            "decoded_token": tokenizer.decode([token]),
+        }
+    status, chat = await post(
+        frontend,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "prompt_logprobs": 0},
+    )
+    assert status == 200, chat
+    prompt = frontend.client.requests[-1].token_ids
+    assert len(chat["prompt_logprobs"]) == len(prompt)
+    assert all(len(p) == 1 for p in chat["prompt_logprobs"][1:])
+    status, plain = await post(frontend, "/v1/completions", {"prompt": "Say hello"})
+    assert "prompt_logprobs" not in plain["choices"][0]
+
+
+@pytest.mark.parametrize(
+    "fields,served",
+    [
+        ({"prompt_logprobs": -2}, False),
+        ({"prompt_logprobs": 1, "stream": True}, False),
+        ({"prompt_logprobs": -1, "stream": True}, False),
+        ({"prompt_logprobs": 0, "stream": True}, True),
+        ({"prompt_logprobs": -1}, True),
+    ],
+)
+async def test_prompt_logprobs_follow_vllms_rules(
+    frontend: Frontend, fields: dict[str, Any], served: bool
+) -> None:
+    async with aiohttp.ClientSession() as session:
+        body = {"model": MODEL, "prompt": "Say hello", **fields}
+        async with session.post(frontend.url + "/v1/completions", json=body) as resp:
+            raw = await resp.read()
+            assert (resp.status == 200) is served, raw
+            if not served:
+                assert json.loads(raw)["error"]["param"] == "prompt_logprobs"
+
+
+def test_prompt_logprobs_count_against_the_logprobs_bound(tokenizer: Any) -> None:
+    """-1 asks for the whole vocabulary at every prompt position: refused before any
+    worker when the response would hold more than the bound; fewer pass."""
+    from dynamo.frontend.limits import MAX_BUFFERED_LOGPROBS
+
+    wide = Preprocessor(make_card(context_length=1_000_000), tokenizer)
+    over = MAX_BUFFERED_LOGPROBS // (1 + wide.vocab_size) + 1
+    prompt = [5] * over
+    request = completion_request(prompt=prompt, prompt_logprobs=-1, max_tokens=1)
+    error = openai_error_of(lambda: wide.prepare_completion_sync(request, "r"))
+    assert error.status == 400 and error.param == "prompt_logprobs"
+    fewer = completion_request(prompt=prompt, prompt_logprobs=1, max_tokens=1)
+    assert wide.prepare_completion_sync(fewer, "r").request.output_options.prompt_logprobs == 1
+
+
+@pytest.mark.parametrize("stream_it", [False, True])
+async def test_echo_with_logprobs_reports_the_prompts_logprobs_first(
+    frontend: Frontend, tokenizer: Any, stream_it: bool
+) -> None:
+    body = {"prompt": "Say hello", "echo": True, "logprobs": 1, "max_tokens": 3}
+    if stream_it:
+        chunks = await stream(frontend, "/v1/completions", body)
+        first = chunks[0]["choices"][0]["logprobs"]
+        tokens = [t for c in chunks if c["choices"] for t in c["choices"][0]["logprobs"]["tokens"]]
+        token_logprobs = [
+            v for c in chunks if c["choices"] for v in c["choices"][0]["logprobs"]["token_logprobs"]
+        ]
+        offsets = first["text_offset"]
+    else:
+        status, reply = await post(frontend, "/v1/completions", body)
+        assert status == 200, reply
+        first = reply["choices"][0]["logprobs"]
+        tokens, token_logprobs, offsets = (
+            first["tokens"],
+            first["token_logprobs"],
+            first["text_offset"],
+        )
+        assert len(reply["choices"][0]["prompt_logprobs"]) == len(
+            frontend.client.requests[-1].token_ids
+        )
+    prompt = frontend.client.requests[-1].token_ids
+    assert frontend.client.requests[-1].output_options.prompt_logprobs == 1
+    reply_ids = ids_of(tokenizer, frontend.engine.script.reply)[:3]
+    assert tokens == [tokenizer.decode([t]) for t in [*prompt, *reply_ids]]
+    assert token_logprobs[0] is None and token_logprobs[1 : len(prompt)] == [-0.5] * (
+        len(prompt) - 1
+    )
+    assert offsets[0] == 0

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 from mocker_support import (
     EOS,
+    VOCAB,
     EventLog,
     collect,
     config,
@@ -24,6 +25,7 @@ from dynamo.llm.protocols import (
     KvAllCleared,
     KvBlockRemoved,
     KvBlockStored,
+    OutputOptions,
     SamplingOptions,
 )
 from dynamo.mocker import AcceptanceModel, InvalidRequest, MockEngine, TimingModel
@@ -309,6 +311,14 @@ async def test_bad_requests_are_refused_as_invalid_before_any_output() -> None:
             request("e", prompt(4)), sampling_options=SamplingOptions(top_p=0.0)
         ),
         "greater than max allowed: 5": request("f", prompt(4), logprobs=6),
+        "Requested prompt logprobs of 6, which is greater than max allowed: 5": (
+            msgspec.structs.replace(
+                request("k", prompt(4)), output_options=OutputOptions(prompt_logprobs=6)
+            )
+        ),
+        f"Requested prompt logprobs of {VOCAB}": msgspec.structs.replace(
+            request("l", prompt(4)), output_options=OutputOptions(prompt_logprobs=-1)
+        ),
         "allowed_token_ids contains out-of-vocab token id!": msgspec.structs.replace(
             request("h", prompt(4)), sampling_options=SamplingOptions(allowed_token_ids=[99999])
         ),
@@ -377,6 +387,25 @@ async def test_logprobs_when_asked() -> None:
     entries = [lp for o in outputs for lp in o.log_probs or []]
     assert [e.token_id for e in entries] == tokens_of(outputs)
     assert all(e.top and len(e.top) == 3 and e.top[0].token_id == e.token_id for e in entries)
+
+
+async def test_prompt_logprobs_have_vllms_shape_on_the_first_output() -> None:
+    engine, _ = await started()
+    tokens = prompt(6)
+    req = msgspec.structs.replace(
+        request("a", tokens, max_tokens=3), output_options=OutputOptions(prompt_logprobs=2)
+    )
+    try:
+        outputs = await collect(engine, req)
+    finally:
+        await engine.stop()
+    positions = outputs[0].prompt_logprobs
+    assert positions is not None and len(positions) == len(tokens) and positions[0] is None
+    for token, position in zip(tokens[1:], positions[1:], strict=True):
+        assert position is not None and len(position) == 3
+        assert position[0].token_id == token
+        assert [entry.rank for entry in position] == [1, 2, 3]
+    assert all(o.prompt_logprobs is None for o in outputs[1:])
 
 
 async def test_load_metrics_count_speculative_slots() -> None:

@@ -34,6 +34,7 @@ from dynamo.llm.protocols import (
     FinishReason,
     OutputOptions,
     PreprocessedRequest,
+    RankedLogprob,
     SamplingOptions,
     SpecDecodeStats,
     StopConditions,
@@ -130,6 +131,9 @@ def test_without_stop_conditions_eos_is_honoured_and_nothing_is_added() -> None:
 def test_the_number_of_logprobs_reaches_vllm() -> None:
     assert to_sampling_params(make_request(output=OutputOptions(logprobs=3))).logprobs == 3
     assert to_sampling_params(make_request()).logprobs is None
+    asked = make_request(output=OutputOptions(prompt_logprobs=2))
+    assert to_sampling_params(asked).prompt_logprobs == 2
+    assert to_sampling_params(make_request()).prompt_logprobs is None
 
 
 def test_model_defaults_fill_only_what_the_request_leaves_out() -> None:
@@ -360,6 +364,28 @@ def test_a_chosen_token_missing_from_the_logprobs_gets_minus_infinity() -> None:
     assert out.log_probs is not None
     assert out.log_probs[0].token_id == 5 and math.isinf(out.log_probs[0].logprob)
     assert out.log_probs[0].logprob < 0
+
+
+def test_prompt_logprobs_keep_vllms_order_and_ranks() -> None:
+    """The prompt's own token first (here ranked 2), then the alternatives; the first
+    position has none; they ride on the output that carried them, once."""
+    prompt_positions = [
+        {PROMPT[1]: Logprob(-1.5, rank=2), 9: Logprob(-0.5, rank=1)},
+        {PROMPT[2]: Logprob(-0.25, rank=1)},
+    ]
+    tracker = OutputTracker(len(PROMPT))
+    ro = vllm_outputs.request_output(
+        completion([5]),
+        prompt_token_ids=PROMPT,
+        prompt_logprobs=[None, *prompt_positions],
+    )
+    (first,) = tracker.convert_all(ro)
+    assert first.prompt_logprobs == [
+        None,
+        [RankedLogprob(PROMPT[1], -1.5, 2), RankedLogprob(9, -0.5, 1)],
+        [RankedLogprob(PROMPT[2], -0.25, 1)],
+    ]
+    assert tracker.convert_all(request_output(completion([6])))[0].prompt_logprobs is None
 
 
 @pytest.mark.parametrize("logprobs", [None, []])

@@ -39,6 +39,7 @@ def request_output(
     finished: bool | None = None,
     num_cached_tokens: int | None = None,
     kv_transfer_params: dict[str, Any] | None = None,
+    prompt_logprobs: Any = None,
 ) -> RequestOutput:
     """`out` as vLLM hands it to `AsyncLLM.generate`'s caller; finished as `out` is unless
     `finished` says otherwise."""
@@ -46,7 +47,7 @@ def request_output(
         request_id=request_id,
         prompt=None,
         prompt_token_ids=list(prompt_token_ids),
-        prompt_logprobs=None,
+        prompt_logprobs=prompt_logprobs,
         outputs=[out],
         finished=out.finished() if finished is None else finished,
         num_cached_tokens=num_cached_tokens,

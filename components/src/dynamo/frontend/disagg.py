@@ -6,6 +6,10 @@ KV cache, hands it to its KV connector and answers with `disaggregated_params`. 
 into `prefill_result` of the same request sent to a decode worker, whose connector loads
 the cache instead of recomputing it. When no prefill worker is up or the prefill leg fails,
 the decode worker prefills itself: slower, but the request still succeeds.
+
+The prompt's logprobs (`prompt_logprobs`) are computed where the prompt is: the prefill
+worker's. The decode leg is sent without the request for them (it loads the prompt's KV,
+it does not run the prompt), and they ride on its first output to the client.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dynamo.llm.protocols import (
     LLMEngineOutput,
     PrefillResult,
     PreprocessedRequest,
+    PromptLogprobs,
 )
 
 log = logging.getLogger(__name__)
@@ -56,11 +61,20 @@ class DisaggregatedEngineClient:
         # n > 1: vLLM's n child sequences would each load the one transferred KV (not
         # supported by its connectors); the decode worker prefills once for all of them.
         single = (request.sampling_options.n or 1) == 1
-        result = await self._prefill(request) if single else None
+        prompt_logprobs: PromptLogprobs = []
+        result = await self._prefill(request, prompt_logprobs) if single else None
         decode_request = msgspec.structs.replace(request, prefill_result=result)
+        if result is None:
+            prompt_logprobs.clear()  # the decode worker prefills, and computes them itself
+        elif request.output_options.prompt_logprobs is not None:
+            options = msgspec.structs.replace(request.output_options, prompt_logprobs=None)
+            decode_request = msgspec.structs.replace(decode_request, output_options=options)
         stream = self.decode.generate(decode_request)
         try:
             async for output in stream:
+                if prompt_logprobs:  # from the prefill leg, with the first output
+                    output.prompt_logprobs = prompt_logprobs
+                    prompt_logprobs = []
                 yield output
         finally:
             await stream.aclose()
@@ -68,7 +82,12 @@ class DisaggregatedEngineClient:
     async def close(self) -> None:
         """Nothing to release: both legs' clients belong to the model registry."""
 
-    async def _prefill(self, request: PreprocessedRequest) -> PrefillResult | None:
+    async def _prefill(
+        self, request: PreprocessedRequest, prompt_logprobs: PromptLogprobs
+    ) -> PrefillResult | None:
+        """The remote prefill's result (None: the decode worker prefills itself); the
+        prompt's logprobs, when the request asked for them, are added to
+        `prompt_logprobs`."""
         if not self.prefill.instance_ids():
             return self._fallback(request, "no prefill worker")
         leg = prefill_leg(request)
@@ -85,6 +104,7 @@ class DisaggregatedEngineClient:
                         params = output.disaggregated_params
                     if output.kv_storage is not None:
                         kv_storage = output.kv_storage
+                    prompt_logprobs.extend(output.prompt_logprobs or ())
                     usage = output.completion_usage
                     if usage and usage.prompt_tokens_details:
                         details = msgspec.to_builtins(usage.prompt_tokens_details)

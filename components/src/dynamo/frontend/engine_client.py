@@ -523,7 +523,9 @@ def _lost_message(exc: DynamoRuntimeError) -> str:
 
 
 def continuation(request: PreprocessedRequest, generated: list[int]) -> PreprocessedRequest:
-    """The request that resumes `request` on another worker after `generated` tokens."""
+    """The request that resumes `request` on another worker after `generated` tokens.
+    The prompt's logprobs came with the first leg's first output: not asked again (the
+    continuation's prompt is longer, its logprobs would not be the client's)."""
     stop = request.stop_conditions
     done = len(generated)
     new_stop = msgspec.structs.replace(
@@ -536,6 +538,7 @@ def continuation(request: PreprocessedRequest, generated: list[int]) -> Preproce
         token_ids=[*request.token_ids, *generated],
         stop_conditions=new_stop,
         prefill_result=None,
+        output_options=msgspec.structs.replace(request.output_options, prompt_logprobs=None),
     )
 
 

@@ -80,6 +80,19 @@ def check_buffered_logprobs(
         )
 
 
+def check_buffered_prompt_logprobs(prompt_tokens: int, alternatives: int) -> None:
+    """A response's prompt logprobs (held whole: vLLM sends them only unstreamed) must fit
+    `MAX_BUFFERED_LOGPROBS` entries, `prompt tokens x (1 + alternatives)`."""
+    entries = prompt_tokens * (1 + alternatives)
+    if entries > MAX_BUFFERED_LOGPROBS:
+        raise bad_request(
+            f"The prompt's logprobs would hold prompt tokens x (1 + alternatives) = "
+            f"{prompt_tokens} x {1 + alternatives} = {entries} entries; at most "
+            f"{MAX_BUFFERED_LOGPROBS} are allowed. Lower `prompt_logprobs`.",
+            "prompt_logprobs",
+        )
+
+
 def check_message_count(messages: Sized) -> None:
     if len(messages) > MAX_MESSAGES:
         raise bad_request(

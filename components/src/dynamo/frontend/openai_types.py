@@ -270,9 +270,22 @@ class PerRequestMetrics(msgspec.Struct, omit_defaults=True):
 
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    # null at an echoed prompt's first token, which nothing predicts (as vLLM sends it)
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct):
+    """One entry of vLLM's `prompt_logprobs` (keyed by token id in the response)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+# vLLM's `prompt_logprobs` field: per prompt position, token id -> entry; null first.
+PromptLogprobsField = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(msgspec.Struct, omit_defaults=True):
@@ -284,6 +297,7 @@ class CompletionChoice(msgspec.Struct, omit_defaults=True):
     # choice's generated ids (each chunk's own).
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobsField | None = None  # vLLM's, unstreamed
 
 
 # `object` is written as a msgspec tag: always present, even with omit_defaults.
@@ -347,6 +361,7 @@ class ChatCompletion(msgspec.Struct, omit_defaults=True, tag_field="object", tag
     usage: Usage | None = None
     metrics: PerRequestMetrics | None = None  # `return_spec_stats`; beside usage
     prompt_token_ids: list[int] | None = None  # `return_token_ids`
+    prompt_logprobs: PromptLogprobsField | None = None  # vLLM's
 
 
 class FunctionCallDelta(msgspec.Struct, omit_defaults=True):

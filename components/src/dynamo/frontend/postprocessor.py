@@ -75,6 +75,31 @@ class TokenLogprobs:
     top: list[Alternative]
 
 
+@dataclass(frozen=True)
+class RankedAlternative:
+    """One entry of a prompt position's logprobs: the token, its text and logprob, and
+    its rank in the model's distribution."""
+
+    token_id: int
+    alternative: Alternative
+    rank: int
+
+
+@dataclass(frozen=True)
+class PromptPosition:
+    """The logprobs of one prompt token (vLLM's `prompt_logprobs` entry): `ranked` is
+    None at the first position, which nothing predicts; else the prompt's own token first,
+    then the top alternatives."""
+
+    token_id: int
+    text: str
+    ranked: list[RankedAlternative] | None
+
+    @property
+    def logprob(self) -> float | None:
+        return self.ranked[0].alternative.logprob if self.ranked else None
+
+
 @dataclass
 class TextDelta:
     """What one batch of engine outputs adds to the response."""
@@ -90,6 +115,9 @@ class TextDelta:
     # (`return_token_ids`).
     generated_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
+    # The prompt's logprobs (`prompt_logprobs`, or completions' `echo` with `logprobs`),
+    # on the delta of the output(s) that carried them.
+    prompt_logprobs: list[PromptPosition] | None = None
     finish_reason: str | None = None  # OpenAI name, set on the last delta
     error: str | None = None  # the engine failed the request
 
@@ -122,6 +150,8 @@ class Postprocessor:
         self._plan = plan
         self._report_spec_stats = report_spec_stats
         self._prompt_tokens = len(prompt_ids)
+        self._prompt_ids = prompt_ids  # read only for the prompt's logprobs
+        self._prompt_position = 0  # the next prompt position whose logprobs arrive
         self._detok = IncrementalDetokenizer(decode, prompt_ids)
         self._stops = StopStringMatcher(plan.stop_strings, plan.include_stop_str)
         self._texts = token_texts
@@ -168,6 +198,8 @@ class Postprocessor:
         response (a stop string matched, or a finish reason arrived) are ignored."""
         delta = TextDelta()
         parts: list[str] = []
+        if self._plan.prompt_logprobs is not None:
+            self._add_prompt_logprobs(outputs, delta)
         if self._plan.stop_strings or self._plan.logprobs is not None:
             # Per output: a stop string ends the response at the output that completed
             # it (later tokens are not counted), and logprobs are per token anyway.
@@ -290,6 +322,30 @@ class Postprocessor:
                 TokenLogprobs(sampled, [self._alternative(t.token_id, t.logprob) for t in top])
             )
         delta.logprobs = items
+
+    def _add_prompt_logprobs(self, outputs: Sequence[LLMEngineOutput], delta: TextDelta) -> None:
+        """The prompt positions these outputs carry, each named by its prompt token."""
+        if self._texts is None:
+            return
+        for output in outputs:
+            for entry in output.prompt_logprobs or ():
+                position = self._prompt_position
+                self._prompt_position += 1
+                if position >= len(self._prompt_ids):
+                    break  # a misbehaving worker sent more positions than the prompt has
+                token_id = self._prompt_ids[position]
+                ranked = None
+                if entry is not None:
+                    ranked = [
+                        RankedAlternative(
+                            e.token_id, self._alternative(e.token_id, e.logprob), e.rank
+                        )
+                        for e in entry
+                    ]
+                if delta.prompt_logprobs is None:
+                    delta.prompt_logprobs = []
+                text = self._alternative(token_id, 0.0).token
+                delta.prompt_logprobs.append(PromptPosition(token_id, text, ranked))
 
     def _alternative(self, token_id: int, logprob: float) -> Alternative:
         """One logprob entry; named `token_id:N` when the request asked for ids

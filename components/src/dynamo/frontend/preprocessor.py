@@ -28,6 +28,7 @@ from dynamo.frontend.errors import OpenAIError, bad_request
 from dynamo.frontend.limits import (
     PromptBound,
     check_buffered_logprobs,
+    check_buffered_prompt_logprobs,
     check_message_count,
     check_stop,
     check_token_prompt,
@@ -93,6 +94,9 @@ class OutputPlan:
     return_token_ids: bool = False
     prompt_token_ids: list[int] | None = None  # set only with `return_token_ids`
     tokens_as_ids: bool = False  # logprob tokens named `token_id:N`
+    # Alternatives per prompt position the response reports (vLLM's `prompt_logprobs`;
+    # completions' `echo` with `logprobs` asks for them too); None: not asked for.
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -379,6 +383,7 @@ class Preprocessor:
             alternatives=logprobs,
             stream=bool(req.stream),
         )
+        prompt_logprobs = self._checked_prompt_logprobs(req, len(token_ids), logprobs)
         stops = _stop_strings(req.stop)
         stop_token_ids = list(req.stop_token_ids or [])
         self._check_in_vocabulary(stop_token_ids, "stop_token_ids")
@@ -397,7 +402,7 @@ class Preprocessor:
                 stop_token_ids=stop_token_ids or None,
                 ignore_eos=bool(req.ignore_eos),
             ),
-            output_options=OutputOptions(logprobs=logprobs),
+            output_options=OutputOptions(logprobs=logprobs, prompt_logprobs=prompt_logprobs),
             eos_token_ids=list(self.eos_token_ids),
             structured_output=structured_output,
         )
@@ -417,8 +422,31 @@ class Preprocessor:
             return_token_ids=bool(req.return_token_ids),
             prompt_token_ids=token_ids if req.return_token_ids else None,
             tokens_as_ids=bool(req.return_tokens_as_token_ids),
+            prompt_logprobs=prompt_logprobs,
         )
         return Prepared(request=request, plan=plan)
+
+    def _checked_prompt_logprobs(
+        self, req: SamplingFields, prompt_len: int, logprobs: int | None
+    ) -> int | None:
+        """vLLM's `prompt_logprobs` and its rules: at least -1 (the whole vocabulary), not
+        in a stream unless 0; `echo` with logprobs asks for as many as `logprobs`. The
+        response holds them whole, so they count against `MAX_BUFFERED_LOGPROBS`."""
+        asked = req.prompt_logprobs
+        if asked is None:
+            if not req.echo or logprobs is None:
+                return None
+            asked = logprobs  # vLLM reports the echoed prompt's logprobs too
+        elif asked < -1:
+            raise bad_request(
+                "`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs"
+            )
+        elif req.stream and asked != 0:
+            raise bad_request(
+                "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
+            )
+        check_buffered_prompt_logprobs(prompt_len, self.vocab_size if asked == -1 else asked)
+        return asked
 
     def _check_in_vocabulary(self, token_ids: Iterable[int], field: str) -> None:
         """400 naming `field` for the first token id outside the tokenizer's vocabulary

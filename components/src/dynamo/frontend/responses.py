@@ -39,11 +39,13 @@ from dynamo.frontend.openai_types import (
     FunctionCall,
     FunctionCallDelta,
     PerRequestMetrics,
+    PromptLogprob,
+    PromptLogprobsField,
     ToolCall,
     ToolCallChunk,
     Usage,
 )
-from dynamo.frontend.postprocessor import TextDelta, TokenLogprobs
+from dynamo.frontend.postprocessor import PromptPosition, TextDelta, TokenLogprobs
 from dynamo.frontend.preprocessor import OutputPlan
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -87,6 +89,27 @@ class ResponseFormatter(Protocol):
     def end_of_stream(self) -> bytes:
         """What closes a stream after its last event."""
         ...
+
+
+# vLLM writes -inf (a token the model rules out) as this, since JSON has no infinity.
+MIN_LOGPROB = -9999.0
+
+
+def prompt_logprobs_field(positions: list[PromptPosition]) -> PromptLogprobsField:
+    """vLLM's `prompt_logprobs`: per position, token id -> logprob, rank and text."""
+    return [
+        None
+        if position.ranked is None
+        else {
+            str(entry.token_id): PromptLogprob(
+                logprob=max(entry.alternative.logprob, MIN_LOGPROB),
+                rank=entry.rank,
+                decoded_token=entry.alternative.token,
+            )
+            for entry in position.ranked
+        }
+        for position in positions
+    ]
 
 
 class ChunkStreamEnd:
@@ -144,9 +167,12 @@ class CompletionFormatter(ChunkStreamEnd):
         self._plan = plan
         self._created = created or int(time.time())
         self._choices: dict[int, _CompletionChoice] = {}
+        self._prompt: list[PromptPosition] = []  # the prompt's logprobs, as they arrive
 
     def events(self, delta: TextDelta) -> bytes:
         state = self._choice(delta.index)
+        self._prompt.extend(delta.prompt_logprobs or ())
+        echo_items = self._echo_logprobs() if state.echo_pending else None
         text = self._take_echo(state) + delta.text
         if (
             not text
@@ -158,7 +184,7 @@ class CompletionFormatter(ChunkStreamEnd):
         choice = CompletionChoice(
             index=delta.index,
             text=text,
-            logprobs=self._logprobs(state, delta.logprobs),
+            logprobs=self._logprobs(state, delta.logprobs, echo_items),
             finish_reason=delta.finish_reason,
             **self._token_ids(state, delta.generated_ids),
         )
@@ -169,6 +195,7 @@ class CompletionFormatter(ChunkStreamEnd):
 
     def add(self, delta: TextDelta) -> None:
         self._choice(delta.index).acc.add(delta)
+        self._prompt.extend(delta.prompt_logprobs or ())
 
     def body(self, usage: Usage, metrics: PerRequestMetrics | None = None) -> bytes:
         choices = [self._body_choice(index) for index in sorted(self._choices or {0: None})]
@@ -177,14 +204,43 @@ class CompletionFormatter(ChunkStreamEnd):
     def _body_choice(self, index: int) -> CompletionChoice:
         state = self._choice(index)
         acc = state.acc
+        echo_items = self._echo_logprobs() if state.echo_pending else None
         text = self._take_echo(state) + acc.text
-        logprobs = self._logprobs(state, acc.logprobs) if self._plan.logprobs is not None else None
+        logprobs = None
+        if self._plan.logprobs is not None:
+            logprobs = self._logprobs(state, acc.logprobs, echo_items)
+        prompt_logprobs = None
+        if self._plan.prompt_logprobs is not None:
+            prompt_logprobs = prompt_logprobs_field(self._prompt)
         return CompletionChoice(
             index=index,
             text=text,
             logprobs=logprobs,
             finish_reason=acc.finish_reason,
+            prompt_logprobs=prompt_logprobs,
             **self._token_ids(state, acc.generated_ids),
+        )
+
+    def _echo_logprobs(self) -> CompletionLogprobs | None:
+        """The echoed prompt's part of `logprobs` (vLLM reports one entry per prompt
+        token before the completion's; the first has no logprob), when both were asked
+        for and the prompt's logprobs have arrived."""
+        if self._plan.logprobs is None or not self._prompt:
+            return None
+        offsets, offset = [], 0
+        for position in self._prompt:
+            offsets.append(offset)
+            offset += len(position.text)
+        return CompletionLogprobs(
+            tokens=[p.text for p in self._prompt],
+            token_logprobs=[p.logprob for p in self._prompt],
+            top_logprobs=[
+                None
+                if p.ranked is None
+                else {e.alternative.token: e.alternative.logprob for e in p.ranked}
+                for p in self._prompt
+            ],
+            text_offset=offsets,
         )
 
     def _token_ids(self, state: _CompletionChoice, generated: list[int]) -> dict[str, Any]:
@@ -226,19 +282,32 @@ class CompletionFormatter(ChunkStreamEnd):
         return self._plan.echo_text or ""
 
     def _logprobs(
-        self, state: _CompletionChoice, items: list[TokenLogprobs] | None
+        self,
+        state: _CompletionChoice,
+        items: list[TokenLogprobs] | None,
+        echoed: CompletionLogprobs | None = None,
     ) -> CompletionLogprobs | None:
-        if self._plan.logprobs is None or items is None:
+        """The generated tokens' logprobs, after the echoed prompt's when there are any."""
+        if self._plan.logprobs is None or (items is None and echoed is None):
             return None
+        items = items or []
         offsets = []
         for item in items:
             offsets.append(state.offset)
             state.offset += len(item.sampled.token)
-        return CompletionLogprobs(
+        generated = CompletionLogprobs(
             tokens=[i.sampled.token for i in items],
             token_logprobs=[i.sampled.logprob for i in items],
             top_logprobs=[{alt.token: alt.logprob for alt in i.top} for i in items],
             text_offset=offsets,
+        )
+        if echoed is None:
+            return generated
+        return CompletionLogprobs(
+            tokens=echoed.tokens + generated.tokens,
+            token_logprobs=echoed.token_logprobs + generated.token_logprobs,
+            top_logprobs=(echoed.top_logprobs or []) + (generated.top_logprobs or []),
+            text_offset=echoed.text_offset + generated.text_offset,
         )
 
 
@@ -282,6 +351,7 @@ class ChatFormatter(ChunkStreamEnd):
         self._first_parser = parser
         self._parser_factory = parser_factory
         self._choices: dict[int, _ChatChoice] = {}
+        self._prompt: list[PromptPosition] = []  # the prompt's logprobs, as they arrive
 
     def events(self, delta: TextDelta) -> bytes:
         state = self._choice(delta.index)
@@ -321,6 +391,7 @@ class ChatFormatter(ChunkStreamEnd):
         state = self._choice(delta.index)
         state.acc.add(delta)
         state.pieces.extend(self._parse(state, delta))
+        self._prompt.extend(delta.prompt_logprobs or ())
 
     def body(self, usage: Usage, metrics: PerRequestMetrics | None = None) -> bytes:
         indices = sorted(self._choices) or [0]
@@ -333,6 +404,11 @@ class ChatFormatter(ChunkStreamEnd):
                 usage=usage,
                 metrics=metrics,
                 prompt_token_ids=self._plan.prompt_token_ids,
+                prompt_logprobs=(
+                    prompt_logprobs_field(self._prompt)
+                    if self._plan.prompt_logprobs is not None
+                    else None
+                ),
             )
         )
 

@@ -219,7 +219,12 @@ SUPPORT: tuple[FieldSupport, ...] = (
         "keep N prompt tokens (after the chat template); -1: the context less one token",
     ),
     _vllm("truncation_side", H, "`left` (default) keeps the prompt's end, `right` its start"),
-    _vllm("prompt_logprobs", R, "not implemented"),
+    _vllm(
+        "prompt_logprobs",
+        H,
+        "-1 or N >= 0 per prompt token, unstreamed (0 streams); from the prefill worker "
+        "when disaggregated",
+    ),
     _vllm("logprob_token_ids", R, "not implemented"),
     _vllm("allowed_token_ids", H, "only these token ids are sampled; also while speculating"),
     _vllm("bad_words", H, "words the output never contains; also while speculating"),

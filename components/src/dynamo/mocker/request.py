@@ -22,7 +22,9 @@ from dynamo.llm.protocols import (
     FinishReason,
     LLMEngineOutput,
     PreprocessedRequest,
+    PromptLogprobs,
     PromptTokensDetails,
+    RankedLogprob,
     SpecDecodeStats,
     TokenLogprob,
     TopLogprob,
@@ -84,6 +86,7 @@ class MockRequest:
     stop_token_ids: frozenset[int]
     eos_token_ids: frozenset[int]  # empty with ignore_eos
     logprobs: int | None
+    prompt_logprobs: int | None  # sent once, on the first output of sequence 0
     sampler: TokenSampler
     accept_rng: random.Random
     outputs: asyncio.Queue[LLMEngineOutput] = field(default_factory=asyncio.Queue)
@@ -127,8 +130,15 @@ class MockRequest:
         return tokens, None, None
 
     def output(self, tokens: list[int]) -> LLMEngineOutput:
-        """One step's output (log-probabilities when the client asked for them)."""
-        return LLMEngineOutput(token_ids=tokens, index=self.index, log_probs=self._logprobs(tokens))
+        """One step's output (log-probabilities when the client asked for them; the
+        prompt's, emulated, on the first output)."""
+        output = LLMEngineOutput(
+            token_ids=tokens, index=self.index, log_probs=self._logprobs(tokens)
+        )
+        if self.prompt_logprobs is not None:
+            output.prompt_logprobs = self._prompt_logprobs(self.prompt_logprobs)
+            self.prompt_logprobs = None
+        return output
 
     def finish(
         self,
@@ -155,6 +165,18 @@ class MockRequest:
             output.spec_decode_stats = self.spec.stats(num_speculative_tokens)
         self.phase = Phase.FINISHED
         return output
+
+    def _prompt_logprobs(self, top: int) -> PromptLogprobs:
+        """vLLM's shape: nothing for the first position, then the prompt's token and `top`
+        alternatives, ranked (the values are the simulation's, not a model's)."""
+        logprob = self.sampler.logprob
+        positions: PromptLogprobs = [None]
+        for token in self.tokens[1 : self.prompt_len]:
+            ranked = [token, *self.sampler.alternatives(top, token)]
+            positions.append(
+                [RankedLogprob(t, logprob, rank) for rank, t in enumerate(ranked, start=1)]
+            )
+        return positions
 
     def _logprobs(self, tokens: list[int]) -> list[TokenLogprob] | None:
         if self.logprobs is None:
@@ -190,6 +212,20 @@ def _check_sampling(request: PreprocessedRequest, config: MockEngineConfig) -> N
             f"Requested sample logprobs of {logprobs}, which is greater than max allowed: "
             f"{config.max_logprobs}"
         )
+    prompt_logprobs = request.output_options.prompt_logprobs
+    if prompt_logprobs == -1:
+        prompt_logprobs = config.vocab_size
+    if prompt_logprobs is not None and prompt_logprobs > config.max_logprobs:
+        raise InvalidRequest(
+            f"Requested prompt logprobs of {prompt_logprobs}, which is greater than max "
+            f"allowed: {config.max_logprobs}"
+        )
+
+
+def _prompt_alternatives(request: PreprocessedRequest, config: MockEngineConfig) -> int | None:
+    """Alternatives per prompt position the request asked for (-1: the vocabulary)."""
+    asked = request.output_options.prompt_logprobs
+    return config.vocab_size if asked == -1 else asked
 
 
 def _check_supported(request: PreprocessedRequest) -> None:
@@ -254,6 +290,7 @@ def admit_request(
         stop_token_ids=frozenset(stop.stop_token_ids or ()),
         eos_token_ids=frozenset(eos),
         logprobs=request.output_options.logprobs,
+        prompt_logprobs=_prompt_alternatives(request, config) if index == 0 else None,
         sampler=TokenSampler(
             request.sampling_options.allowed_token_ids or prompt,
             random.Random(rng.getrandbits(64)),

@@ -19,7 +19,9 @@ from dynamo.llm.protocols import (
     FinishReason,
     LLMEngineOutput,
     PreprocessedRequest,
+    PromptLogprobs,
     PromptTokensDetails,
+    RankedLogprob,
     SamplingOptions,
     SpecDecodeStats,
     StructuredOutput,
@@ -101,6 +103,8 @@ def to_sampling_params(
     kwargs["ignore_eos"] = bool(stop.ignore_eos)
     if request.output_options.logprobs is not None:
         kwargs["logprobs"] = request.output_options.logprobs
+    if request.output_options.prompt_logprobs is not None:
+        kwargs["prompt_logprobs"] = request.output_options.prompt_logprobs
     if request.structured_output is not None:
         kwargs["structured_outputs"] = to_structured_outputs(request.structured_output)
 
@@ -172,6 +176,26 @@ def _logprobs(output: CompletionOutput, token_ids: list[int]) -> list[TokenLogpr
     return result
 
 
+def prompt_logprobs_of(ro: RequestOutput) -> PromptLogprobs | None:
+    """vLLM's prompt logprobs (per position: token id -> `Logprob` with its rank, the
+    prompt's own token first) as the wire's lists; None when the output carries none."""
+    positions = ro.prompt_logprobs
+    if not positions:
+        return None
+    result: PromptLogprobs = []
+    for position in positions:
+        if position is None:
+            result.append(None)
+            continue
+        result.append(
+            [
+                RankedLogprob(int(token_id), float(lp.logprob), int(lp.rank or 0))
+                for token_id, lp in position.items()
+            ]
+        )
+    return result
+
+
 def spec_stats_from(output: CompletionOutput) -> SpecDecodeStats | None:
     """Per-request speculative statistics from vLLM's `RequestSpecDecodeMetrics`
     (present on the final output when `per_request_spec_decode_metrics` is enabled)."""
@@ -212,11 +236,17 @@ class OutputTracker:
 
     def convert(self, ro: RequestOutput) -> LLMEngineOutput:
         """The wire output of a one-sequence request's step."""
-        return self._convert_one(ro, ro.outputs[0])
+        result = self._convert_one(ro, ro.outputs[0])
+        result.prompt_logprobs = prompt_logprobs_of(ro)
+        return result
 
     def convert_all(self, ro: RequestOutput) -> list[LLMEngineOutput]:
-        """One wire output per sequence `ro` carries (n > 1: any of the n, by `index`)."""
-        return [self._convert_one(ro, out) for out in ro.outputs]
+        """One wire output per sequence `ro` carries (n > 1: any of the n, by `index`);
+        the prompt's logprobs, which belong to the request, ride on the first."""
+        results = [self._convert_one(ro, out) for out in ro.outputs]
+        if results:
+            results[0].prompt_logprobs = prompt_logprobs_of(ro)
+        return results
 
     def unfinished(self, n: int) -> list[int]:
         """The sequences (of `n`) that have not sent their final output yet."""

@@ -77,6 +77,7 @@ class OutputOptions(msgspec.Struct, omit_defaults=True):
     """What extra output the client asked for."""
 
     logprobs: int | None = None  # number of top logprobs per generated token
+    # Top logprobs per prompt token (vLLM's `prompt_logprobs`; -1: the whole vocabulary).
     prompt_logprobs: int | None = None
 
 
@@ -189,6 +190,21 @@ class TokenLogprob(msgspec.Struct, omit_defaults=True):
     top: list[TopLogprob] | None = None
 
 
+class RankedLogprob(msgspec.Struct, array_like=True):
+    """One entry of a prompt position's logprobs: a token, its logprob and its rank in the
+    model's distribution (1: the most likely)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+
+
+# A prompt's logprobs, one entry per prompt position: None for the first (nothing
+# predicts it), else the prompt's own token followed by the top alternatives, as vLLM
+# orders them.
+PromptLogprobs = list[list[RankedLogprob] | None]
+
+
 class LLMEngineOutput(msgspec.Struct, omit_defaults=True):
     """One step of a worker's response stream.
 
@@ -202,6 +218,9 @@ class LLMEngineOutput(msgspec.Struct, omit_defaults=True):
     token_ids: list[int] = msgspec.field(default_factory=list)
     index: int = 0
     log_probs: list[TokenLogprob] | None = None
+    # `OutputOptions.prompt_logprobs`: the prompt's positions, on the first output(s) of
+    # the stream (consecutive outputs that carry them continue the list).
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     completion_usage: CompletionUsage | None = None
