@@ -268,3 +268,28 @@ async def test_bad_words_are_never_generated_with_and_without_speculation(
     for worker in (plain_worker, ngram_worker):
         tokens = [t for out in await first_outputs(runtime, worker, banned) for t in out.token_ids]
         assert tokens and not banned_ids & set(tokens), (worker.component, tokenizer.decode(tokens))
+
+
+async def test_logprob_token_ids_are_reported_by_the_plain_worker_and_refused_by_the_other(
+    runtime, ngram_worker, plain_worker, tokenizer
+):
+    """vLLM's `logprob_token_ids`: each generated position reports the sampled token and
+    the chosen ones, and no others. While it speculates vLLM 0.32 reports them misaligned
+    (its rejection sampler computes only top logprobs), so that worker refuses them."""
+    chosen = tokenizer.encode(" yes no", add_special_tokens=False)
+    request = msgspec.structs.replace(
+        greedy_request(chat_ids(tokenizer, "Is Tokyo in Japan?"), 8, model="test"),
+        output_options=OutputOptions(logprob_token_ids=chosen),
+    )
+    outputs = await first_outputs(runtime, plain_worker, request)
+    entries = [lp for out in outputs for lp in out.log_probs or []]
+    assert len(entries) == sum(len(out.token_ids) for out in outputs) > 0
+    for entry in entries:
+        assert {t.token_id for t in entry.top or []} == {entry.token_id, *chosen}, entry
+        assert entry.logprob <= 0
+    with pytest.raises(RemoteError) as info:
+        await first_outputs(runtime, ngram_worker, request)
+    assert info.value.kind is ErrorKind.INVALID_REQUEST
+    assert "`logprob_token_ids` is not applied by this worker: it speculates" in (
+        info.value.message
+    )

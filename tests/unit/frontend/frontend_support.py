@@ -256,8 +256,12 @@ class ScriptedEngine:
             sent += len(chunk)
             step_index += 1
             out = LLMEngineOutput(token_ids=chunk)
-            if request.output_options.logprobs is not None:
-                out.log_probs = [_fake_logprob(t, request.output_options.logprobs) for t in chunk]
+            options = request.output_options
+            if options.logprobs is not None or options.logprob_token_ids:
+                out.log_probs = [
+                    _fake_logprob(t, options.logprobs or 0, options.logprob_token_ids)
+                    for t in chunk
+                ]
             prompt_top = request.output_options.prompt_logprobs
             if prompt_top is not None and step_index == 1:
                 out.prompt_logprobs = fake_prompt_logprobs(request.token_ids, prompt_top)
@@ -285,10 +289,17 @@ def fake_prompt_logprobs(prompt: Sequence[int], top: int) -> list[list[RankedLog
     return positions
 
 
-def _fake_logprob(token_id: int, top: int) -> TokenLogprob:
-    alternatives = [TopLogprob(token_id, -0.25)] + [
-        TopLogprob(100 + i, -1.0 - i) for i in range(max(top, 1))
-    ]
+def _fake_logprob(token_id: int, top: int, chosen: Sequence[int] | None = None) -> TokenLogprob:
+    """The sampled token at -0.25 and `top` alternatives 100, 101, ... (at least one); with
+    `chosen` (vLLM's `logprob_token_ids`) those instead, at -1, -2, ..., listed worst first
+    the way a worker would not (so their order in a response is the frontend's doing)."""
+    if chosen:
+        others = [TopLogprob(t, -1.0 - i) for i, t in enumerate(chosen) if t != token_id]
+        alternatives = [TopLogprob(token_id, -0.25), *reversed(others)]
+    else:
+        alternatives = [TopLogprob(token_id, -0.25)] + [
+            TopLogprob(100 + i, -1.0 - i) for i in range(max(top, 1))
+        ]
     return TokenLogprob(token_id=token_id, logprob=-0.25, top=alternatives)
 
 

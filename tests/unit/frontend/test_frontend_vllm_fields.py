@@ -14,7 +14,12 @@ Claims (over a running frontend and the scripted engine, real tokenizer):
 * `include_stop_str_in_output` keeps the stop string, or the stop token's text, and
   nothing after it; the stop that completes first wins (vLLM's rule);
 * chat `echo` starts the reply with the last message when the assistant wrote it;
-* `reasoning_effort` and `documents` reach the chat template as vLLM passes them.
+* `reasoning_effort` and `documents` reach the chat template as vLLM passes them;
+* `prompt_logprobs` come in vLLM's shape (null first, the prompt token first with its
+  rank), follow vLLM's rules (-1, not streamed unless 0) and the logprobs bound; with
+  completions' `echo` and `logprobs` the prompt's logprobs lead `logprobs`;
+* `logprob_token_ids` report the sampled token then the chosen ones, in that order, and
+  are refused as vLLM refuses them.
 """
 
 from __future__ import annotations
@@ -506,3 +511,63 @@ async def test_echo_with_logprobs_reports_the_prompts_logprobs_first(
         len(prompt) - 1
     )
     assert offsets[0] == 0
+
+
+# ---------------------------------------------------------------------- logprob_token_ids
+
+
+async def test_logprob_token_ids_report_the_sampled_token_then_the_chosen_ones(
+    frontend: Frontend, tokenizer: Any
+) -> None:
+    chosen = [7, 5, 9]
+    reply_ids = ids_of(tokenizer, frontend.engine.script.reply)
+    status, chat = await post(
+        frontend,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "logprobs": True,
+            "logprob_token_ids": chosen,
+        },
+    )
+    assert status == 200, chat
+    sent = frontend.client.requests[-1].output_options
+    assert sent.logprob_token_ids == chosen and sent.logprobs is None  # as vLLM sends them
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(reply_ids)
+    for token, entry in zip(reply_ids, content, strict=True):
+        expected = list(dict.fromkeys([token, *chosen]))
+        assert [t["token"] for t in entry["top_logprobs"]] == [
+            tokenizer.decode([t]) for t in expected
+        ]
+    status, body = await post(
+        frontend,
+        "/v1/completions",
+        {"prompt": "Say hello", "logprobs": 0, "logprob_token_ids": chosen},
+    )
+    assert status == 200, body
+    first = body["choices"][0]["logprobs"]["top_logprobs"][0]
+    assert list(first) == [tokenizer.decode([t]) for t in dict.fromkeys([reply_ids[0], *chosen])]
+
+
+@pytest.mark.parametrize(
+    "path,fields",
+    [
+        ("/v1/chat/completions", {"logprob_token_ids": [5]}),
+        ("/v1/chat/completions", {"logprobs": False, "logprob_token_ids": [5]}),
+        ("/v1/completions", {"logprob_token_ids": [5]}),
+        ("/v1/completions", {"logprobs": 1, "logprob_token_ids": list(range(129))}),
+        ("/v1/completions", {"logprobs": 1, "logprob_token_ids": [10**7]}),
+    ],
+)
+async def test_logprob_token_ids_vllm_refuses_are_a_400(
+    frontend: Frontend, path: str, fields: dict[str, Any]
+) -> None:
+    body: dict[str, Any] = {**fields}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+    else:
+        body["prompt"] = "Say hello"
+    status, reply = await post(frontend, path, body)
+    assert status == 400, reply
+    assert reply["error"]["param"] == "logprob_token_ids"

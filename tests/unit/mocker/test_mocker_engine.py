@@ -408,6 +408,30 @@ async def test_prompt_logprobs_have_vllms_shape_on_the_first_output() -> None:
     assert all(o.prompt_logprobs is None for o in outputs[1:])
 
 
+async def test_logprob_token_ids_are_reported_in_place_of_the_top_ones() -> None:
+    engine, _ = await started()
+    chosen = [300, 301]
+    req = msgspec.structs.replace(
+        request("a", prompt(6), max_tokens=3),
+        output_options=OutputOptions(logprob_token_ids=chosen),
+    )
+    bad = msgspec.structs.replace(
+        request("b", prompt(6)), output_options=OutputOptions(logprob_token_ids=[VOCAB])
+    )
+    try:
+        outputs = await collect(engine, req)
+        with pytest.raises(InvalidRequest, match="contain out-of-vocab token ids"):
+            await collect(engine, bad)
+    finally:
+        await engine.stop()
+    entries = [lp for o in outputs for lp in o.log_probs or []]
+    assert [e.token_id for e in entries] == tokens_of(outputs)
+    for entry in entries:
+        assert [t.token_id for t in entry.top or []] == list(
+            dict.fromkeys([entry.token_id, *chosen])
+        )
+
+
 async def test_load_metrics_count_speculative_slots() -> None:
     engine, _ = await started(num_speculative_tokens=3, timing=TimingModel(decode_ms_per_step=2.0))
     try:

@@ -133,6 +133,8 @@ def test_the_number_of_logprobs_reaches_vllm() -> None:
     assert to_sampling_params(make_request()).logprobs is None
     asked = make_request(output=OutputOptions(prompt_logprobs=2))
     assert to_sampling_params(asked).prompt_logprobs == 2
+    chosen = make_request(output=OutputOptions(logprob_token_ids=[5, 9]))
+    assert to_sampling_params(chosen).logprob_token_ids == [5, 9]
     assert to_sampling_params(make_request()).prompt_logprobs is None
 
 

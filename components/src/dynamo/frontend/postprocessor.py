@@ -314,10 +314,15 @@ class Postprocessor:
         if self._texts is None:
             return
         wanted = self._plan.logprobs or 0
+        chosen = self._plan.logprob_token_ids
         items = delta.logprobs if delta.logprobs is not None else []
         for entry in entries:
             sampled = self._alternative(entry.token_id, entry.logprob)
-            top = sorted(entry.top or (), key=lambda t: -t.logprob)[:wanted]
+            if chosen:  # vLLM's order: the sampled token, then the ids as asked
+                order = {t: i for i, t in enumerate(dict.fromkeys((entry.token_id, *chosen)))}
+                top = sorted(entry.top or (), key=lambda t: order.get(t.token_id, len(order)))
+            else:
+                top = sorted(entry.top or (), key=lambda t: -t.logprob)[:wanted]
             items.append(
                 TokenLogprobs(sampled, [self._alternative(t.token_id, t.logprob) for t in top])
             )

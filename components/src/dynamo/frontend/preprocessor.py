@@ -73,6 +73,8 @@ LARGE_INPUT_CHARS = 8192
 # The largest `n` served: each choice is a full sequence on the worker (its own decode KV
 # blocks and batch slot), so one request may not occupy more than this many.
 MAX_CHOICES = 16
+# vLLM's bound on `logprob_token_ids` (its `MAX_LOGPROB_TOKEN_IDS`).
+MAX_LOGPROB_TOKEN_IDS = 128
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,9 @@ class OutputPlan:
     # Alternatives per prompt position the response reports (vLLM's `prompt_logprobs`;
     # completions' `echo` with `logprobs` asks for them too); None: not asked for.
     prompt_logprobs: int | None = None
+    # vLLM's `logprob_token_ids`: the alternatives reported at each generated position are
+    # these (after the sampled token), in this order.
+    logprob_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -384,6 +389,7 @@ class Preprocessor:
             stream=bool(req.stream),
         )
         prompt_logprobs = self._checked_prompt_logprobs(req, len(token_ids), logprobs)
+        chosen_ids = self._checked_logprob_token_ids(req, logprobs)
         stops = _stop_strings(req.stop)
         stop_token_ids = list(req.stop_token_ids or [])
         self._check_in_vocabulary(stop_token_ids, "stop_token_ids")
@@ -402,7 +408,12 @@ class Preprocessor:
                 stop_token_ids=stop_token_ids or None,
                 ignore_eos=bool(req.ignore_eos),
             ),
-            output_options=OutputOptions(logprobs=logprobs, prompt_logprobs=prompt_logprobs),
+            output_options=OutputOptions(
+                # vLLM: the chosen ids replace the top alternatives
+                logprobs=None if chosen_ids else logprobs,
+                prompt_logprobs=prompt_logprobs,
+                logprob_token_ids=list(chosen_ids) or None,
+            ),
             eos_token_ids=list(self.eos_token_ids),
             structured_output=structured_output,
         )
@@ -416,15 +427,46 @@ class Preprocessor:
             stop_strings=stops,
             hidden_stop_ids=frozenset(hidden),
             skip_special_tokens=req.skip_special_tokens is not False,
-            logprobs=logprobs,
+            # With chosen ids, every entry vLLM sends is reported: the sampled token, them.
+            logprobs=len(chosen_ids) + 1 if chosen_ids else logprobs,
             echo_text=echo_text,
             include_stop_str=include_stop,
             return_token_ids=bool(req.return_token_ids),
             prompt_token_ids=token_ids if req.return_token_ids else None,
             tokens_as_ids=bool(req.return_tokens_as_token_ids),
             prompt_logprobs=prompt_logprobs,
+            logprob_token_ids=chosen_ids or None,
         )
         return Prepared(request=request, plan=plan)
+
+    def _checked_logprob_token_ids(
+        self, req: SamplingFields, logprobs: int | None
+    ) -> tuple[int, ...]:
+        """vLLM's `logprob_token_ids` (empty: not asked) and its rules: `logprobs` asked
+        for, at most `MAX_LOGPROB_TOKEN_IDS` ids, each in the vocabulary."""
+        ids = tuple(req.logprob_token_ids or ())
+        if not ids:
+            return ()
+        if logprobs is None:
+            needs = "set to true" if isinstance(req, ChatCompletionRequest) else "set"
+            raise bad_request(
+                f"when using `logprob_token_ids`, `logprobs` must be {needs}.",
+                "logprob_token_ids",
+            )
+        if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise bad_request(
+                f"Requested logprob_token_ids of length {len(ids)}, which is greater than "
+                f"max allowed: {MAX_LOGPROB_TOKEN_IDS}",
+                "logprob_token_ids",
+            )
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(
+                f"token_id(s) {bad[:8]} in logprob_token_ids contain out-of-vocab token ids. "
+                f"Vocabulary size: {self.vocab_size}",
+                "logprob_token_ids",
+            )
+        return ids
 
     def _checked_prompt_logprobs(
         self, req: SamplingFields, prompt_len: int, logprobs: int | None

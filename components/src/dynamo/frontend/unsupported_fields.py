@@ -225,7 +225,12 @@ SUPPORT: tuple[FieldSupport, ...] = (
         "-1 or N >= 0 per prompt token, unstreamed (0 streams); from the prefill worker "
         "when disaggregated",
     ),
-    _vllm("logprob_token_ids", R, "not implemented"),
+    _vllm(
+        "logprob_token_ids",
+        H,
+        "these tokens' logprobs at each position (needs `logprobs`); a worker that "
+        "speculates refuses it (400): vLLM reports them misaligned then",
+    ),
     _vllm("allowed_token_ids", H, "only these token ids are sampled; also while speculating"),
     _vllm("bad_words", H, "words the output never contains; also while speculating"),
     _vllm("add_special_tokens", H, "default true for completions, false for chat"),

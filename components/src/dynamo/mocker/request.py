@@ -87,6 +87,7 @@ class MockRequest:
     eos_token_ids: frozenset[int]  # empty with ignore_eos
     logprobs: int | None
     prompt_logprobs: int | None  # sent once, on the first output of sequence 0
+    logprob_token_ids: tuple[int, ...]  # reported in place of the top `logprobs`
     sampler: TokenSampler
     accept_rng: random.Random
     outputs: asyncio.Queue[LLMEngineOutput] = field(default_factory=asyncio.Queue)
@@ -179,20 +180,24 @@ class MockRequest:
         return positions
 
     def _logprobs(self, tokens: list[int]) -> list[TokenLogprob] | None:
-        if self.logprobs is None:
+        if self.logprobs is None and not self.logprob_token_ids:
             return None
         logprob = self.sampler.logprob
         return [
             TokenLogprob(
                 token_id=token,
                 logprob=logprob,
-                top=[
-                    TopLogprob(t, logprob)
-                    for t in [token, *self.sampler.alternatives(self.logprobs, token)]
-                ],
+                top=[TopLogprob(t, logprob) for t in self._reported(token)],
             )
             for token in tokens
         ]
+
+    def _reported(self, token: int) -> list[int]:
+        """The tokens whose logprobs a position reports: the sampled one, then the asked
+        ids, or the top `logprobs` alternatives."""
+        if self.logprob_token_ids:
+            return list(dict.fromkeys((token, *self.logprob_token_ids)))
+        return [token, *self.sampler.alternatives(self.logprobs or 0, token)]
 
 
 def _check_sampling(request: PreprocessedRequest, config: MockEngineConfig) -> None:
@@ -206,6 +211,13 @@ def _check_sampling(request: PreprocessedRequest, config: MockEngineConfig) -> N
         raise InvalidRequest("allowed_token_ids is not None and empty!")
     if allowed and any(not 0 <= t < config.vocab_size for t in allowed):
         raise InvalidRequest("allowed_token_ids contains out-of-vocab token id!")
+    chosen = request.output_options.logprob_token_ids or ()
+    out_of_vocab = [t for t in chosen if not 0 <= t < config.vocab_size]
+    if out_of_vocab:
+        raise InvalidRequest(
+            f"token_id(s) {out_of_vocab} in logprob_token_ids contain out-of-vocab token ids. "
+            f"Vocabulary size: {config.vocab_size}"
+        )
     logprobs = request.output_options.logprobs
     if logprobs is not None and logprobs > config.max_logprobs:
         raise InvalidRequest(
@@ -291,6 +303,7 @@ def admit_request(
         eos_token_ids=frozenset(eos),
         logprobs=request.output_options.logprobs,
         prompt_logprobs=_prompt_alternatives(request, config) if index == 0 else None,
+        logprob_token_ids=tuple(request.output_options.logprob_token_ids or ()),
         sampler=TokenSampler(
             request.sampling_options.allowed_token_ids or prompt,
             random.Random(rng.getrandbits(64)),

@@ -48,12 +48,21 @@ field and the way out; and drops a model default for one, which would otherwise 
 back with every request and make vLLM refuse them all."""
 
 
-def unapplied_while_speculating(options: SamplingOptions) -> str | None:
-    """The first field of `options` a speculating vLLM engine does not apply (a
-    neutral value, such as `min_p` 0, is no request for it), or None."""
+UNREPORTED_WHILE_SPECULATING = "logprob_token_ids"
+"""An output option vLLM 0.32 gets wrong while it speculates: its rejection sampler
+computes only the top `logprobs`, so the chosen ids' logprobs come back misaligned with the
+accepted tokens (the sampled token missing, at -inf; seen on the n-gram worker). A worker
+here refuses it rather than answer with wrong numbers."""
+
+
+def unapplied_while_speculating(request: PreprocessedRequest) -> str | None:
+    """The first field of `request` a speculating vLLM engine does not apply or report
+    right (a neutral value, such as `min_p` 0, is no request for it), or None."""
     for name in UNAPPLIED_WHILE_SPECULATING:
-        if getattr(options, name):
+        if getattr(request.sampling_options, name):
             return name
+    if request.output_options.logprob_token_ids:
+        return UNREPORTED_WHILE_SPECULATING
     return None
 
 
@@ -105,6 +114,8 @@ def to_sampling_params(
         kwargs["logprobs"] = request.output_options.logprobs
     if request.output_options.prompt_logprobs is not None:
         kwargs["prompt_logprobs"] = request.output_options.prompt_logprobs
+    if request.output_options.logprob_token_ids:
+        kwargs["logprob_token_ids"] = list(request.output_options.logprob_token_ids)
     if request.structured_output is not None:
         kwargs["structured_outputs"] = to_structured_outputs(request.structured_output)
 

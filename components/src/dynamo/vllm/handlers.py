@@ -126,14 +126,14 @@ class GenerateHandler:
         assert facts is not None, "handler served before the engine started"
         prefill = self.worker_type is WorkerType.PREFILL
         if facts.speculative is not None:
-            unapplied = unapplied_while_speculating(request.sampling_options)
+            unapplied = unapplied_while_speculating(request)
             if unapplied is not None:
                 self.counters.finish(REJECTED)
                 raise InvalidRequestError(
                     f"`{unapplied}` is not applied by this worker: it speculates "
-                    f"({facts.speculative.method}), and vLLM applies no {unapplied} while it "
-                    "speculates; send the request without it, or to a model served without "
-                    "speculation"
+                    f"({facts.speculative.method}), and vLLM does not honour {unapplied} "
+                    "while it speculates; send the request without it, or to a model served "
+                    "without speculation"
                 )
         try:
             transfer = self._kv_transfer_params(request)

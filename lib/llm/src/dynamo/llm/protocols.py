@@ -79,6 +79,9 @@ class OutputOptions(msgspec.Struct, omit_defaults=True):
     logprobs: int | None = None  # number of top logprobs per generated token
     # Top logprobs per prompt token (vLLM's `prompt_logprobs`; -1: the whole vocabulary).
     prompt_logprobs: int | None = None
+    # vLLM's `logprob_token_ids`: these tokens' logprobs at each generated position, in
+    # place of the top `logprobs` (which is then None).
+    logprob_token_ids: list[int] | None = None
 
 
 class RoutingHints(msgspec.Struct, omit_defaults=True):
