@@ -50,6 +50,7 @@ from dynamo.testing.processes import (
     cpu_engine_flags,
     running,
     vllm_bench_serve_argv,
+    vllm_server_argv,
     wait_serving,
     worker_argv,
 )
@@ -216,21 +217,6 @@ def nats_server_pid(nats: NatsServer) -> int:
 
 
 # --------------------------------------------------------------------------- command lines
-
-
-def vllm_server_argv(
-    model_dir: Path, served: str, port: int, engine_flags: Sequence[str]
-) -> list[str]:
-    """vLLM's own OpenAI server (`vllm serve` without the console script)."""
-    return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir),
-        "--served-model-name", served,
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--disable-uvicorn-access-log",  # the frontend writes no access log either
-        *engine_flags,
-    ]  # fmt: skip
 
 
 # --------------------------------------------------------------------------- stacks

@@ -36,6 +36,7 @@ from dynamo.llm.protocols import (
     PreprocessedRequest,
     PromptTokensDetails,
     RouterEvent,
+    SamplingOptions,
     StopConditions,
 )
 from dynamo.llm.router import RandomRouter, RoundRobinRouter
@@ -291,18 +292,25 @@ async def test_a_cut_stream_with_tokens_out_migrates_under_a_new_id() -> None:
     assert fake.requests[1].token_ids[-1] == 7, "the continuation carries the streamed token"
 
 
-def test_a_continuation_does_not_ask_for_the_prompt_logprobs_again() -> None:
-    """They came with the first leg's first output; the continuation's prompt (prompt +
+def test_a_continuation_keeps_the_sampling_fields_but_not_the_prompt_logprobs() -> None:
+    """A migrated request samples as the client asked (`logit_bias`, `allowed_token_ids`,
+    `bad_words`, penalties go along), but does not ask for the prompt's logprobs again:
+    they came with the first leg's first output, and the continuation's prompt (prompt +
     generated) is not the client's."""
+    sampling = SamplingOptions(
+        logit_bias={5: 10.0}, allowed_token_ids=[5, 6, 7], bad_words=["x"], repetition_penalty=1.2
+    )
     original = PreprocessedRequest(
         request_id="r",
         model="m",
         token_ids=[1, 2, 3],
-        output_options=OutputOptions(logprobs=2, prompt_logprobs=1),
+        sampling_options=sampling,
+        output_options=OutputOptions(logprobs=2, prompt_logprobs=1, logprob_token_ids=[9]),
     )
     leg = continuation(original, [7, 8])
     assert leg.token_ids == [1, 2, 3, 7, 8]
-    assert leg.output_options == OutputOptions(logprobs=2)
+    assert leg.sampling_options == sampling
+    assert leg.output_options == OutputOptions(logprobs=2, logprob_token_ids=[9])
     assert original.output_options.prompt_logprobs == 1
 
 

@@ -260,7 +260,8 @@ async def test_return_tokens_as_token_ids_names_every_logprob_token(
     )
     assert status == 200, body
     logprobs = body["choices"][0]["logprobs"]
-    assert logprobs["tokens"] == [f"token_id:{t}" for t in reply_ids]
+    # Every generated token's, the final EOS included (as vLLM reports them).
+    assert logprobs["tokens"] == [f"token_id:{t}" for t in [*reply_ids, EOS]]
     assert all(k.startswith("token_id:") for top in logprobs["top_logprobs"] for k in top)
     status, chat = await post(
         frontend,
@@ -274,7 +275,7 @@ async def test_return_tokens_as_token_ids_names_every_logprob_token(
     )
     assert status == 200, chat
     content = chat["choices"][0]["logprobs"]["content"]
-    assert [entry["token"] for entry in content] == [f"token_id:{t}" for t in reply_ids]
+    assert [entry["token"] for entry in content] == [f"token_id:{t}" for t in [*reply_ids, EOS]]
     assert all(top["token"].startswith("token_id:") for e in content for top in e["top_logprobs"])
 
 
@@ -534,8 +535,8 @@ async def test_logprob_token_ids_report_the_sampled_token_then_the_chosen_ones(
     sent = frontend.client.requests[-1].output_options
     assert sent.logprob_token_ids == chosen and sent.logprobs is None  # as vLLM sends them
     content = chat["choices"][0]["logprobs"]["content"]
-    assert len(content) == len(reply_ids)
-    for token, entry in zip(reply_ids, content, strict=True):
+    assert len(content) == len(reply_ids) + 1  # the final EOS's too
+    for token, entry in zip([*reply_ids, EOS], content, strict=True):
         expected = list(dict.fromkeys([token, *chosen]))
         assert [t["token"] for t in entry["top_logprobs"]] == [
             tokenizer.decode([t]) for t in expected

@@ -261,7 +261,8 @@ class Postprocessor:
         if self._plan.return_token_ids:
             delta.generated_ids.extend(ids)
         if self._plan.logprobs is not None and output.log_probs:
-            self._add_logprobs(delta, output.log_probs[: len(visible)])
+            # Every token's, the hidden final EOS or stop token included (vLLM's).
+            self._add_logprobs(delta, output.log_probs)
         if output.error is not None or output.finish_reason is FinishReason.ERROR:
             self.finished = True
             delta.error = output.error or "the engine failed the request"

@@ -476,9 +476,16 @@ class Preprocessor:
         response holds them whole, so they count against `MAX_BUFFERED_LOGPROBS`."""
         asked = req.prompt_logprobs
         if asked is None:
-            if not req.echo or logprobs is None:
+            if not req.echo:
                 return None
-            asked = logprobs  # vLLM reports the echoed prompt's logprobs too
+            # vLLM reports the echoed prompt's logprobs: as many alternatives as the
+            # completion's `logprobs`, or chat's `top_logprobs` (its default there: 0).
+            if isinstance(req, ChatCompletionRequest):
+                asked = req.top_logprobs or 0
+            elif logprobs is None:
+                return None
+            else:
+                asked = logprobs
         elif asked < -1:
             raise bad_request(
                 "`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs"

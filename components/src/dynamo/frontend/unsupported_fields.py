@@ -205,7 +205,7 @@ SUPPORT: tuple[FieldSupport, ...] = (
     _vllm("guided_whitespace_pattern", H, "older name; see Structured output"),
     _vllm("return_spec_stats", H, "per-request speculation statistics (Dynamo)"),
     _vllm("speculative_decoding", H, "`false`: no drafts for this request (Dynamo)"),
-    _vllm("use_beam_search", R, "no beam search"),
+    _vllm("use_beam_search", R, "beam search is not served yet (docs: Against vllm serve)"),
     _vllm("length_penalty", R, "beam search only; 1 is accepted", neutral=_one_or_unset),
     _vllm(
         "include_stop_str_in_output",

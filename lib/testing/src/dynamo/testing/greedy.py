@@ -101,6 +101,22 @@ def reference_from_chat_logprobs(
     return tokens
 
 
+def reference_from_completion_logprobs(logprobs: Mapping[str, Any]) -> list[ReferenceToken]:
+    """Reference tokens from a completions response's `choices[i].logprobs` (`tokens`,
+    `token_logprobs`, `top_logprobs` as token text -> logprob), requested with a generous
+    `logprobs` (see `reference_from_chat_logprobs`). The completions API gives no bytes:
+    a token's text stands for them."""
+    tokens = []
+    for text, logprob, top in zip(
+        logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True
+    ):
+        alternatives = tuple(
+            (alt.encode(), float(value)) for alt, value in (top or {}).items() if alt != text
+        )
+        tokens.append(ReferenceToken(text.encode(), float(logprob), alternatives))
+    return tokens
+
+
 def reference_text(reference: Sequence[ReferenceToken]) -> str:
     """The reference's text (its tokens' bytes, joined and decoded)."""
     return b"".join(t.data for t in reference).decode(errors="replace")

