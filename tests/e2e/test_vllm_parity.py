@@ -49,7 +49,8 @@ BASE = {
 
 # Cases whose answers differ on purpose, and why (docs/frontend.md, "Against vllm serve").
 DOCUMENTED: dict[str, str] = {
-    "use_beam_search": "beam search is refused here (see docs/frontend.md)",
+    "beam search with stop": "vLLM's beam search ignores `stop` (and the other fields it does "
+    "not read); here such a field is a 400 naming it",
     "top_logprobs over 20": "the 400 names `top_logprobs` (the field out of range); vLLM's "
     "names `logprobs`",
 }
@@ -119,6 +120,8 @@ def cases(token: Callable[[str], int]) -> list[Case]:
         Case("response_format", CHAT, {"response_format": {"type": "json_object"}, "max_tokens": 24}),
         Case("structured_outputs", COMPLETIONS, {"structured_outputs": {"choice": ["Paris", "Lyon"]}}),
         Case("use_beam_search", COMPLETIONS, {"use_beam_search": True, "n": 2}),
+        Case("use_beam_search", CHAT, {"use_beam_search": True, "n": 3, "length_penalty": 0.5}),
+        Case("beam search with stop", COMPLETIONS, {"use_beam_search": True, "n": 2, "stop": [","]}),
         Case("thinking_token_budget", CHAT, {"thinking_token_budget": 8}),
         # Bad values: both refuse, naming the same parameter.
         Case("bad truncate_prompt_tokens", COMPLETIONS, {"truncate_prompt_tokens": -2}),
@@ -269,7 +272,10 @@ def choice_text(path: str, choice: dict[str, Any]) -> str:
 
 def is_tie(anchor: VllmServerProcess, case: Case, index: int, ours: str) -> str | None:
     """Why `ours` is not the anchor's text up to a tie (None: it is), from the anchor's
-    own answer to the case with its top-20 logprobs."""
+    own answer to the case with its top-20 logprobs. (Beam search has no such reference:
+    its beams must be the same.)"""
+    if case.body.get("use_beam_search"):
+        return "beam search: another beam"
     extra = {"logprobs": 20} if case.path == COMPLETIONS else {"logprobs": True, "top_logprobs": 20}
     status, reference = post(anchor.base_url, case, extra)
     if status != 200:

@@ -25,7 +25,6 @@ Claims (over a running frontend and the scripted engine, real tokenizer):
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -41,7 +40,6 @@ from frontend_support import (
     openai_error_of,
     parse_sse,
     replaced_render,
-    start_frontend,
 )
 
 from dynamo.frontend.preprocessor import Preprocessor, load_tokenizer
@@ -69,15 +67,6 @@ async def stream(frontend: Frontend, path: str, body: dict[str, Any]) -> list[An
             events = parse_sse(await resp.read())
     assert events[-1] == "[DONE]"
     return [json.loads(event) for event in events[:-1]]
-
-
-@pytest.fixture
-async def frontend(tokenizer: Any) -> AsyncIterator[Frontend]:
-    running = await start_frontend(tokenizer)
-    try:
-        yield running
-    finally:
-        await running.service.stop()
 
 
 # ---------------------------------------------------------------------- truncation

@@ -43,6 +43,7 @@ from dynamo.frontend.admission import (
     RejectReason,
 )
 from dynamo.frontend.auth import api_key_middleware
+from dynamo.frontend.beam_search import BeamSearchEngineClient
 from dynamo.frontend.chat_output import ChatOutputParser
 from dynamo.frontend.chat_parsers import ChatParsingOptions, chat_output_parser
 from dynamo.frontend.choices import ChoicePostprocessors
@@ -487,6 +488,8 @@ class HttpService:
     ) -> Generation:
         pre = model.preprocessor
         plan = prepared.plan
+        if prepared.beam_search is not None:
+            engine = BeamSearchEngineClient(engine, prepared.beam_search, pre.beam_eos_token_id)
         metrics = self.metrics.request(model.name, kind.name, plan.stream)
         metrics.prompt(len(prepared.request.token_ids))
         postprocessor = ChoicePostprocessors(

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
+
+from dynamo.frontend.beam_search import BeamSearch
 from dynamo.frontend.detokenizer import DecodeFn, TokenTexts, make_decode_fn
 from dynamo.frontend.errors import OpenAIError, bad_request
 from dynamo.frontend.limits import (
@@ -75,6 +78,15 @@ LARGE_INPUT_CHARS = 8192
 MAX_CHOICES = 16
 # vLLM's bound on `logprob_token_ids` (its `MAX_LOGPROB_TOKEN_IDS`).
 MAX_LOGPROB_TOKEN_IDS = 128
+# Request fields vLLM's beam search does not read (it samples each step with the
+# temperature only): refused with it rather than ignored.
+BEAM_SEARCH_IGNORES = frozenset(
+    {
+        "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens",
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+        "allowed_token_ids", "bad_words", "prompt_logprobs", "echo",
+    }
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -110,6 +122,9 @@ class Prepared:
 
     request: PreprocessedRequest
     plan: OutputPlan
+    # vLLM's `use_beam_search`: the frontend runs the search (`beam_search`), the worker
+    # sees one-token requests.
+    beam_search: BeamSearch | None = None
 
 
 def load_tokenizer(tokenizer_dir: str | Path) -> Any:
@@ -155,6 +170,15 @@ class Preprocessor:
         cls, card: ModelCard, tokenizer_dir: str | Path, chat_template: str | None = None
     ) -> Preprocessor:
         return cls(card, load_tokenizer(tokenizer_dir), chat_template)
+
+    @property
+    def beam_eos_token_id(self) -> int:
+        """The end token beam search completes a beam at: the tokenizer's, as vLLM's
+        search uses it (else the model's first)."""
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if isinstance(eos, int):
+            return eos
+        return self.eos_token_ids[0] if self.eos_token_ids else -1  # -1: no end token
 
     def decode_fn(self, skip_special_tokens: bool) -> DecodeFn:
         return self._decode_skip if skip_special_tokens else self._decode_keep
@@ -437,7 +461,62 @@ class Preprocessor:
             prompt_logprobs=prompt_logprobs,
             logprob_token_ids=chosen_ids or None,
         )
-        return Prepared(request=request, plan=plan)
+        beam = self._checked_beam_search(req, max_tokens, logprobs, structured_output)
+        return Prepared(request=request, plan=plan, beam_search=beam)
+
+    def _checked_beam_search(
+        self,
+        req: SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured_output: StructuredOutput | None,
+    ) -> BeamSearch | None:
+        """vLLM's beam search for a request that asks for it (`n` beams). vLLM's search
+        reads only `n`, `max_tokens`, `temperature`, `length_penalty`, `ignore_eos`,
+        `include_stop_str_in_output` and `skip_special_tokens` and ignores the rest; here
+        a field it would ignore is a 400 naming it, nothing is silently dropped."""
+        if not req.use_beam_search:
+            if req.length_penalty not in (None, 1.0):
+                raise bad_request(
+                    "`length_penalty` applies to beam search only (`use_beam_search`)",
+                    "length_penalty",
+                )
+            return None
+        if req.logprob_token_ids:
+            raise bad_request(
+                "`logprob_token_ids` is not supported with beam search.", "logprob_token_ids"
+            )
+        ignored = [
+            name
+            for name, value in msgspec.structs.asdict(req).items()
+            if name in BEAM_SEARCH_IGNORES and value not in (None, False, [], {}, "")
+        ]
+        if logprobs is not None:
+            ignored.insert(0, "logprobs")
+        if structured_output is not None:
+            ignored.insert(0, "structured output")
+        if ignored:
+            raise bad_request(
+                f"`{ignored[0]}` is not applied with beam search (vLLM's beam search reads "
+                "only n, max_tokens, temperature, length_penalty, ignore_eos, "
+                "include_stop_str_in_output and skip_special_tokens)",
+                ignored[0],
+            )
+        if max_tokens is None:
+            raise bad_request("beam search needs `max_tokens`", "max_tokens")
+        defaults = self.card.sampling_defaults
+        temperature = req.temperature
+        if temperature is None:
+            default = defaults.temperature if defaults is not None else None
+            temperature = 1.0 if default is None else default  # vLLM's default
+        return BeamSearch(
+            width=req.n or 1,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
+            ignore_eos=bool(req.ignore_eos),
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        )
 
     def _checked_logprob_token_ids(
         self, req: SamplingFields, logprobs: int | None

@@ -78,10 +78,6 @@ def _true_or_unset(value: Any) -> bool:
     return value is None or value is True
 
 
-def _one_or_unset(value: Any) -> bool:
-    return value is None or value == 1.0
-
-
 @dataclass(frozen=True)
 class FieldSupport:
     """How one request field is served. `neutral(value)` is True for the values a refused
@@ -205,8 +201,13 @@ SUPPORT: tuple[FieldSupport, ...] = (
     _vllm("guided_whitespace_pattern", H, "older name; see Structured output"),
     _vllm("return_spec_stats", H, "per-request speculation statistics (Dynamo)"),
     _vllm("speculative_decoding", H, "`false`: no drafts for this request (Dynamo)"),
-    _vllm("use_beam_search", R, "beam search is not served yet (docs: Against vllm serve)"),
-    _vllm("length_penalty", R, "beam search only; 1 is accepted", neutral=_one_or_unset),
+    _vllm(
+        "use_beam_search",
+        H,
+        "`n` beams, searched by the frontend as vLLM's server does; fields the search "
+        "ignores are refused",
+    ),
+    _vllm("length_penalty", H, "beam search only (a value other than 1 without it: 400)"),
     _vllm(
         "include_stop_str_in_output",
         H,
