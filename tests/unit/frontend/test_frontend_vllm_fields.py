@@ -561,3 +561,22 @@ async def test_logprob_token_ids_vllm_refuses_are_a_400(
     status, reply = await post(frontend, path, body)
     assert status == 400, reply
     assert reply["error"]["param"] == "logprob_token_ids"
+
+
+# ---------------------------------------------------------------------- thinking budget
+
+
+@pytest.mark.parametrize("budget,sent", [(8, 8), (0, 0), (-1, None), (None, None)])
+def test_a_thinking_token_budget_goes_to_the_worker_as_vllm_reads_it(
+    preprocessor: Preprocessor, budget: int | None, sent: int | None
+) -> None:
+    """-1 is vLLM's "unlimited" (no budget); the worker's engine applies the rest, or
+    refuses it without a reasoning config."""
+    prepared = preprocessor.prepare_chat_sync(chat_request(thinking_token_budget=budget), "r")
+    assert prepared.request.sampling_options.thinking_token_budget == sent
+
+
+def test_a_thinking_token_budget_below_minus_one_is_a_400(preprocessor: Preprocessor) -> None:
+    request = chat_request(thinking_token_budget=-2)
+    error = openai_error_of(lambda: preprocessor.prepare_chat_sync(request, "r"))
+    assert error.status == 400 and error.param == "thinking_token_budget"

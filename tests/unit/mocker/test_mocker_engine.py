@@ -328,6 +328,9 @@ async def test_bad_requests_are_refused_as_invalid_before_any_output() -> None:
         "`bad_words` cannot be emulated by the mocker": msgspec.structs.replace(
             request("j", prompt(4)), sampling_options=SamplingOptions(bad_words=["x"])
         ),
+        "`thinking_token_budget` cannot be emulated by the mocker": msgspec.structs.replace(
+            request("m", prompt(4)), sampling_options=SamplingOptions(thinking_token_budget=4)
+        ),
     }
     try:
         for reason, req in bad.items():

@@ -61,6 +61,7 @@ SAMPLING_VALUES: dict[str, Any] = {
     "logit_bias": {5: 1.5, 7: -100.0},
     "allowed_token_ids": [5, 6, 7],
     "bad_words": ["forbidden"],
+    "thinking_token_budget": 16,
 }
 
 

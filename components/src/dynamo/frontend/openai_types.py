@@ -117,6 +117,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     add_special_tokens: bool | None = None  # default: true for completions, false for chat
     return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N"
     return_token_ids: bool | None = None  # prompt and output token ids in the response
+    thinking_token_budget: int | None = None  # -1: unlimited; the worker's engine applies it
     # Fields declared only so that a value we do not serve is refused with a 400 naming
     # it instead of being ignored (`unsupported_fields.SUPPORT` says which values).
     use_beam_search: bool | None = None
@@ -125,7 +126,6 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     prompt_logprobs: int | None = None
     logprob_token_ids: list[int] | None = None
     logits_processors: list[Any] | None = None
-    thinking_token_budget: int | None = None
     vllm_xargs: dict[str, Any] | None = None
     # Structured output (see `structured_output`): OpenAI's field, vLLM's extension, and
     # the older `guided_*` extensions vLLM 0.32 dropped but clients still send.

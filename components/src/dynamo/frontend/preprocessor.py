@@ -668,6 +668,12 @@ def logit_bias_by_token(bias: dict[str, float] | None) -> dict[int, float] | Non
 
 def _check_common(req: SamplingFields) -> None:
     check_stop(req.stop)
+    budget = req.thinking_token_budget
+    if budget is not None and budget < -1:
+        raise bad_request(
+            "`thinking_token_budget` must be a non-negative integer or -1 for unlimited.",
+            "thinking_token_budget",
+        )
     if req.allowed_token_ids is not None and not req.allowed_token_ids:
         raise bad_request("`allowed_token_ids` must not be empty", "allowed_token_ids")
     if req.bad_words is not None and not all(req.bad_words):
@@ -688,6 +694,8 @@ def _sampling_options(
     0 included, always wins."""
     values = {name: getattr(req, name) for name in SamplingOptions.__struct_fields__}
     values["logit_bias"] = logit_bias  # by token id (`logit_bias_by_token`), not as sent
+    if values["thinking_token_budget"] == -1:
+        values["thinking_token_budget"] = None  # vLLM's "unlimited"
     if defaults is not None:
         for name, value in values.items():
             if value is None and name in SamplingDefaults.__struct_fields__:

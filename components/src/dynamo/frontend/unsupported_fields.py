@@ -239,7 +239,12 @@ SUPPORT: tuple[FieldSupport, ...] = (
     _vllm("documents", H, "passed to the chat template (RAG templates)", CHAT),
     _vllm("chat_template", R, "the model's template only", CHAT),
     _vllm("logits_processors", R, "not implemented"),
-    _vllm("thinking_token_budget", R, "needs the engine's --reasoning-config"),
+    _vllm(
+        "thinking_token_budget",
+        H,
+        "-1: unlimited; applied by a worker started with vLLM's --reasoning-config, "
+        "refused (400, vLLM's words) by one without",
+    ),
     _vllm("include_reasoning", H, "false drops `reasoning_content` (--reasoning-parser)", CHAT),
     _vllm("return_tokens_as_token_ids", H, 'logprob tokens named "token_id:N"'),
     _vllm("return_token_ids", H, "`prompt_token_ids` and each choice's `token_ids`"),

@@ -257,9 +257,9 @@ def _check_supported(request: PreprocessedRequest) -> None:
             )
 
 
-MOCKER_CANNOT_EMULATE = ("logit_bias", "bad_words")
+MOCKER_CANNOT_EMULATE = ("logit_bias", "bad_words", "thinking_token_budget")
 """Sampling fields whose effect random tokens cannot show (`allowed_token_ids` can: the
-tokens are drawn from the allowed ids)."""
+tokens are drawn from the allowed ids; the mocker has no reasoning to budget)."""
 
 
 def admit_request(

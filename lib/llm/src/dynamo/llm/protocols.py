@@ -60,6 +60,9 @@ class SamplingOptions(msgspec.Struct, omit_defaults=True):
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM's: at most this many tokens of reasoning before the engine forces its end
+    # (needs the worker's `--reasoning-config`; vLLM refuses it otherwise).
+    thinking_token_budget: int | None = None
 
 
 class StopConditions(msgspec.Struct, omit_defaults=True):
