@@ -53,6 +53,12 @@ DOCUMENTED: dict[str, str] = {
     "not read); here such a field is a 400 naming it",
     "top_logprobs over 20": "the 400 names `top_logprobs` (the field out of range); vLLM's "
     "names `logprobs`",
+    "spaces_between_special_tokens": "`false` is refused: the detokenizer keeps the "
+    "tokenizer's own spacing",
+    "logits_processors": "refused: no request loads Python code here (vLLM ignores the field "
+    "unless started with --logits-processor-pattern)",
+    "vllm_xargs": "refused: they only reach custom logits processors, which are not loaded",
+    "best_of": "refused: vLLM 0.32 ignores it (its V1 engine dropped best_of)",
 }
 
 
@@ -123,6 +129,14 @@ def cases(token: Callable[[str], int]) -> list[Case]:
         Case("use_beam_search", CHAT, {"use_beam_search": True, "n": 3, "length_penalty": 0.5}),
         Case("beam search with stop", COMPLETIONS, {"use_beam_search": True, "n": 2, "stop": [","]}),
         Case("thinking_token_budget", CHAT, {"thinking_token_budget": 8}),
+        # Fields this stack refuses (docs/frontend.md says why, row by row).
+        Case("spaces_between_special_tokens", CHAT, {"spaces_between_special_tokens": False, "skip_special_tokens": False}),
+        Case("chat_template", CHAT, {"chat_template": "{{ messages[0]['content'] }}"}),
+        Case("logits_processors", COMPLETIONS, {"logits_processors": ["my.module:Processor"]}),
+        Case("vllm_xargs", COMPLETIONS, {"vllm_xargs": {"k": 1}}),
+        Case("prompt_embeds", COMPLETIONS, {"prompt_embeds": "AAAA"}),
+        Case("suffix", COMPLETIONS, {"suffix": " end"}),
+        Case("best_of", COMPLETIONS, {"best_of": 2, "n": 1}),
         # Bad values: both refuse, naming the same parameter.
         Case("bad truncate_prompt_tokens", COMPLETIONS, {"truncate_prompt_tokens": -2}),
         Case("bad truncation_side", COMPLETIONS, {"truncate_prompt_tokens": 3, "truncation_side": "middle"}),

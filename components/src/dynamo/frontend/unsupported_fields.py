@@ -156,7 +156,7 @@ SUPPORT: tuple[FieldSupport, ...] = (
         COMPLETIONS,
         neutral=_at_most_one,
     ),
-    _openai("suffix", R, "no insertion mode", COMPLETIONS),
+    _openai("suffix", R, "no insertion mode (vllm serve refuses it too)", COMPLETIONS),
     _openai(
         "logit_bias",
         H,
@@ -213,7 +213,12 @@ SUPPORT: tuple[FieldSupport, ...] = (
         H,
         "the stop string (or stop token's text) ends the text; the first stop to complete wins",
     ),
-    _vllm("spaces_between_special_tokens", R, "`true` is accepted", neutral=_true_or_unset),
+    _vllm(
+        "spaces_between_special_tokens",
+        R,
+        "`true` is accepted; the detokenizer keeps the tokenizer's own spacing",
+        neutral=_true_or_unset,
+    ),
     _vllm(
         "truncate_prompt_tokens",
         H,
@@ -237,8 +242,14 @@ SUPPORT: tuple[FieldSupport, ...] = (
     _vllm("add_special_tokens", H, "default true for completions, false for chat"),
     _vllm("echo", H, "the last message, when the assistant's, starts the reply", CHAT),
     _vllm("documents", H, "passed to the chat template (RAG templates)", CHAT),
-    _vllm("chat_template", R, "the model's template only", CHAT),
-    _vllm("logits_processors", R, "not implemented"),
+    _vllm(
+        "chat_template",
+        R,
+        "for safety: a request's Jinja template would run in the frontend (vllm serve "
+        "refuses it too unless started with --trust-request-chat-template)",
+        CHAT,
+    ),
+    _vllm("logits_processors", R, "for safety: no request loads Python code here"),
     _vllm(
         "thinking_token_budget",
         H,
@@ -248,8 +259,8 @@ SUPPORT: tuple[FieldSupport, ...] = (
     _vllm("include_reasoning", H, "false drops `reasoning_content` (--reasoning-parser)", CHAT),
     _vllm("return_tokens_as_token_ids", H, 'logprob tokens named "token_id:N"'),
     _vllm("return_token_ids", H, "`prompt_token_ids` and each choice's `token_ids`"),
-    _vllm("prompt_embeds", R, "text prompts only", COMPLETIONS),
-    _vllm("vllm_xargs", R, "no custom sampling extensions"),
+    _vllm("prompt_embeds", R, "no engine here takes embeddings", COMPLETIONS),
+    _vllm("vllm_xargs", R, "they reach only custom logits processors, which are not loaded"),
 )
 
 
