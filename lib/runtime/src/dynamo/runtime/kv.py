@@ -27,6 +27,7 @@ from nats.js.errors import (
     APIError,
     BadRequestError,
     NoStreamResponseError,
+    NotFoundError,
     ServiceUnavailableError,
 )
 from nats.js.kv import KeyValue
@@ -123,12 +124,23 @@ async def wait_for_stream_leader(
     js: JetStreamContext, stream: str, replicas: int, timeout: float = 10.0
 ) -> None:
     """Wait until a replicated stream just created has elected its leader: until then a
-    publish to it finds no responder. A single replica is ready at once."""
+    publish to it finds no responder. A single replica is ready at once.
+
+    "Stream not found" is waited out too: in a cluster, a stream another client has just
+    created (two workers starting together, each creating the bucket) may not be listed
+    yet by the server this client asks (seen once in a fresh-clone run: a mocker failed
+    to start on it)."""
     if replicas <= 1:
         return
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
-        info = await retry_transient(lambda: js.stream_info(stream), what=f"reading {stream}")
+        try:
+            info = await retry_transient(lambda: js.stream_info(stream), what=f"reading {stream}")
+        except NotFoundError:
+            if asyncio.get_running_loop().time() >= deadline:
+                raise
+            await asyncio.sleep(0.05)
+            continue
         if info.cluster is not None and info.cluster.leader:
             return
         if asyncio.get_running_loop().time() >= deadline:
