@@ -743,4 +743,5 @@ async def test_a_worker_that_loses_the_broker_while_leaving_stops_at_once(
         killed_at = time.monotonic()
         broker.server.kill()
     await asyncio.wait_for(stopping, 30)
-    assert time.monotonic() - killed_at < 3.0
+    # A deregistration call still in flight would end only at its 5 s timeout.
+    assert time.monotonic() - killed_at < 4.5

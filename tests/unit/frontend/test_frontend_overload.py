@@ -91,7 +91,7 @@ async def test_requests_beyond_the_waiting_bound_get_503_at_once(small: Frontend
     )
     began = time.monotonic()
     reply = await send(small.url, "/v1/chat/completions", chat())
-    assert time.monotonic() - began < 2.0, "refused at once, not after the worker wait"
+    assert time.monotonic() - began < 8.0, "refused at once, not after the 10 s worker wait"
     error = assert_openai_error(reply, 503)
     assert error["code"] == "overloaded" and reply.headers["Retry-After"] == "1"
     assert metric_value(small, REJECTED, model=MODEL, reason="worker_wait_limit") == 1
