@@ -98,7 +98,7 @@ run structured_output '^structured output vs' \
 run spec_decode '^speculative decoding vs none' \
   "$PY" benchmarks/spec_decode_bench.py "${SERVING_ARGS[@]}" --json "$OUT/spec_decode.json"
 # None vs static K vs the profiled K schedule at c=1..32 (profiles first, once, when
-# benchmarks/results/eagle3.profile.json is missing).
+# engine_configs/profiles/smollm2-135m-instruct/eagle3.profile.json is missing).
 run spec_dynamic '^dynamic speculation' \
   "$PY" benchmarks/spec_decode_bench.py --dynamic "${SERVING_ARGS[@]}" --json "$OUT/spec_dynamic.json"
 

@@ -23,7 +23,8 @@ Full runs write benchmarks/results/spec_decode.json and docs/images/spec_decode.
 
 `--dynamic` compares three setups instead: no speculation, Eagle3 with a static K
 (`--static-k`, default 2) and Eagle3 with the K schedule of a measured speculation profile
-(`--profile`, default benchmarks/results/eagle3.profile.json: the worker gets the Eagle3
+(`--profile`, default the shipped
+engine_configs/profiles/smollm2-135m-instruct/eagle3.profile.json: the worker gets the Eagle3
 config without `num_speculative_tokens` plus `--speculation-profile`, and runs the K the
 schedule gives for the current batch size). Same held-out prompts, 128 output tokens, at
 concurrency 1, 4, 16 and 32 (12, 32, 64 and 96 requests; 3, 8, 16 and 32 with `--quick`),
@@ -58,7 +59,6 @@ from dynamo.vllm.eagle3_training.prompts import held_out
 from dynamo.vllm.speculation_profile import k_for_batch
 from harness import (
     CPU_ENGINE_FLAGS,
-    RESULTS_DIR,
     ROOT,
     BenchError,
     RunResult,
@@ -106,7 +106,9 @@ DRAFTERS: dict[str, dict] = {  # no K: the profile's schedule gives it
     "ngram": {k: v for k, v in NGRAM.items() if k != "num_speculative_tokens"},
 }
 PROFILED = "eagle3-profiled"
-DEFAULT_PROFILE = RESULTS_DIR / "eagle3.profile.json"
+PROFILES_DIR = ROOT / "engine_configs" / "profiles" / "smollm2-135m-instruct"
+"""The profiles shipped for the embedded model (the launch presets run them)."""
+DEFAULT_PROFILE = PROFILES_DIR / "eagle3.profile.json"
 DEFAULT_DYNAMIC_PLOT = ROOT / "docs" / "images" / "spec_dynamic.png"
 
 
@@ -115,7 +117,7 @@ def dynamic_paths(drafter: str) -> tuple[str, Path, str, Path]:
     (Eagle3 keeps the plain names)."""
     if drafter == "eagle3":
         return PROFILED, DEFAULT_PROFILE, "spec_dynamic.json", DEFAULT_DYNAMIC_PLOT
-    return (f"{drafter}-profiled", RESULTS_DIR / f"{drafter}.profile.json",
+    return (f"{drafter}-profiled", PROFILES_DIR / f"{drafter}.profile.json",
             f"spec_dynamic_{drafter}.json",
             DEFAULT_DYNAMIC_PLOT.with_name(f"spec_dynamic_{drafter}.png"))  # fmt: skip
 
@@ -794,7 +796,7 @@ def main() -> int:
         default=None,
         help="speculation profile the profiled setup runs; made with dynamo.vllm.profile_spec "
         f"when missing (default: {DEFAULT_PROFILE.relative_to(ROOT)}, "
-        "benchmarks/results/ngram.profile.json with --drafter ngram)",
+        "ngram.profile.json beside it with --drafter ngram)",
     )
     dynamic.add_argument(
         "--reprofile", action="store_true", help="re-run the profiler even if --profile exists"

@@ -37,8 +37,7 @@ import pytest
 from dynamo.llm.models import DEFAULT_MODEL, model_dir
 from dynamo.testing.greedy import (
     ReferenceToken,
-    first_divergence,
-    mismatch,
+    assert_same_greedy,
     reference_from_chat_logprobs,
     reference_text,
 )
@@ -177,22 +176,6 @@ def reference(stacks: Stacks) -> list[list[ReferenceToken]]:
     return tokens
 
 
-def assert_same_greedy(
-    prompts: list[str], texts: list[str], reference: list[list[ReferenceToken]]
-) -> None:
-    """Every text is the reference's, or parts from it only at a bf16 tie (printed)."""
-    margins = []
-    for prompt, text, expected in zip(prompts, texts, reference, strict=True):
-        problem = mismatch(expected, text, stops=END_OF_TURN)
-        assert problem is None, f"{prompt!r}: {problem}"
-        if (divergence := first_divergence(expected, text, END_OF_TURN)) is not None:
-            margins.append(f"{divergence.lead:.3f}")
-    print(
-        f"{len(texts) - len(margins)} of {len(texts)} answers equal the target's; "
-        f"{len(margins)} part at a tie (the target's lead there, nats: {', '.join(margins)})"
-    )
-
-
 def test_the_shipped_head_keeps_greedy_output_and_accepts_enough(
     stacks: Stacks, reference: list[str]
 ) -> None:
@@ -205,7 +188,7 @@ def test_the_shipped_head_keeps_greedy_output_and_accepts_enough(
         f"{grown.drafts:.0f} drafts, {grown.accepted:.0f} accepted, mean acceptance length "
         f"{grown.mean_acceptance_length:.3f}, accepted per position [{per_position}]"
     )
-    assert_same_greedy(PROMPTS, texts, reference)
+    assert_same_greedy(PROMPTS, texts, reference, END_OF_TURN)
     assert grown.mean_acceptance_length >= MIN_ACCEPTANCE_LENGTH
 
 
@@ -225,5 +208,7 @@ def test_a_smoke_training_run_learns_and_vllm_serves_its_head(
     assert recipe["target"] == "smollm2-135m-instruct"
     before = SpecCounters.read(stacks.smoke.worker, K)
     texts = answers(stacks.smoke, PROMPTS[:4])
-    assert_same_greedy(PROMPTS[:4], texts, reference[:4])  # lossless, however weak the head
+    assert_same_greedy(
+        PROMPTS[:4], texts, reference[:4], END_OF_TURN
+    )  # lossless, however weak the head
     assert (SpecCounters.read(stacks.smoke.worker, K) - before).drafts > 0

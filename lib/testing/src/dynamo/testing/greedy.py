@@ -208,3 +208,23 @@ def mismatch(
         f"parts from the reference at token {divergence.token_index}, where {why} "
         f"(a tie is <= {tolerance}): {divergence.context}"
     )
+
+
+def assert_same_greedy(
+    prompts: Sequence[str],
+    texts: Sequence[str],
+    reference: Sequence[Sequence[ReferenceToken]],
+    stops: frozenset[bytes] = frozenset(),
+) -> None:
+    """Every text is the reference's, or parts from it only at a bf16 tie (printed, with
+    the reference's lead there). `stops` as in `first_divergence`."""
+    margins = []
+    for prompt, text, expected in zip(prompts, texts, reference, strict=True):
+        problem = mismatch(expected, text, stops=stops)
+        assert problem is None, f"{prompt!r}: {problem}"
+        if (divergence := first_divergence(expected, text, stops)) is not None:
+            margins.append(f"{divergence.lead:.3f}")
+    print(
+        f"{len(texts) - len(margins)} of {len(texts)} answers equal the reference; "
+        f"{len(margins)} part at a tie (the reference's lead there, nats: {', '.join(margins)})"
+    )
