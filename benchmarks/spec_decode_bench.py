@@ -41,7 +41,10 @@ median TPOT by concurrency, the profiled points labelled with their K).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -187,31 +190,75 @@ def measure_setup(
         log_dir=logs, timeout=timeout,
     ) as stack:  # fmt: skip
         for scenario in runs:
-            started = time.monotonic()
-            steps_before = k_steps(worker_metrics) if worker_metrics else None
-            drafts, accepted = acceptance(stack)
-            cpu_before = stack.cpu_seconds()
-            r: RunResult = run_bench_serve(stack.base_url, model_dir, served, scenario, logs, label)
-            r.server_cpu_s = cpu_delta(cpu_before, stack.cpu_seconds())
-            drafts_after, accepted_after = acceptance(stack)
-            steps = drafts_after - drafts
-            length = 1 + (accepted_after - accepted) / steps if steps else None
-            point = Point(
-                label, scenario.concurrency, r.completed, round(r.output_throughput, 2),
-                round(r.median_tpot_ms, 2), round(r.median_ttft_ms, 1),
-                None if spec is None else round(length or 1.0, 3),
-                round(r.cpu_ms_per_token, 2), round(r.p90_tpot_ms, 2),
-                k_steps_between(steps_before, k_steps(worker_metrics)) if worker_metrics else None,
-            )  # fmt: skip
-            points.append(point)
-            shown = "-" if point.mean_acceptance_length is None else point.mean_acceptance_length
-            print(
-                f"  c={scenario.concurrency}: {point.output_tokens_per_s:.1f} tok/s, TPOT p50 "
-                f"{point.median_tpot_ms:.1f} ms, acceptance length {shown} "
-                f"({time.monotonic() - started:.0f}s)",
-                flush=True,
-            )
+            points.append(measure_run(
+                Served(label, spec is not None, stack, worker_metrics),
+                scenario, model_dir, served, logs,
+            ))  # fmt: skip
     return points
+
+
+@dataclass(frozen=True)
+class Served:
+    """A running stack of one setup, as a run measures it."""
+
+    label: str
+    speculates: bool
+    stack: Stack
+    worker_metrics: str | None  # an adaptive worker's /metrics (its Ks)
+
+
+def measure_run(
+    setup: Served, scenario: Scenario, model_dir: Path, served: str, logs: Path, log_as: str = ""
+) -> Point:
+    """One `vllm bench serve` run of `scenario` against `setup`, with the drafts, accepted
+    tokens and (adaptive) Ks the worker counted meanwhile."""
+    started = time.monotonic()
+    stack, metrics = setup.stack, setup.worker_metrics
+    steps_before = k_steps(metrics) if metrics else None
+    drafts, accepted = acceptance(stack)
+    cpu_before = stack.cpu_seconds()
+    r: RunResult = run_bench_serve(
+        stack.base_url, model_dir, served, scenario, logs, log_as or setup.label
+    )
+    r.server_cpu_s = cpu_delta(cpu_before, stack.cpu_seconds())
+    drafts_after, accepted_after = acceptance(stack)
+    steps = drafts_after - drafts
+    length = 1 + (accepted_after - accepted) / steps if steps else None
+    point = Point(
+        setup.label, scenario.concurrency, r.completed, round(r.output_throughput, 2),
+        round(r.median_tpot_ms, 2), round(r.median_ttft_ms, 1),
+        round(length or 1.0, 3) if setup.speculates else None,
+        round(r.cpu_ms_per_token, 2), round(r.p90_tpot_ms, 2),
+        k_steps_between(steps_before, k_steps(metrics)) if metrics else None,
+    )  # fmt: skip
+    shown = "-" if point.mean_acceptance_length is None else point.mean_acceptance_length
+    print(
+        f"  {setup.label} c={scenario.concurrency}: {point.output_tokens_per_s:.1f} tok/s, "
+        f"TPOT p50 {point.median_tpot_ms:.1f} ms, acceptance length {shown} "
+        f"({time.monotonic() - started:.0f}s)",
+        flush=True,
+    )
+    return point
+
+
+def mean_point(points: Sequence[Point]) -> Point:
+    """One setup's rounds at one concurrency as one point: rates and latencies averaged,
+    requests and Ks summed."""
+    first = points[0]
+    mean = lambda values: round(statistics.fmean(values), 3)  # noqa: E731
+    lengths = [p.mean_acceptance_length for p in points if p.mean_acceptance_length is not None]
+    ks: dict[str, int] = {}
+    for p in points:
+        for k, n in (p.k_steps or {}).items():
+            ks[k] = ks.get(k, 0) + n
+    return Point(
+        first.setup, first.concurrency, sum(p.requests for p in points),
+        mean([p.output_tokens_per_s for p in points]), mean([p.median_tpot_ms for p in points]),
+        mean([p.median_ttft_ms for p in points]), mean(lengths) if lengths else None,
+        mean([p.server_cpu_ms_per_token for p in points]),
+        mean([p.p90_tpot_ms or 0.0 for p in points]),
+        dict(sorted(ks.items(), key=lambda kv: int(kv[0]))) if first.k_steps is not None else None,
+    )  # fmt: skip
 
 
 def k_steps(metrics_url: str) -> dict[str, int]:
@@ -570,6 +617,11 @@ class AdaptiveVerdict:
     passed: bool
 
 
+ADAPTIVE_KINDS = ("static", "profiled", "adaptive")
+"""What --adaptive measures per drafter, beside no speculation (always measured: every ratio
+is taken against it); `--setups` picks some of them."""
+
+
 def setup_labels(drafter: str, static_k: int) -> tuple[str, str, str]:
     """(static, profiled, adaptive) setup names of `drafter`."""
     return f"{drafter}-k{static_k}", f"{drafter}-profiled", f"{drafter}-adaptive"
@@ -613,6 +665,20 @@ def adaptive_lines(results: Sequence[AdaptiveVerdict], floor: float = ADAPTIVE_F
     return "\n".join(lines)
 
 
+def adaptive_vs_profiled(points: Sequence[Point], drafters: Sequence[str], static_k: int) -> str:
+    """Adaptive against the profiled schedule, per drafter and concurrency (the comparison
+    on a workload unlike the profile's), where both were measured."""
+    by = {(p.setup, p.concurrency): p.output_tokens_per_s for p in points}
+    lines = []
+    for drafter in drafters:
+        _, profiled, adaptive = setup_labels(drafter, static_k)
+        for c in sorted({p.concurrency for p in points}):
+            pair = by.get((adaptive, c)), by.get((profiled, c))
+            if pair[0] is not None and pair[1]:
+                lines.append(f"{drafter} c={c}: adaptive {pair[0] / pair[1]:.3f}x profiled")
+    return "\n".join(lines)
+
+
 def k_used(point: Point, schedules: dict[str, list[list[int]]], static_k: int) -> str:
     """What K a setup ran at this concurrency: adaptive, the share of steps at each K."""
     if point.setup == "none":
@@ -644,17 +710,20 @@ def adaptive_table(
     return format_table(headers, rows)
 
 
-def plot_adaptive(points: Sequence[Point], drafters: Sequence[str], path: Path) -> None:
-    """Output tokens/s relative to no speculation by concurrency, one panel per drafter."""
+def plot_adaptive(groups: dict[str, list[Point]], path: Path) -> None:
+    """Output tokens/s relative to no speculation by concurrency, one panel per drafter
+    (each against the no-speculation engine measured beside it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    levels = sorted({p.concurrency for p in points})
-    base = {p.concurrency: p.output_tokens_per_s for p in points if p.setup == "none"}
+    drafters = list(groups)
     fig, axes = plt.subplots(1, len(drafters), figsize=(5.5 * len(drafters), 4.2), squeeze=False)
     for axis, drafter in zip(axes[0], drafters, strict=True):
+        points = groups[drafter]
+        levels = sorted({p.concurrency for p in points})
+        base = {p.concurrency: p.output_tokens_per_s for p in points if p.setup == "none"}
         setups = [s for s in dict.fromkeys(p.setup for p in points) if s.startswith(drafter)]
         for setup in setups:
             mine = {p.concurrency: p for p in points if p.setup == setup}
@@ -676,45 +745,92 @@ def plot_adaptive(points: Sequence[Point], drafters: Sequence[str], path: Path) 
     print(f"plot written to {path}")
 
 
+ADAPTIVE_ROUNDS = 2
+"""Rounds per concurrency in --adaptive: the setups in order, then in reverse (A B C D D C B
+A), each round with half the requests, so that a host that slows down or speeds up during
+the run weighs on every setup alike."""
+
+SetupSpec = tuple[str, dict | None, list[str], bool]
+"""(label, speculative config or None, worker flags, adapts)."""
+
+
+def measure_interleaved(
+    setups: Sequence[SetupSpec],
+    runs: Sequence[Scenario],
+    model_dir: Path,
+    served: str,
+    logs: Path,
+    timeout: float,
+    flags: Sequence[str],
+) -> list[Point]:
+    """Every setup's stack started at once and kept up; then, per concurrency, the setups
+    measured one after the other in `ADAPTIVE_ROUNDS` rounds of alternating order, seconds
+    apart instead of many minutes (a sequential run once saw no speculation serve 383
+    tokens/s at c=32 at its start and about 320 half an hour later)."""
+    served_setups: list[Served] = []
+    with contextlib.ExitStack() as running:
+        for label, spec, worker_args, adapts in setups:
+            port = free_port() if adapts else None
+            extra = [] if spec is None else ["--speculative-config", json.dumps(spec)]
+            extra += [*worker_args, *(["--system-port", str(port)] if port else [])]
+            print(f"{label}: {' '.join(extra) or 'no speculation'}", flush=True)
+            stack = running.enter_context(dynamo_stack(
+                model_dir, served, {"worker": extra}, engine_flags=flags,
+                namespace="specbench" + uuid.uuid4().hex[:6], log_dir=logs, timeout=timeout,
+            ))  # fmt: skip
+            metrics = f"http://127.0.0.1:{port}/metrics" if port else None
+            served_setups.append(Served(label, spec is not None, stack, metrics))
+        points = []
+        for scenario in runs:
+            per_round = max(scenario.concurrency, scenario.num_prompts // ADAPTIVE_ROUNDS)
+            measured: dict[str, list[Point]] = {}
+            for round_index in range(ADAPTIVE_ROUNDS):
+                order = served_setups if round_index % 2 == 0 else served_setups[::-1]
+                part = dataclasses.replace(
+                    scenario, num_prompts=per_round, seed=scenario.seed * 100 + round_index
+                )
+                for setup in order:
+                    point = measure_run(setup, part, model_dir, served, logs,
+                                        f"{setup.label}-r{round_index}")  # fmt: skip
+                    measured.setdefault(setup.label, []).append(point)
+            points += [mean_point(measured[setup.label]) for setup in served_setups]
+    return points
+
+
 def adaptive_body(args: argparse.Namespace, model_dir: Path, served: str) -> int:
-    """--adaptive: none once, then per drafter static K, the profiled schedule and the
-    adaptive scheduler, at every concurrency; table, verdicts, JSON and PNG."""
+    """--adaptive: per drafter, no speculation beside static K, the profiled schedule and the
+    adaptive scheduler, interleaved at every concurrency; table, verdicts, JSON and PNG."""
     drafters = sorted(DRAFTERS) if args.drafter == "both" else [args.drafter]
+    kinds = set(args.setups.split(",")) if args.setups else set(ADAPTIVE_KINDS)
     sizes = ADAPTIVE_QUICK_SIZES if args.quick else ADAPTIVE_SIZES
     flags = with_max_num_seqs(CPU_ENGINE_FLAGS, max(sizes))
     schedules: dict[str, list[list[int]]] = {}
-    setups: list[tuple[str, dict | None, list[str], bool]] = [("none", None, [], False)]
-    for drafter in drafters:
-        profile = dynamic_paths(drafter)[1]
-        if args.reprofile or not profile.exists():
-            make_profile(args.model, profile, DRAFTERS[drafter])
-        schedules[drafter] = read_schedule(profile)[0]
-        static, profiled, adaptive = setup_labels(drafter, args.static_k)
-        with_profile = ["--speculation-profile", str(profile)]
-        setups += [
-            (static, {**DRAFTERS[drafter], "num_speculative_tokens": args.static_k}, [], False),
-            (profiled, DRAFTERS[drafter], with_profile, False),
-            (adaptive, DRAFTERS[drafter], [*with_profile, "--speculation-adapt", "full"], True),
-        ]
-    points: list[Point] = []
+    groups: dict[str, list[Point]] = {}
     with log_dir("spec-adaptive", keep=args.keep_logs) as logs:
         prompts = workload_prompts(args.workload, logs / "prompts.jsonl", max(64, *sizes.values()))
         runs = scenarios(prompts, sizes)
         print(f"model {served}; workload {args.workload}; {OUTPUT_LEN} tokens out; engine flags "
-              f"{' '.join(flags)}; logs in {logs}")  # fmt: skip
+              f"{' '.join(flags)}; {ADAPTIVE_ROUNDS} interleaved rounds per level; "
+              f"logs in {logs}")  # fmt: skip
         warn_if_busy()
-        for label, spec, worker_args, adapts in setups:
-            port = free_port() if adapts else None
-            points += measure_setup(
-                label, spec, runs, model_dir, served, logs, args.start_timeout,
-                worker_args=[*worker_args, *(["--system-port", str(port)] if port else [])],
-                engine_flags=flags,
-                worker_metrics=f"http://127.0.0.1:{port}/metrics" if port else None,
-            )  # fmt: skip
-    results = [v for d in drafters for v in adaptive_verdicts(points, d, args.static_k)]
-    print(f"adaptive speculation, workload {args.workload} (ratios vs none, same prompts, one run)")
-    print(adaptive_table(points, schedules, args.static_k))
-    print(adaptive_lines(results))
+        for drafter in drafters:
+            profile = dynamic_paths(drafter)[1]
+            if args.reprofile or not profile.exists():
+                make_profile(args.model, profile, DRAFTERS[drafter])
+            schedules[drafter] = read_schedule(profile)[0]
+            setups = drafter_setups(drafter, profile, args.static_k, kinds)
+            groups[drafter] = measure_interleaved(
+                setups, runs, model_dir, served, logs, args.start_timeout, flags
+            )
+    results = [v for d in drafters for v in adaptive_verdicts(groups[d], d, args.static_k)]
+    print(f"adaptive speculation, workload {args.workload} (ratios vs none measured beside "
+          "each drafter's setups, same prompts, one run)")  # fmt: skip
+    for drafter in drafters:
+        print(adaptive_table(groups[drafter], schedules, args.static_k))
+    if results:
+        print(adaptive_lines(results))
+    everything = [p for d in drafters for p in groups[d]]
+    print(adaptive_vs_profiled(everything, drafters, args.static_k))
     if args.quick:
         print("(quick run: too few requests per level to judge a 2% margin; run without --quick)")
     suffix = "" if args.workload == "chat" else f"_{args.workload}"
@@ -722,7 +838,8 @@ def adaptive_body(args: argparse.Namespace, model_dir: Path, served: str) -> int
         results_path(args, f"spec_adaptive{suffix}.json"),
         {
             "workload": args.workload,
-            "points": [asdict(p) for p in points],
+            "rounds": ADAPTIVE_ROUNDS,
+            "points": {d: [asdict(p) for p in groups[d]] for d in drafters},
             "static_k": args.static_k,
             "schedules": schedules,
             "floor": ADAPTIVE_FLOOR,
@@ -735,8 +852,21 @@ def adaptive_body(args: argparse.Namespace, model_dir: Path, served: str) -> int
         None if args.quick else ROOT / "docs" / "images" / f"spec_adaptive{suffix}.png"
     )
     if target is not None:
-        plot_adaptive(points, drafters, target)
+        plot_adaptive(groups, target)
     return 0
+
+
+def drafter_setups(drafter: str, profile: Path, static_k: int, kinds: set[str]) -> list[SetupSpec]:
+    """No speculation, then the chosen kinds of `drafter`'s setups."""
+    static, profiled, adaptive = setup_labels(drafter, static_k)
+    with_profile = ["--speculation-profile", str(profile)]
+    by_kind: dict[str, SetupSpec] = {
+        "static": (static, {**DRAFTERS[drafter], "num_speculative_tokens": static_k}, [], False),
+        "profiled": (profiled, DRAFTERS[drafter], with_profile, False),
+        "adaptive": (adaptive, DRAFTERS[drafter],
+                     [*with_profile, "--speculation-adapt", "full"], True),
+    }  # fmt: skip
+    return [("none", None, [], False), *(v for k, v in by_kind.items() if k in kinds)]
 
 
 def main() -> int:
@@ -745,7 +875,9 @@ def main() -> int:
     parser.add_argument(
         "--setups",
         default=None,
-        help=f"comma-separated subset of {list(SETUPS)} (default: all; not with --dynamic)",
+        help=f"comma-separated subset of {list(SETUPS)} (default: all; not with --dynamic); "
+        f"with --adaptive, of {list(ADAPTIVE_KINDS)} (each for every drafter, beside no "
+        "speculation; e.g. profiled,adaptive for a workload unlike the profile's)",
     )
     parser.add_argument(
         "--plot",
@@ -811,8 +943,10 @@ def main() -> int:
     if args.workload != "chat" and not args.adaptive:
         parser.error("--workload only applies to --adaptive")
     if args.adaptive:
-        if args.setups is not None:
-            parser.error("--setups does not apply to --adaptive")
+        unknown = set((args.setups or "adaptive").split(",")) - set(ADAPTIVE_KINDS)
+        if unknown:
+            parser.error(f"--setups with --adaptive: choose from {list(ADAPTIVE_KINDS)}, "
+                         f"not {sorted(unknown)}")  # fmt: skip
         if args.static_k < 1:
             parser.error(f"--static-k must be at least 1, got {args.static_k}")
     elif args.dynamic:
@@ -824,7 +958,7 @@ def main() -> int:
         parser.error("--reprofile only applies to --dynamic and --adaptive")
     chosen = [s.strip() for s in (args.setups or ",".join(SETUPS)).split(",") if s.strip()]
     unknown = [s for s in chosen if s not in SETUPS]
-    if unknown:
+    if unknown and not args.adaptive:
         parser.error(f"unknown setups {unknown}; choose from {list(SETUPS)}")
     model_dir, served = resolve_model_arg(args.model)
     if args.adaptive:

@@ -14,7 +14,9 @@ Claims:
 - the greedy answers served while K moved are the target's own (as bf16 allows:
   `dynamo.testing.greedy`);
 - every `/debug/kv` sample taken meanwhile books each request in flight on the worker with
-  the K the worker last reported.
+  the K the worker last reported;
+- a request that turns speculation off for itself is not drafted for beside requests that
+  are (its per-request statistics say so).
 """
 
 from __future__ import annotations
@@ -99,11 +101,16 @@ def stack(
             proc.stop()
 
 
-def chat(frontend: FrontendProcess, prompt: str, **fields: object) -> dict:
+def chat_reply(frontend: FrontendProcess, prompt: str, **fields: object) -> dict:
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], **fields}
     status, text = http_post_json(f"{frontend.base_url}/v1/chat/completions", body, 300)
     assert status == 200, text
-    return json.loads(text)["choices"][0]
+    return json.loads(text)
+
+
+def chat(frontend: FrontendProcess, prompt: str, **fields: object) -> dict:
+    """The reply's first choice."""
+    return chat_reply(frontend, prompt, **fields)["choices"][0]
 
 
 def hard_round(frontend: FrontendProcess, round_index: int) -> None:
@@ -221,3 +228,22 @@ def test_k_follows_acceptance_and_the_router_books_the_workers_k(
         assert booked == [k], f"requests booked with K {booked} while the worker reported {k}"
     print(f"{len(router.samples)} router samples, {len(busy)} with requests in flight, "
           f"reported K in {sorted(reported)}")  # fmt: skip
+
+
+def test_a_request_can_turn_speculation_off_on_an_adaptive_worker(stack: Stack) -> None:
+    """`"speculative_decoding": false` beside speculated requests of the same kind: the
+    adaptive scheduler drops that request's drafts (its statistics say none) and drafts for
+    the others while their acceptance pays (the previous test left K above 0)."""
+    fields = {"temperature": 0.0, "max_tokens": REPEAT_TOKENS, "return_spec_stats": True}
+    opt_out = [False] + [True] * (CONCURRENCY - 1)
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        replies = list(pool.map(
+            lambda i: chat_reply(stack.frontend, REPEAT_PROMPTS[i],
+                                 **fields, speculative_decoding=opt_out[i]),
+            range(CONCURRENCY),
+        ))  # fmt: skip
+    stats = [reply["metrics"]["speculative_decoding"] for reply in replies]
+    print("draft tokens per request:", [s["num_draft_tokens"] for s in stats])
+    assert (stats[0]["num_spec_steps"], stats[0]["num_draft_tokens"]) == (0, 0)
+    assert replies[0]["usage"]["completion_tokens"] > 0
+    assert any(s["num_draft_tokens"] > 0 for s in stats[1:])
