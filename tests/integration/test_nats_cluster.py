@@ -39,7 +39,7 @@ from dynamo.llm.kv_router.subjects import KV_EVENTS_STREAM
 from dynamo.runtime.nats_server import NatsCluster, NatsServer
 from dynamo.testing.http import http_post_json, kv_router_views
 from dynamo.testing.jetstream import node_holding, prefer_stream_leaders
-from dynamo.testing.processes import FrontendProcess, ManagedProcess, running
+from dynamo.testing.processes import FrontendProcess, ManagedProcess, running, wait_serving
 from dynamo.testing.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -98,7 +98,8 @@ def stack(embedded_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             extra=["--router-mode", "kv", "--nats-replicas", "3"],
         )
         procs.append(frontend)
-        frontend.wait_for_model(MODEL, timeout=60)
+        # Both logs on a timeout: a model that never appears is usually the mocker's story.
+        wait_serving(frontend.base_url, MODEL, [frontend, mocker], timeout=90)
         frontend.wait_kv_router_workers(MODEL, f"{namespace}/backend/generate", 2)
         yield Stack(cluster, frontend, mocker, namespace)
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from dynamo.runtime.backoff import Backoff
 from dynamo.runtime.kv import ensure_registry
 from dynamo.runtime.tasks import cancel_and_wait
 
@@ -34,7 +35,9 @@ log = logging.getLogger(__name__)
 OnPut = Callable[[str, bytes], None]
 OnDelete = Callable[[str], None]
 
-_RETRY_S = 0.5
+# A failed watch is placed again after 0.5 s, then 1 s, then every 2 s: quick after a
+# broker restart, and not a flood while a cluster elects a stream leader.
+_RETRY = Backoff(initial_s=0.5, maximum_s=2.0)
 
 
 class BucketWatcher:
@@ -62,6 +65,7 @@ class BucketWatcher:
         # Keys a re-watch's snapshot lacked, with the timer that reports them deleted.
         self._missing: dict[str, asyncio.TimerHandle] = {}
         self._synced = asyncio.Event()
+        self._snapshots = 0  # full snapshots applied, over every watch placed
         self._restart = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -85,16 +89,31 @@ class BucketWatcher:
         self._missing.clear()
 
     async def _run(self) -> None:
+        failures = 0
         while not self._closed:
             self._restart.clear()
+            snapshots_before = self._snapshots
             try:
                 kv = await ensure_registry(self._js, self.bucket, self.replicas)
                 await self._watch_until_restart(kv)
+                failures = 0
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.debug("watch of %s/%s failed (%s); retrying", self.bucket, self.key_filter, exc)
-                await asyncio.sleep(_RETRY_S)
+                # A warning, not a debug line: a watch that keeps failing is why a
+                # frontend never learns of a model, and the log must say so. A watch
+                # that had delivered its snapshot starts the schedule again.
+                failures = 1 if self._snapshots > snapshots_before else failures + 1
+                delay = _RETRY.delay(failures)
+                log.warning(
+                    "watch of %s/%s failed (attempt %d): %s; retrying in %.1fs",
+                    self.bucket,
+                    self.key_filter,
+                    failures,
+                    exc or type(exc).__name__,
+                    delay,
+                )
+                await asyncio.sleep(delay)
 
     async def _watch_until_restart(self, kv: KeyValue) -> None:
         watcher = await kv.watch(self.key_filter)
@@ -129,6 +148,7 @@ class BucketWatcher:
                 await watcher.stop()
 
     def _apply_snapshot(self, snapshot: dict[str, bytes]) -> None:
+        self._snapshots += 1
         rewatch = self._synced.is_set() and self.missing_grace_s > 0
         for key in [k for k in self.entries if k not in snapshot]:
             if rewatch:
