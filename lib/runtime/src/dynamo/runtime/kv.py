@@ -71,13 +71,19 @@ async def retry_transient(
     up to `budget_s` seconds; the last error is raised when the budget is spent."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + budget_s
+    attempt = 0
     while True:
         try:
             return await action()
         except Exception as exc:
             if not is_transient(exc) or loop.time() >= deadline:
                 raise
-            log.debug("%s: JetStream not ready (%r); retrying", what, exc)
+            attempt += 1
+            # The first wait of a call is worth a line (a slow start is explained by it);
+            # the retries after it would flood the log during an election.
+            level = logging.WARNING if attempt == 1 else logging.DEBUG
+            log.log(level, "%s: JetStream not ready (%r); retrying for up to %.0fs",
+                    what, exc, budget_s)  # fmt: skip
             await asyncio.sleep(_RETRY_S)
 
 
@@ -121,10 +127,13 @@ async def ensure_registry(js: JetStreamContext, bucket: str, replicas: int) -> K
 
 
 async def wait_for_stream_leader(
-    js: JetStreamContext, stream: str, replicas: int, timeout: float = 10.0
+    js: JetStreamContext, stream: str, replicas: int, timeout: float = 30.0
 ) -> None:
     """Wait until a replicated stream just created has elected its leader: until then a
-    publish to it finds no responder. A single replica is ready at once.
+    publish to it finds no responder. A single replica is ready at once. The timeout is
+    generous: an election takes under a second on an idle cluster, but a process that
+    gives up here exits, and on a host busy loading engines the nodes' heartbeats, and so
+    the election, can run late.
 
     "Stream not found" is waited out too: in a cluster, a stream another client has just
     created (two workers starting together, each creating the bucket) may not be listed

@@ -37,7 +37,7 @@ OnDelete = Callable[[str], None]
 
 # A failed watch is placed again after 0.5 s, then 1 s, then every 2 s: quick after a
 # broker restart, and not a flood while a cluster elects a stream leader.
-_RETRY = Backoff(initial_s=0.5, maximum_s=2.0)
+WATCH_RETRY = Backoff(initial_s=0.5, maximum_s=2.0)
 
 
 class BucketWatcher:
@@ -104,7 +104,7 @@ class BucketWatcher:
                 # frontend never learns of a model, and the log must say so. A watch
                 # that had delivered its snapshot starts the schedule again.
                 failures = 1 if self._snapshots > snapshots_before else failures + 1
-                delay = _RETRY.delay(failures)
+                delay = WATCH_RETRY.delay(failures)
                 log.warning(
                     "watch of %s/%s failed (attempt %d): %s; retrying in %.1fs",
                     self.bucket,
@@ -113,7 +113,9 @@ class BucketWatcher:
                     exc or type(exc).__name__,
                     delay,
                 )
-                await asyncio.sleep(delay)
+                # A reconnect (`restart`) cuts the wait short: the broker is back now.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._restart.wait(), delay)
 
     async def _watch_until_restart(self, kv: KeyValue) -> None:
         watcher = await kv.watch(self.key_filter)
