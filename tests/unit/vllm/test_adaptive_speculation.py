@@ -12,6 +12,7 @@ from dynamo.vllm.adaptive_speculation import (
     AdaptationError,
     AdaptationSettings,
     AdaptiveK,
+    monotone_fit,
 )
 from dynamo.vllm.speculation_profile import SpeculationProfile, StepTimes
 
@@ -311,3 +312,66 @@ def test_k0_measured_like_the_others_undoes_a_uniform_served_correction() -> Non
     for _ in range(30):
         chooser.observe_step(0, 16, 0.6 * chooser.cost.profiled_ms(0, 16))
     assert chooser.best(16) == 0
+
+
+def test_a_k_not_measured_at_a_batch_size_keeps_its_excess_over_k0_there() -> None:
+    """K = 1 measured at 4 sequences at 1.2x the profile beside K = 0 at 1.0x; at 16, only
+    K = 0 measured, at 1.5x (served steps cost more with the batch). K = 1 at 16 is priced
+    at 1.5 x 1.2, not at 4's 1.2 beside K = 0's 1.5: borrowed alone, drafting would look
+    cheap exactly where it costs most."""
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
+    for _ in range(30):
+        chooser.observe_step(0, 4, chooser.cost.profiled_ms(0, 4))
+        chooser.observe_step(1, 4, 1.2 * chooser.cost.profiled_ms(1, 4))
+        chooser.observe_step(0, 16, 1.5 * chooser.cost.profiled_ms(0, 16))
+    assert chooser.cost.correction(1, 16) == pytest.approx(1.8)
+    assert chooser.cost.correction(1, 4) == pytest.approx(1.2)  # measured there: its own
+    assert chooser.cost.correction(1, 32) == pytest.approx(1.2)  # K = 0 not measured at 32
+    for _ in range(30):  # once K = 1 is measured at 16, its own ratio decides
+        chooser.observe_step(1, 16, 1.3 * chooser.cost.profiled_ms(1, 16))
+    assert chooser.cost.correction(1, 16) == pytest.approx(1.3)
+
+
+def test_a_k_not_measured_at_a_small_batch_takes_the_cheaper_of_the_two_estimates() -> None:
+    """The other way: K = 1 measured only at 4 sequences (0.98x the profile, beside K = 0
+    at 0.81x), K = 0 also at 1 sequence (0.9x). Carried down, both estimates are high
+    (served drafting adds less at smaller batches): K = 1's own 0.98 is taken, not
+    0.9 x 0.98 / 0.81 = 1.09, which kept n-gram at K = 0 at one sequence where K = 2 paid."""
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
+    for _ in range(30):
+        chooser.observe_step(0, 4, 0.81 * chooser.cost.profiled_ms(0, 4))
+        chooser.observe_step(1, 4, 0.98 * chooser.cost.profiled_ms(1, 4))
+        chooser.observe_step(0, 1, 0.9 * chooser.cost.profiled_ms(0, 1))
+    assert chooser.cost.correction(1, 1) == pytest.approx(0.98)
+
+
+def test_a_few_steps_of_one_k_do_not_price_a_larger_k_measured_over_many() -> None:
+    """At one sequence: K = 1 over 3 steps at 1.02x the profile (12.24 ms), K = 2 over 100
+    steps at 0.82x (10.66 ms). K = 2 measured cheaper than K = 1: both are priced at
+    their weighted mean, near K = 2's 100 steps, not at K = 1's few (taking the larger
+    kept n-gram at K = 0 where K = 2 paid). K = 0 (0.9x, 9 ms) stays below and apart."""
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=AdaptationSettings(window_steps=1000))
+    cost = chooser.cost
+    for k, ratio, steps in ((0, 0.9, 40), (1, 1.02, 3), (2, 0.82, 100)):
+        for _ in range(steps):
+            chooser.observe_step(k, 1, ratio * cost.profiled_ms(k, 1))
+    assert cost.step_ms(0, 1) == pytest.approx(9.0)
+    pooled = cost.step_ms(2, 1)
+    assert cost.step_ms(1, 1) == pytest.approx(pooled)
+    assert 0.82 * 13.0 < pooled < 0.82 * 13.0 * 1.01
+    assert cost.step_ms(3, 1) >= pooled
+
+
+@pytest.mark.parametrize(
+    ("values", "weights", "fitted"),
+    [
+        ([1.0, 2.0, 3.0], [1, 1, 1], [1.0, 2.0, 3.0]),  # already non-decreasing
+        ([2.0, 1.0], [1, 1], [1.5, 1.5]),
+        ([2.0, 1.0], [1, 3], [1.25, 1.25]),  # the better-measured value weighs more
+        ([1.0, 3.0, 2.0, 0.0], [1, 1, 1, 1], [1.0, 5 / 3, 5 / 3, 5 / 3]),
+    ],
+)
+def test_the_monotone_fit_pools_what_falls(
+    values: list[float], weights: list[float], fitted: list[float]
+) -> None:
+    assert monotone_fit(values, weights) == pytest.approx(fitted)

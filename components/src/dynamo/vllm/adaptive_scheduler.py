@@ -37,6 +37,7 @@ from dynamo.vllm.adaptive_speculation import (
     ADDITIONAL_CONFIG_KEY,
     SCHEDULER_CLS,
     adaptive_entry,
+    batch_bucket,
     chooser_from_engine_config,
     state_path_of,
 )
@@ -76,7 +77,8 @@ class AdaptiveSpeculationScheduler(SpeculationOptOutScheduler):
         self._asked_next = 0
         self._step: tuple[float, int, int] | None = None  # (started, K, batch) to time
         self._scheduled_at = 0.0
-        self._chosen: Counter[int] = Counter()  # K chosen since the last report
+        # (batch size bucket, K) chosen since the last report
+        self._chosen: Counter[tuple[int, int]] = Counter()
         self._reported_at = time.monotonic()
         log.info(
             "adaptive speculation: K chosen each step from live acceptance (up to K=%d)",
@@ -93,7 +95,7 @@ class AdaptiveSpeculationScheduler(SpeculationOptOutScheduler):
         scheduler_output.num_spec_tokens_to_schedule = k
         if decoding:
             self.shared.write(k)
-            self._chosen[k] += 1
+            self._chosen[(2 ** batch_bucket(decoding), k)] += 1
             self._report()
         verified = max(
             (len(t) for t in scheduler_output.scheduled_spec_decode_tokens.values()), default=0
@@ -109,11 +111,15 @@ class AdaptiveSpeculationScheduler(SpeculationOptOutScheduler):
         if now - self._reported_at < REPORT_EVERY_S:
             return
         estimate = self.chooser.acceptance
+        by_batch: dict[int, dict[int, int]] = {}
+        for (batch, k), steps in sorted(self._chosen.items()):
+            by_batch.setdefault(batch, {})[k] = steps
         log.info(
-            "adaptive speculation: K chosen over the last %.0fs %s; acceptance per position "
-            "%s, drafted %.2f; step time x%s of the profile's (per batch size and K: %s)",
+            "adaptive speculation: K chosen over the last %.0fs (steps per batch size and K) "
+            "%s; acceptance per position %s, drafted %.2f; step time x%s of the profile's "
+            "(per batch size and K: %s)",
             now - self._reported_at,
-            dict(sorted(self._chosen.items())),
+            by_batch,
             [round(rate, 3) for rate in estimate.rates()],
             estimate.drafted_fraction(),
             [round(self.chooser.cost.correction(k), 2) for k in range(self.chooser.max_k + 1)],

@@ -24,8 +24,12 @@ estimates and picks, for the batch about to run, the K with the highest goodput
   measured to profiled time per K and batch-size bucket (powers of two), since what a
   served step adds to the profile's grows with the batch (a quick n-gram run measured
   1.09x at K = 0 and 1.14-1.24x at K = 1 over all batches, and K = 1 kept winning at 16
-  to 64 sequences where it lost). A bucket not measured yet takes the ratio of the
-  nearest bucket measured at that K; a K not run lately borrows the mean ratio.
+  to 64 sequences where it lost). A drafting K not measured at a bucket where K = 0 was
+  takes K = 0's ratio there times its own excess over K = 0 at the nearest bucket where
+  both ran (served drafting costs more relative to K = 0 as the batch grows, so its own
+  ratio from a smaller batch would make it look cheap); otherwise a bucket not measured
+  yet takes the ratio of the nearest bucket measured at that K; a K not run lately
+  borrows the mean ratio.
 
 Two rules keep speculation from losing. K > 0 wins only when its goodput beats K = 0 by
 `margin` (an estimate's noise must not cost throughput). And a K that is never chosen is
@@ -234,6 +238,10 @@ class StepCost:
         learn otherwise (seen: n-gram kept K = 3 at 16 sequences, 0.82x no speculation).
         Priced at the profile, K = 0 wins where served drafting costs more than profiled,
         runs, and is measured from then on."""
+        if k > 0 and batch is not None:
+            borrowed = self._borrowed(k, batch_bucket(batch))
+            if borrowed is not None:
+                return borrowed
         own = self._measured(k, batch)
         if own is not None:
             return own
@@ -241,6 +249,54 @@ class StepCost:
             return 1.0
         measured = [r for r in (self._measured(j, batch) for j in self.ratios) if r is not None]
         return sum(measured) / len(measured) if measured else 1.0
+
+    def _borrowed(self, k: int, bucket: int) -> float | None:
+        """A drafting K's ratio at `bucket` where K was not measured but K = 0 was, from
+        two estimates: K's own ratio at the nearest bucket where it ran, and K = 0's ratio
+        here times K's excess over K = 0 at the nearest bucket where both ran
+        (`_relative_to_k0`). What served drafting adds over K = 0 grows with the batch, so
+        from a smaller batch both estimates are low and the higher is taken (K's own
+        ratio from 4 sequences priced K = 1 cheap at 16 beside K = 0's served cost there:
+        a third of the steps at 16 drafted, at 1.4x a K = 0 step, and n-gram served 0.89x
+        no speculation); from a larger batch both are high and the lower is taken (the
+        excess at 4 sequences, carried to 1, kept n-gram at K = 0 where K = 2 paid). None
+        where K was measured here, never, or K = 0 was not measured here."""
+        if self._bucket(k, bucket) is not None:
+            return None
+        own = self._measured(k, 2**bucket)
+        relative = self._relative_to_k0(k, bucket)
+        if own is None or relative is None:
+            return None
+        measured = [b for b, r in self.ratios.get(k, {}).items() if r.trials > 1e-9]
+        nearest = min(measured, key=lambda b: (abs(b - bucket), -b))
+        return max(own, relative) if nearest < bucket else min(own, relative)
+
+    def _relative_to_k0(self, k: int, bucket: int) -> float | None:
+        """K = 0's ratio at `bucket` times K's ratio over K = 0's at the nearest bucket
+        where both were measured; None where K = 0 was not measured at `bucket` or never
+        beside K."""
+        plain = self._bucket(0, bucket)
+        if plain is None:
+            return None
+        both = [
+            b
+            for b, rate in self.ratios.get(k, {}).items()
+            if rate.trials > 1e-9 and self._bucket(0, b) is not None
+        ]
+        if not both:
+            return None
+        nearest = min(abs(b - bucket) for b in both)
+        excess = [
+            self.ratios[k][b].rate(1.0) / (self._bucket(0, b) or 1.0)
+            for b in both
+            if abs(b - bucket) == nearest
+        ]
+        return plain * sum(excess) / len(excess)
+
+    def _bucket(self, k: int, bucket: int) -> float | None:
+        """K's measured ratio at exactly `bucket`, None where it was not measured."""
+        rate = self.ratios.get(k, {}).get(bucket)
+        return rate.rate(1.0) if rate is not None and rate.trials > 1e-9 else None
 
     def _measured(self, k: int, batch: int | None) -> float | None:
         """K's ratio at the bucket of `batch`, else at the nearest bucket measured (the
@@ -274,8 +330,37 @@ class StepCost:
         """The corrected step time at K, never below a smaller K's: a step verifies and
         drafts more tokens as K grows, so a K that measured cheaper than a smaller one
         measured noise (on CPU the steps of neighbouring Ks differ by a few percent, as
-        much as two measurements of one K do), and must not win on it."""
-        return max(self.profiled_ms(j, batch) * self.correction(j, batch) for j in range(k + 1))
+        much as two measurements of one K do), and must not win on it. Such Ks are
+        pooled at their mean weighted by the steps that measured each (`monotone_fit`):
+        taking the larger instead let a few K = 1 steps at one sequence (1.02x the
+        profile) price K = 2, measured over hundreds of steps at 0.82x, and n-gram stayed
+        at K = 0 in most steps at one sequence where a static K = 2 served 1.14x no
+        speculation."""
+        ks = range(max(k, self.profile.max_k) + 1)
+        times = [self.profiled_ms(j, batch) * self.correction(j, batch) for j in ks]
+        return monotone_fit(times, [self.weight(j, batch) for j in ks])[k]
+
+    def weight(self, k: int, batch: int) -> float:
+        """How many (decayed) steps measured K at the bucket of `batch`; an estimate
+        borrowed from elsewhere counts as one step."""
+        rate = self.ratios.get(k, {}).get(batch_bucket(batch))
+        return max(rate.trials, 1.0) if rate is not None else 1.0
+
+
+def monotone_fit(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence nearest `values` in weighted least squares (pool
+    adjacent violators): wherever a value is below the one before it, the run is replaced
+    by its weighted mean."""
+    blocks: list[tuple[float, float, int]] = []  # (mean, weight, length)
+    for value, weight in zip(values, weights, strict=True):
+        mean, total, length = value, weight, 1
+        while blocks and blocks[-1][0] > mean:
+            before, before_weight, before_length = blocks.pop()
+            mean = (before * before_weight + mean * total) / (before_weight + total)
+            total += before_weight
+            length += before_length
+        blocks.append((mean, total, length))
+    return [mean for mean, _, length in blocks for _ in range(length)]
 
 
 class AdaptiveK:
