@@ -49,7 +49,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -173,28 +173,40 @@ def measure_setup(
     *,
     worker_args: Sequence[str] = (),
     engine_flags: Sequence[str] = CPU_ENGINE_FLAGS,
-    worker_metrics: str | None = None,
 ) -> list[Point]:
     """Start one stack for `spec` (None: no speculation), the worker with `engine_flags`
-    then `worker_args`, and measure every run of `runs` against it. `worker_metrics`: the
-    worker's `/metrics` URL (its `--system-port`), to count the steps at each K of an
-    adaptive worker."""
+    then `worker_args`, and measure every run of `runs` against it."""
+    setup = (label, spec, list(worker_args), False)
+    with started_setup(setup, model_dir, served, logs, timeout, engine_flags) as running:
+        return [measure_run(running, scenario, model_dir, served, logs) for scenario in runs]
+
+
+SetupSpec = tuple[str, dict | None, list[str], bool]
+"""(label, speculative config or None, worker flags, adapts)."""
+
+
+@contextlib.contextmanager
+def started_setup(
+    setup: SetupSpec,
+    model_dir: Path,
+    served: str,
+    logs: Path,
+    timeout: float,
+    engine_flags: Sequence[str],
+) -> Iterator[Served]:
+    """One setup's stack (frontend, worker, NATS), up until the block ends; an adaptive
+    worker gets a `--system-port` so that its steps at each K can be counted."""
+    label, spec, worker_args, adapts = setup
+    port = free_port() if adapts else None
     extra = [] if spec is None else ["--speculative-config", json.dumps(spec)]
-    extra += worker_args
-    shown_spec = json.dumps(spec) if spec else "no speculation"
-    print(f"{label}: {' '.join([shown_spec, *worker_args])}", flush=True)
-    points = []
+    extra += [*worker_args, *(["--system-port", str(port)] if port else [])]
+    print(f"{label}: {' '.join(extra) or 'no speculation'}", flush=True)
     with dynamo_stack(
-        model_dir, served, {"worker": extra},
-        engine_flags=engine_flags, namespace="specbench" + uuid.uuid4().hex[:6],
-        log_dir=logs, timeout=timeout,
+        model_dir, served, {"worker": extra}, engine_flags=engine_flags,
+        namespace="specbench" + uuid.uuid4().hex[:6], log_dir=logs, timeout=timeout,
     ) as stack:  # fmt: skip
-        for scenario in runs:
-            points.append(measure_run(
-                Served(label, spec is not None, stack, worker_metrics),
-                scenario, model_dir, served, logs,
-            ))  # fmt: skip
-    return points
+        metrics = f"http://127.0.0.1:{port}/metrics" if port else None
+        yield Served(label, spec is not None, stack, metrics)
 
 
 @dataclass(frozen=True)
@@ -750,9 +762,6 @@ ADAPTIVE_ROUNDS = 2
 A), each round with half the requests, so that a host that slows down or speeds up during
 the run weighs on every setup alike."""
 
-SetupSpec = tuple[str, dict | None, list[str], bool]
-"""(label, speculative config or None, worker flags, adapts)."""
-
 
 def measure_interleaved(
     setups: Sequence[SetupSpec],
@@ -769,17 +778,13 @@ def measure_interleaved(
     tokens/s at c=32 at its start and about 320 half an hour later)."""
     served_setups: list[Served] = []
     with contextlib.ExitStack() as running:
-        for label, spec, worker_args, adapts in setups:
-            port = free_port() if adapts else None
-            extra = [] if spec is None else ["--speculative-config", json.dumps(spec)]
-            extra += [*worker_args, *(["--system-port", str(port)] if port else [])]
-            print(f"{label}: {' '.join(extra) or 'no speculation'}", flush=True)
-            stack = running.enter_context(dynamo_stack(
-                model_dir, served, {"worker": extra}, engine_flags=flags,
-                namespace="specbench" + uuid.uuid4().hex[:6], log_dir=logs, timeout=timeout,
+        for setup in setups:
+            own_logs = logs / setup[0]  # the stacks are up together: one log folder each
+            own_logs.mkdir(exist_ok=True)
+            served_setups.append(running.enter_context(
+                started_setup(setup, model_dir, served, own_logs, timeout, flags)
             ))  # fmt: skip
-            metrics = f"http://127.0.0.1:{port}/metrics" if port else None
-            served_setups.append(Served(label, spec is not None, stack, metrics))
+        warm_up(served_setups, runs, model_dir, served, logs)
         points = []
         for scenario in runs:
             per_round = max(scenario.concurrency, scenario.num_prompts // ADAPTIVE_ROUNDS)
@@ -797,12 +802,32 @@ def measure_interleaved(
     return points
 
 
+def warm_up(
+    setups: Sequence[Served], runs: Sequence[Scenario], model_dir: Path, served: str, logs: Path
+) -> None:
+    """One unmeasured run per stack at the highest concurrency, before any measured one:
+    a stack's first requests run slower (measured: 229 then 294 tokens/s at c=16 for the
+    same setup), which would otherwise weigh on the first round alone."""
+    top = max(runs, key=lambda scenario: scenario.concurrency)
+    scenario = dataclasses.replace(
+        top, name=f"warmup-{top.name}", num_prompts=top.concurrency, seed=top.seed * 100 + 99
+    )
+    for setup in setups:
+        started = time.monotonic()
+        run_bench_serve(setup.stack.base_url, model_dir, served, scenario, logs, setup.label)
+        print(f"  {setup.label}: warmed up with {scenario.num_prompts} requests at "
+              f"c={scenario.concurrency} ({time.monotonic() - started:.0f}s)", flush=True)  # fmt: skip
+
+
 def adaptive_body(args: argparse.Namespace, model_dir: Path, served: str) -> int:
     """--adaptive: per drafter, no speculation beside static K, the profiled schedule and the
     adaptive scheduler, interleaved at every concurrency; table, verdicts, JSON and PNG."""
     drafters = sorted(DRAFTERS) if args.drafter == "both" else [args.drafter]
     kinds = set(args.setups.split(",")) if args.setups else set(ADAPTIVE_KINDS)
     sizes = ADAPTIVE_QUICK_SIZES if args.quick else ADAPTIVE_SIZES
+    if args.concurrency:
+        sizes = {c: sizes[c] for c in args.concurrency}
+    partial = args.quick or bool(args.concurrency)
     flags = with_max_num_seqs(CPU_ENGINE_FLAGS, max(sizes))
     schedules: dict[str, list[list[int]]] = {}
     groups: dict[str, list[Point]] = {}
@@ -835,7 +860,9 @@ def adaptive_body(args: argparse.Namespace, model_dir: Path, served: str) -> int
         print("(quick run: too few requests per level to judge a 2% margin; run without --quick)")
     suffix = "" if args.workload == "chat" else f"_{args.workload}"
     save_report(
-        results_path(args, f"spec_adaptive{suffix}.json"),
+        None
+        if partial and args.json is None
+        else results_path(args, f"spec_adaptive{suffix}.json"),
         {
             "workload": args.workload,
             "rounds": ADAPTIVE_ROUNDS,
@@ -849,7 +876,7 @@ def adaptive_body(args: argparse.Namespace, model_dir: Path, served: str) -> int
         },
     )
     target = args.plot or (
-        None if args.quick else ROOT / "docs" / "images" / f"spec_adaptive{suffix}.png"
+        None if partial else ROOT / "docs" / "images" / f"spec_adaptive{suffix}.png"
     )
     if target is not None:
         plot_adaptive(groups, target)
@@ -867,6 +894,22 @@ def drafter_setups(drafter: str, profile: Path, static_k: int, kinds: set[str]) 
                      [*with_profile, "--speculation-adapt", "full"], True),
     }  # fmt: skip
     return [("none", None, [], False), *(v for k, v in by_kind.items() if k in kinds)]
+
+
+def concurrency_levels(text: str) -> list[int]:
+    """`--concurrency`: levels of the adaptive run, each one it knows."""
+    try:
+        levels = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of numbers: {text!r}"
+        ) from None
+    unknown = [c for c in levels if c not in ADAPTIVE_SIZES]
+    if not levels or unknown:
+        raise argparse.ArgumentTypeError(
+            f"choose among {sorted(ADAPTIVE_SIZES)}, not {unknown or text!r}"
+        )
+    return levels
 
 
 def main() -> int:
@@ -911,6 +954,14 @@ def main() -> int:
         "random-looking answers; drafts accept little) (default chat)",
     )
     dynamic.add_argument(
+        "--concurrency",
+        type=concurrency_levels,
+        default=None,
+        help="with --adaptive: comma-separated subset of the levels "
+        f"{','.join(map(str, ADAPTIVE_SIZES))} to measure (e.g. 16,32 to look at one "
+        "regime); a partial run writes JSON only with --json and no plot unless --plot",
+    )
+    dynamic.add_argument(
         "--drafter",
         choices=[*sorted(DRAFTERS), "both"],
         default=None,
@@ -940,6 +991,8 @@ def main() -> int:
         parser.error("--adaptive and --dynamic are two different comparisons; choose one")
     if args.drafter == "both" and not args.adaptive:
         parser.error("--drafter both only applies to --adaptive")
+    if args.concurrency and not args.adaptive:
+        parser.error("--concurrency only applies to --adaptive")
     if args.workload != "chat" and not args.adaptive:
         parser.error("--workload only applies to --adaptive")
     if args.adaptive:
