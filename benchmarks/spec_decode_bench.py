@@ -771,9 +771,10 @@ def measure_interleaved(
     logs: Path,
     timeout: float,
     flags: Sequence[str],
+    rounds: int = ADAPTIVE_ROUNDS,
 ) -> list[Point]:
     """Every setup's stack started at once and kept up; then, per concurrency, the setups
-    measured one after the other in `ADAPTIVE_ROUNDS` rounds of alternating order, seconds
+    measured one after the other in `rounds` rounds of alternating order, seconds
     apart instead of many minutes (a sequential run once saw no speculation serve 383
     tokens/s at c=32 at its start and about 320 half an hour later)."""
     served_setups: list[Served] = []
@@ -787,9 +788,9 @@ def measure_interleaved(
         warm_up(served_setups, runs, model_dir, served, logs)
         points = []
         for scenario in runs:
-            per_round = max(scenario.concurrency, scenario.num_prompts // ADAPTIVE_ROUNDS)
+            per_round = max(scenario.concurrency, scenario.num_prompts // rounds)
             measured: dict[str, list[Point]] = {}
-            for round_index in range(ADAPTIVE_ROUNDS):
+            for round_index in range(rounds):
                 order = served_setups if round_index % 2 == 0 else served_setups[::-1]
                 part = dataclasses.replace(
                     scenario, num_prompts=per_round, seed=scenario.seed * 100 + round_index
@@ -835,7 +836,7 @@ def adaptive_body(args: argparse.Namespace, model_dir: Path, served: str) -> int
         prompts = workload_prompts(args.workload, logs / "prompts.jsonl", max(64, *sizes.values()))
         runs = scenarios(prompts, sizes)
         print(f"model {served}; workload {args.workload}; {OUTPUT_LEN} tokens out; engine flags "
-              f"{' '.join(flags)}; {ADAPTIVE_ROUNDS} interleaved rounds per level; "
+              f"{' '.join(flags)}; {args.rounds} interleaved rounds per level; "
               f"logs in {logs}")  # fmt: skip
         warn_if_busy()
         for drafter in drafters:
@@ -845,7 +846,7 @@ def adaptive_body(args: argparse.Namespace, model_dir: Path, served: str) -> int
             schedules[drafter] = read_schedule(profile)[0]
             setups = drafter_setups(drafter, profile, args.static_k, kinds)
             groups[drafter] = measure_interleaved(
-                setups, runs, model_dir, served, logs, args.start_timeout, flags
+                setups, runs, model_dir, served, logs, args.start_timeout, flags, args.rounds
             )
     results = [v for d in drafters for v in adaptive_verdicts(groups[d], d, args.static_k)]
     print(f"adaptive speculation, workload {args.workload} (ratios vs none measured beside "
@@ -865,7 +866,7 @@ def adaptive_body(args: argparse.Namespace, model_dir: Path, served: str) -> int
         else results_path(args, f"spec_adaptive{suffix}.json"),
         {
             "workload": args.workload,
-            "rounds": ADAPTIVE_ROUNDS,
+            "rounds": args.rounds,
             "points": {d: [asdict(p) for p in groups[d]] for d in drafters},
             "static_k": args.static_k,
             "schedules": schedules,
@@ -954,6 +955,15 @@ def main() -> int:
         "random-looking answers; drafts accept little) (default chat)",
     )
     dynamic.add_argument(
+        "--rounds",
+        type=int,
+        default=ADAPTIVE_ROUNDS,
+        help="with --adaptive: interleaved rounds per concurrency, alternating the order of "
+        "the setups; the requests of a level are split between them, so more rounds weigh "
+        "the host's drift more evenly (default %(default)s; an even number keeps the orders "
+        "balanced)",
+    )
+    dynamic.add_argument(
         "--concurrency",
         type=concurrency_levels,
         default=None,
@@ -991,6 +1001,8 @@ def main() -> int:
         parser.error("--adaptive and --dynamic are two different comparisons; choose one")
     if args.drafter == "both" and not args.adaptive:
         parser.error("--drafter both only applies to --adaptive")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.concurrency and not args.adaptive:
         parser.error("--concurrency only applies to --adaptive")
     if args.workload != "chat" and not args.adaptive:
