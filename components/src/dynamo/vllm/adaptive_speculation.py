@@ -327,7 +327,12 @@ class StepCost:
         return table
 
     def step_ms(self, k: int, batch: int) -> float:
-        """The corrected step time at K, never below a smaller K's: a step verifies and
+        """The corrected step time at K (see `step_times`)."""
+        return self.step_times(batch, k)[k]
+
+    def step_times(self, batch: int, max_k: int = 0) -> list[float]:
+        """The corrected step time at every K up to the profile's largest (or `max_k`, if
+        larger), never below a smaller K's: a step verifies and
         drafts more tokens as K grows, so a K that measured cheaper than a smaller one
         measured noise (on CPU the steps of neighbouring Ks differ by a few percent, as
         much as two measurements of one K do), and must not win on it. Such Ks are
@@ -336,15 +341,19 @@ class StepCost:
         profile) price K = 2, measured over hundreds of steps at 0.82x, and n-gram stayed
         at K = 0 in most steps at one sequence where a static K = 2 served 1.14x no
         speculation."""
-        ks = range(max(k, self.profile.max_k) + 1)
-        times = [self.profiled_ms(j, batch) * self.correction(j, batch) for j in ks]
+        ks = range(max(max_k, self.profile.max_k) + 1)
+        profiled = [self.profiled_ms(j, batch) for j in ks]
+        times = [ms * self.correction(j, batch) for j, ms in zip(ks, profiled, strict=True)]
         fitted = monotone_fit(times, [self.weight(j, batch) for j in ks])
         # Never less over K = 0 than the profile's own excess: serving adds contention
         # to a drafting step, it does not take compute away. K = 0 and K = 1 measured at
         # different moments (the frontend busy with arrivals during one, not the other)
         # once put K = 1 at 1.04x K = 0 at 32 sequences, where the profile says 1.14x and
         # a static K = 2 served 0.69x no speculation.
-        return max(fitted[k], fitted[0] * self.profiled_ms(k, batch) / self.profiled_ms(0, batch))
+        return [
+            max(time, fitted[0] * ms / profiled[0])
+            for time, ms in zip(fitted, profiled, strict=True)
+        ]
 
     def weight(self, k: int, batch: int) -> float:
         """How many (decayed) steps measured K at the bucket of `batch`; an estimate
@@ -402,17 +411,25 @@ class AdaptiveK:
 
     def goodput(self, k: int, batch: int) -> float:
         """Expected tokens per second of the whole batch at K."""
-        return batch * self.acceptance.tokens_per_step(k) * 1000.0 / self.cost.step_ms(k, batch)
+        return self.goodputs(batch)[k]
+
+    def goodputs(self, batch: int) -> list[float]:
+        """`goodput` at every K from 0 to `max_k`, the step times fitted once."""
+        times = self.cost.step_times(batch)
+        return [
+            batch * self.acceptance.tokens_per_step(k) * 1000.0 / times[k]
+            for k in range(self.max_k + 1)
+        ]
 
     def best(self, batch: int) -> int:
         """The K with the highest goodput at `batch`; K > 0 must beat K = 0 by the margin,
         and the smaller K wins a tie."""
         if batch < 1:
             return 0
-        floor = self.goodput(0, batch) * (1.0 + self.settings.margin)
-        best_k, best_rate = 0, floor
+        rates = self.goodputs(batch)
+        best_k, best_rate = 0, rates[0] * (1.0 + self.settings.margin)
         for k in range(1, self.max_k + 1):
-            rate = self.goodput(k, batch)
+            rate = rates[k]
             if rate > best_rate * (1.0 + 1e-9):
                 best_k, best_rate = k, rate
         return best_k
@@ -459,8 +476,10 @@ class AdaptiveK:
         tokens = self._last_tokens_per_step
         if tokens is None:
             return False
-        one_draft = batch * tokens * 1000.0 / self.cost.step_ms(1, batch)
-        return one_draft > self.goodput(0, batch) * (1.0 + self.settings.margin)
+        times = self.cost.step_times(batch)
+        one_draft = batch * tokens * 1000.0 / times[1]
+        without = batch * self.acceptance.tokens_per_step(0) * 1000.0 / times[0]
+        return one_draft > without * (1.0 + self.settings.margin)
 
     def observe_verification(
         self,
