@@ -9,7 +9,8 @@
 # Order: runtime (NATS), kv indexer (alone), overhead (vLLM direct vs dynamo), scale (the
 # stack on nearly free mockers vs ai-dynamo 1.6.1), kv routing
 # (kv vs round-robin, two workers), disaggregation (1 prefill + 1 decode vs 1 worker), once
-# with both engines on all cores (as launch/disagg.sh) and once with split cores.
+# with both engines on all cores (as launch/disagg.sh) and once with split cores,
+# structured output, beam search (vLLM's server vs this stack), speculative decoding.
 # Each benchmark's whole console output goes to <results>/<name>.log as well. A benchmark
 # that fails does not stop the others; the script exits 1 at the end if any failed.
 # Run it on a quiet machine: the serving benchmarks measure wall-clock latencies.
@@ -95,6 +96,8 @@ run disagg_split '^disaggregated vs aggregated' \
   "$PY" benchmarks/disagg_bench.py "${SERVING_ARGS[@]}" --split-cores --json "$OUT/disagg_split.json"
 run structured_output '^structured output vs' \
   "$PY" benchmarks/structured_output_bench.py "${SERVING_ARGS[@]}" --json "$OUT/structured_output.json"
+run beam_search '^beam search: this stack' \
+  "$PY" benchmarks/beam_search_bench.py "${SERVING_ARGS[@]}" --json "$OUT/beam_search.json"
 run spec_decode '^speculative decoding vs none' \
   "$PY" benchmarks/spec_decode_bench.py "${SERVING_ARGS[@]}" --json "$OUT/spec_decode.json"
 # None vs static K vs the profiled K schedule at c=1..32 (profiles first, once, when
