@@ -1,5 +1,6 @@
 """`dynamo.vllm.free_k0`: at K = 0 the runner calls no drafter (n-gram, Eagle, Eagle3),
-and a step verifying no draft samples as an engine without speculation."""
+a step verifying no draft samples as an engine without speculation, and the engine core
+does not ask the runner for the drafts it did not make."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 
-from dynamo.vllm.free_k0 import RUNNER_MODULE, patch_runner_module
+from dynamo.vllm.free_k0 import (
+    ENGINE_CORE_MODULE,
+    RUNNER_MODULE,
+    SKIPPED_METHODS,
+    StepKnowsK,
+    patch_engine_core_module,
+    patch_runner_module,
+)
+from dynamo.vllm.speculation_opt_out import SpeculationOptOutScheduler
 from dynamo.vllm.speculative_resolution import drafting_is_free_at_k0
 
 
@@ -125,3 +134,78 @@ def test_vllms_runner_still_has_what_the_wrappers_read() -> None:
     assert "num_spec_tokens_to_schedule" in propose
     metadata = importlib.import_module("vllm.v1.spec_decode.metadata").SpecDecodeMetadata
     assert "num_draft_tokens" in metadata.__dataclass_fields__
+
+
+class FakeScheduler:
+    """Says the K of its last step, as `SpeculationOptOutScheduler` does."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def k_after_step(self) -> int:
+        return self.k
+
+
+class FakeEngineCore:
+    """Stands in for vLLM's `EngineCore`: how often `post_step` asked for drafts."""
+
+    def __init__(self, scheduler: object, method: str | None, *, asynchronous: bool = False):
+        self.scheduler = scheduler
+        config = None if method is None else SimpleNamespace(method=method)
+        self.vllm_config = SimpleNamespace(speculative_config=config)
+        self.async_scheduling = asynchronous
+        self.fetches = 0
+
+    def post_step(self, model_executed: bool) -> None:
+        if model_executed:
+            self.fetches += 1
+
+
+def core_class() -> type[FakeEngineCore]:
+    module = ModuleType("fake_core")
+    module.EngineCore = type("EngineCore", (FakeEngineCore,), {})  # type: ignore[attr-defined]
+    patch_engine_core_module(module)
+    patch_engine_core_module(module)  # once only
+    return module.EngineCore  # type: ignore[attr-defined,no-any-return]
+
+
+@pytest.mark.parametrize("method", sorted(SKIPPED_METHODS))
+def test_after_a_step_at_k0_the_engine_core_does_not_ask_for_drafts(method: str) -> None:
+    core = core_class()(FakeScheduler(0), method)
+    core.post_step(True)
+    assert core.fetches == 0
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "method", "asynchronous"),
+    [
+        (FakeScheduler(2), "ngram", False),  # drafts were asked for
+        (FakeScheduler(-1), "ngram", False),  # no step scheduled yet
+        (object(), "ngram", False),  # a scheduler that does not say its K
+        (FakeScheduler(0), "mtp", False),  # a drafter that still runs at K = 0
+        (FakeScheduler(0), "eagle3", True),  # asynchronous scheduling keeps vLLM's path
+    ],
+)
+def test_otherwise_the_engine_core_asks_as_vllm_does(
+    scheduler: object, method: str, asynchronous: bool
+) -> None:
+    core = core_class()(scheduler, method, asynchronous=asynchronous)
+    core.post_step(True)
+    assert core.fetches == 1
+
+
+def test_the_opt_out_scheduler_says_its_k_and_vllms_engine_core_still_reads_it() -> None:
+    """Every speculating worker's scheduler is a `StepKnowsK`; vLLM's `post_step` still
+    fetches drafts through the executor, guarded by the attributes the wrapper reads."""
+    assert issubclass(SpeculationOptOutScheduler, StepKnowsK)
+    scheduler = object.__new__(SpeculationOptOutScheduler)
+    assert scheduler.k_after_step() == -1
+    core = importlib.import_module(ENGINE_CORE_MODULE).EngineCore
+    source = inspect.getsource(inspect.unwrap(core.post_step))
+    assert "take_draft_token_ids" in source and "self.async_scheduling" in source
+    assert list(inspect.signature(inspect.unwrap(core.post_step)).parameters) == [
+        "self",
+        "model_executed",
+    ]
+    step_source = inspect.getsource(core.step)
+    assert "self.scheduler.schedule(" in step_source

@@ -15,9 +15,15 @@ grammar marks tokens it forbids: nothing is accepted from them, but their slots 
 still verified (vLLM pads a request's missing drafts with invalid tokens). The runner
 may still propose drafts for the request (n-gram's search, a drafter's forward pass run
 batched with the others); only their verification is saved.
+
+Every speculating worker runs this scheduler, so it is also where the engine core learns
+the K of each step (`k_after_step`): at K = 0 the runner drafts nothing (`free_k0`), and
+the engine core then skips asking the runner for drafts after the step.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from vllm import SamplingParams
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -38,7 +44,20 @@ def opted_out(sampling_params: SamplingParams | None) -> bool:
 
 
 class SpeculationOptOutScheduler(Scheduler):
-    """See the module."""
+    """See the module. It also remembers the K of the step it scheduled last
+    (`k_after_step`, what `free_k0` reads to skip fetching drafts that were never made)."""
+
+    _k_after_step = -1  # unknown until the first step is scheduled
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        output = super().schedule(*args, **kwargs)
+        self._k_after_step = output.num_spec_tokens_to_schedule
+        return output
+
+    def k_after_step(self) -> int:
+        """How many drafts per sequence the runner was asked to propose after the step
+        scheduled last (-1 before the first step)."""
+        return self._k_after_step
 
     def _opted_out(self, req_id: str) -> bool:
         request = self.requests.get(req_id)

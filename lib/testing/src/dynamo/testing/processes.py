@@ -79,6 +79,16 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def spare_core_env() -> dict[str, str]:
+    """The environment that binds a CPU engine's compute threads to this machine's last
+    core. vLLM's automatic binding puts every engine's threads on the first core and
+    keeps the last for its server processes, so an engine that must compute beside
+    another (a differential test's anchor) goes to the last one; nothing on a 1-core
+    machine."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[-1])} if len(cpus) > 1 else {}
+
+
 def start_launch_script(
     script: Path, env: Mapping[str, str], log_path: Path, *, new_session: bool = False
 ) -> subprocess.Popen[bytes]:
@@ -280,11 +290,13 @@ class VllmServerProcess(ManagedProcess):
         log_dir: Path,
         *,
         engine_flags: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.served = served
         flags = cpu_engine_flags() if engine_flags is None else engine_flags
-        super().__init__(name, vllm_server_argv(model, served, self.port, flags), log_dir)
+        argv = vllm_server_argv(model, served, self.port, flags)
+        super().__init__(name, argv, log_dir, env)
 
     @property
     def base_url(self) -> str:
