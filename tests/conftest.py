@@ -38,6 +38,10 @@ module's engines start while the other worker runs the unit and integration test
 pins an engine's compute threads to one core and leaves the other to its server, so the
 two lanes share the machine's two cores rather than fight over one."""
 
+OFF_ENGINE_LANE = frozenset({"test_model_prepare.py"})
+"""e2e modules that start no engine (the model's preparation converts weights only): they
+run beside the engine lane, with the unit and integration tests, instead of lengthening it."""
+
 
 def pytest_itemcollected(item: pytest.Item) -> None:
     """Marks by folder, as each test is collected: pytest-xdist reads `xdist_group` marks
@@ -46,7 +50,7 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     for folder, mark in _FOLDER_MARKS.items():
         if folder in parts:
             item.add_marker(mark)
-    if "e2e" in parts:
+    if "e2e" in parts and parts[-1] not in OFF_ENGINE_LANE:
         item.add_marker(ENGINE_LANE)
 
 

@@ -14,7 +14,8 @@ Claims:
 
 The workers run the tiny Eagle3 pair of `tiny_eagle3` (quick to load, and the drain then
 covers a speculating engine). Tests on `lifecycle_worker` run in file order; the SIGTERM
-test ends that worker, so it comes last among them.
+test ends that worker, so it comes last among them. The three workers the later tests end
+(`late_workers`) start together, once that worker is gone.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import contextlib
 import json
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,7 @@ from dynamo.testing.processes import (
     ENGINE_START_TIMEOUT_S,
     WorkerProcess,
     cpu_engine_flags,
+    stop_all,
     wait_while_alive,
 )
 from dynamo.testing.waiting import wait_until_async
@@ -55,6 +57,7 @@ MAX_MODEL_LEN = 512
 LONG_MODEL_LEN = 2048  # the target's max_position_embeddings
 DEREGISTER_WITHIN_S = 2.0
 ENGINE_SHUTDOWN_S = 30.0
+SHORT_DRAIN_S = 1.0  # the drain-timeout test's worker's --drain-timeout
 
 
 @dataclass
@@ -128,6 +131,27 @@ def lifecycle_worker(eagle3_pair, nats_url: str, e2e_log_dir: Path):
         yield worker, probes
     finally:
         worker.stop()
+
+
+@pytest.fixture(scope="module")
+def late_workers(
+    eagle3_pair, nats_url: str, e2e_log_dir: Path
+) -> Iterator[dict[str, WorkerProcess]]:
+    """The workers the drain-timeout and engine-death tests end, by name, started together
+    when the first of those tests asks (after the tests of `lifecycle_worker`): their
+    engines load side by side instead of one after another."""
+    workers = {
+        "short-drain": new_worker(
+            "short-drain", eagle3_pair, nats_url, e2e_log_dir,
+            extra=["--drain-timeout", str(SHORT_DRAIN_S)], max_model_len=LONG_MODEL_LEN,
+        ),
+        "doomed-idle": new_worker("doomed-idle", eagle3_pair, nats_url, e2e_log_dir),
+        "doomed-streaming": new_worker("doomed-streaming", eagle3_pair, nats_url, e2e_log_dir),
+    }  # fmt: skip
+    try:
+        yield workers
+    finally:
+        stop_all(workers.values())
 
 
 async def client_of(runtime: DistributedRuntime, worker: WorkerProcess) -> Client:
@@ -277,7 +301,7 @@ async def test_sigterm_deregisters_drains_and_exits_0(runtime, lifecycle_worker,
 
 
 async def test_sigterm_aborts_what_outlives_the_drain_timeout(
-    runtime, eagle3_pair, nats_url: str, e2e_log_dir: Path, tokenizer
+    runtime, late_workers: dict[str, WorkerProcess], tokenizer
 ) -> None:
     """`--drain-timeout 1`: a request that cannot finish in time is cut off after about
     one second with a terminal error frame, and the worker still exits 0.
@@ -286,11 +310,8 @@ async def test_sigterm_aborts_what_outlives_the_drain_timeout(
     output until the cut: how long the worker takes to start draining (deregistering over
     NATS first) then cannot decide the outcome, as it did when the test relied on a long
     request outlasting it (a loaded machine once let the whole request finish first)."""
-    drain_s = 1.0
-    worker = new_worker(
-        "short-drain", eagle3_pair, nats_url, e2e_log_dir,
-        extra=["--drain-timeout", str(drain_s)], max_model_len=LONG_MODEL_LEN,
-    )  # fmt: skip
+    drain_s = SHORT_DRAIN_S
+    worker = late_workers["short-drain"]
     core: psutil.Process | None = None
     try:
         await asyncio.to_thread(worker.wait_ready)
@@ -345,13 +366,11 @@ def engine_core_of(pid: int) -> psutil.Process:
 
 @pytest.mark.parametrize("in_flight", [False, True], ids=["idle", "streaming"])
 async def test_engine_core_death_deregisters_and_exits_1(
-    in_flight: bool, runtime, eagle3_pair, nats_url: str, e2e_log_dir: Path, tokenizer
+    in_flight: bool, runtime, late_workers: dict[str, WorkerProcess], tokenizer
 ) -> None:
     """Idle, the worker's watchdog notices; streaming, the request meets the dead engine
     and ends with an error output instead of hanging."""
-    worker = new_worker(
-        f"doomed-{'streaming' if in_flight else 'idle'}", eagle3_pair, nats_url, e2e_log_dir
-    )
+    worker = late_workers[f"doomed-{'streaming' if in_flight else 'idle'}"]
     try:
         await asyncio.to_thread(worker.wait_ready)
         client = await client_of(runtime, worker)
