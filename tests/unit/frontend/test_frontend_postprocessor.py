@@ -95,6 +95,56 @@ def test_stop_string_split_across_tokens_is_not_leaked(tokenizer: Any, step: int
     assert post.finished
 
 
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("step", [1, 3, 100])
+def test_a_stop_string_ends_the_response_at_the_token_that_completed_it(
+    tokenizer: Any, step: int, include: bool
+) -> None:
+    """However many tokens an output carries (speculation, or engine steps that queued up
+    behind a busy frontend), the tokens after the one that completed the stop string are
+    neither counted nor returned, nor their logprobs: the same answer as one token at a
+    time, which is what vLLM's own server gives."""
+    text = "The capital of Japan is Tokyo. It is a big city."
+    ids = _ids(tokenizer, text)
+    upto = next(i for i in range(len(ids)) if "." in tokenizer.decode(ids[: i + 1]))
+    logprobs = [TokenLogprob(token_id=t, logprob=-0.5) for t in ids]
+    post = _post(
+        tokenizer,
+        _plan(stop_strings=(".",), include_stop_str=include, logprobs=0, return_token_ids=True),
+    )
+    deltas = [
+        post.process(
+            [LLMEngineOutput(token_ids=ids[i : i + step], log_probs=logprobs[i : i + step])]
+        )
+        for i in range(0, len(ids), step)
+        if not post.finished
+    ]
+    assert "".join(d.text for d in deltas) == (
+        "The capital of Japan is Tokyo." if include else "The capital of Japan is Tokyo"
+    )
+    assert deltas[-1].finish_reason == "stop"
+    assert post.usage().completion_tokens == upto + 1
+    assert [t for d in deltas for t in d.generated_ids] == ids[: upto + 1]
+    assert sum(len(d.logprobs or []) for d in deltas) == upto + 1
+
+
+def test_a_multi_token_output_that_ends_the_stream_keeps_its_end(tokenizer: Any) -> None:
+    """Split token by token, the last piece still carries the finish reason and usage."""
+    ids = _ids(tokenizer, "No stop here")
+    post = _post(tokenizer, _plan(stop_strings=("Goodbye",)))
+    usage = CompletionUsage(prompt_tokens=3, completion_tokens=len(ids) + 1, total_tokens=0)
+    delta = post.process(
+        [
+            LLMEngineOutput(
+                token_ids=[*ids, EOS], finish_reason=FinishReason.EOS, completion_usage=usage
+            )
+        ]
+    )
+    assert delta.text == "No stop here"
+    assert delta.finish_reason == "stop"
+    assert post.usage().completion_tokens == len(ids) + 1
+
+
 def test_text_held_for_a_possible_stop_is_released_at_the_end(tokenizer: Any) -> None:
     ids = _ids(tokenizer, "ends with Good")
     post = _post(tokenizer, _plan(stop_strings=("Goodbye",)))

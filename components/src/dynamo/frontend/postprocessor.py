@@ -9,8 +9,10 @@ stop strings (never leaked), hidden stop tokens, logprobs, finish reason and usa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+
+import msgspec
 
 from dynamo.frontend.detokenizer import DecodeFn, IncrementalDetokenizer, TokenTexts
 from dynamo.frontend.openai_types import (
@@ -30,6 +32,23 @@ _OPENAI_FINISH = {
     FinishReason.LENGTH: "length",
     FinishReason.CANCELLED: "abort",  # aborted by the engine (vLLM's name for it)
 }
+
+
+def one_token_outputs(output: LLMEngineOutput) -> Iterator[LLMEngineOutput]:
+    """`output` split into one output per token, the way vLLM's detokenizer checks stop
+    strings: a worker's output carries several tokens with speculation, or when engine
+    steps queued up behind a busy consumer, and a stop string completed by one of them
+    ends the response there (later tokens are neither counted nor returned, whatever the
+    timing). Each piece keeps its token's logprobs; the last keeps how the output ended
+    (finish and stop reasons, usage, statistics)."""
+    ids, logprobs = output.token_ids, output.log_probs
+    last = len(ids) - 1
+    for i, token in enumerate(ids):
+        own = logprobs[i : i + 1] if logprobs else None
+        if i == last:
+            yield msgspec.structs.replace(output, token_ids=[token], log_probs=own)
+        else:
+            yield LLMEngineOutput(token_ids=[token], index=output.index, log_probs=own)
 
 
 def speculative_decoding_metrics(stats: SpecDecodeStats) -> SpeculativeDecodingMetrics:
@@ -253,6 +272,22 @@ class Postprocessor:
     # ------------------------------------------------------------------ internals
 
     def _step(self, output: LLMEngineOutput, delta: TextDelta, parts: list[str]) -> None:
+        """One output; with stop strings to watch, one token at a time (`one_token_outputs`),
+        so a stop string ends the response at the token that completed it."""
+        if (
+            self._stops.active
+            and len(output.token_ids) > 1
+            and output.error is None
+            and output.finish_reason is not FinishReason.ERROR
+        ):
+            for piece in one_token_outputs(output):
+                self._step_output(piece, delta, parts)
+                if self.finished:
+                    return
+            return
+        self._step_output(output, delta, parts)
+
+    def _step_output(self, output: LLMEngineOutput, delta: TextDelta, parts: list[str]) -> None:
         ids = output.token_ids
         self._counts.completion_tokens += len(ids)
         delta.token_count += len(ids)
