@@ -32,12 +32,11 @@ import json
 import statistics
 import sys
 import time
-import urllib.error
-import urllib.request
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dynamo.testing.http import http_post_json
 from harness import (
     CPU_ENGINE_FLAGS,
     BenchError,
@@ -139,21 +138,15 @@ def prompt_of(subject: str) -> str:
 
 def timed_request(stack: Stack, body: dict[str, Any], timeout: float = 300.0) -> float:
     """Seconds one `/v1/completions` request took; a status other than 200 is an error."""
-    request = urllib.request.Request(
-        f"{stack.base_url}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
     start = time.perf_counter()
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            reply = json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        raise BenchError(f"{stack.base_url}: HTTP {exc.code}: {exc.read()[:300]!r}") from exc
+    status, text = http_post_json(f"{stack.base_url}/v1/completions", body, timeout)
     took = time.perf_counter() - start
+    if status != 200:
+        raise BenchError(f"{stack.base_url}: HTTP {status}: {text[:300]!r}")
+    choices = json.loads(text).get("choices", [])
     want = body.get("n", 1)
-    if len(reply.get("choices", [])) != want:
-        raise BenchError(f"{stack.base_url}: {len(reply.get('choices', []))} choices, not {want}")
+    if len(choices) != want:
+        raise BenchError(f"{stack.base_url}: {len(choices)} choices, not {want}")
     return took
 
 
