@@ -8,7 +8,9 @@ import msgspec
 import pytest
 
 from dynamo.vllm.adaptive_speculation import (
+    BASELINE_STEPS,
     RATIO_BOUNDS,
+    UPWARD_STEPS,
     AdaptationError,
     AdaptationSettings,
     AdaptiveK,
@@ -299,6 +301,58 @@ def test_steps_that_draft_are_followed_now_and_then_by_two_at_k0_to_measure_it()
         ),
     )
     assert [acceptance_only.choose(1) for _ in range(14)] == [3] * 14
+
+
+def test_below_the_largest_k_every_other_measurement_run_probes_the_next_k_up() -> None:
+    """Drafting at K = 1 (the largest K that pays by the estimate), runs of `probe_every`
+    steps end in turn with the two steps at K = 0 and with UPWARD_STEPS at K = 2: a K
+    never chosen is measured all the same."""
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
+    for _ in range(30):  # K = 2 and 3 measured dear at one sequence: K = 1 is best there
+        for k, ratio in ((0, 1.0), (1, 1.0), (2, 1.6), (3, 1.6)):
+            chooser.observe_step(k, 1, ratio * chooser.cost.profiled_ms(k, 1))
+    assert chooser.best(1) == 1
+    steps = 2 * FAST.probe_every + BASELINE_STEPS + UPWARD_STEPS
+    chosen = [chooser.choose(1) for _ in range(steps)]
+    assert chosen == (
+        [1] * FAST.probe_every + [0] * BASELINE_STEPS + [1] * FAST.probe_every + [2] * UPWARD_STEPS
+    )
+
+
+def serve_steps(chooser: AdaptiveK, batch: int, served_ratio: list[float], steps: int) -> list[int]:
+    """`steps` steps of `batch` sequences, the chooser's K each, timed as the scheduler
+    times them: a step is measured (at `served_ratio[k]` of the profile) only when the
+    drafts it verified were as many as it drafts, that is after a step at the same K."""
+    chosen: list[int] = []
+    for _ in range(steps):
+        k = chooser.choose(batch)
+        if chosen and chosen[-1] == k:
+            chooser.observe_step(k, batch, served_ratio[k] * chooser.cost.profiled_ms(k, batch))
+        chosen.append(k)
+    return chosen
+
+
+def test_a_larger_k_priced_from_another_batch_size_is_measured_and_climbed_to() -> None:
+    """The trap Eagle3 fell into at one sequence: K = 2 and 3 measured only in warm-up
+    steps at 4 sequences, at 2x the profile, beside K = 0 at 1x; at one sequence K = 0
+    and K = 1 served at 0.88x and 0.9x, so K = 2 and 3 are priced there at 0.88 x 2 of
+    the profile and K = 1 wins, while served they cost 0.85x and 0.8x. Measured by the
+    upward probes, K climbs to 3, where the goodput is."""
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
+    for _ in range(5):
+        for k, ratio in ((0, 1.0), (1, 1.0), (2, 2.0), (3, 2.0)):
+            chooser.observe_step(k, 4, ratio * chooser.cost.profiled_ms(k, 4))
+    served = [0.88, 0.9, 0.85, 0.8]
+    for k in (0, 1):
+        for _ in range(30):
+            chooser.observe_step(k, 1, served[k] * chooser.cost.profiled_ms(k, 1))
+    assert chooser.best(1) == 1
+    chosen = serve_steps(chooser, 1, served, 200)
+    assert chooser.best(1) == 3
+    # By then: K = 3, and the steps at K = 0 that keep it measured (2 in every 7 here).
+    tail = chosen[-100:]
+    assert set(tail) == {0, 3}
+    assert tail.count(3) >= 70
 
 
 def test_served_drafting_never_costs_less_beside_k0_than_the_profile_says() -> None:

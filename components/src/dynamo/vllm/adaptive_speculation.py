@@ -41,7 +41,14 @@ the acceptance measured before it has faded, and the probe speaks for today's tr
 The other way round, with step times adapting, `probe_every` steps in a row that draft
 are followed by two at K = 0 (the second verifies nothing and drafts nothing, a clean
 measurement): K = 0 is then priced by served measurement like the Ks that run, not at
-the profile's price beside Ks that carry their served correction.
+the profile's price beside Ks that carry their served correction. Every other such run,
+below the largest K, is followed instead by UPWARD_STEPS at the next K up (the first
+verifies the smaller K's drafts, the others are clean measurements): a K that is never
+chosen is never measured, and a larger K priced from steps at another batch size can
+look dear where it is cheap (seen: Eagle3 at one sequence held at K = 1, 1.14x no
+speculation, its K = 3 priced from a few warm-up steps at 4 sequences at 1.29x the
+profile where served it costs 0.76x, and a static K = 3 served 1.44x). K climbs one
+step per probe while each pays.
 
 Pure arithmetic on plain numbers (no vLLM import): the scheduler feeds it and asks it,
 and the unit tests drive it with synthetic counts.
@@ -75,6 +82,9 @@ with step times adapting, also steps in a row that draft after which two run at 
 re-measure what a step without drafts costs."""
 BASELINE_STEPS = 2
 """Steps at K = 0 that re-measure its cost: the first still verifies the drafts before it."""
+UPWARD_STEPS = 3
+"""Steps at the next K up that measure it where it was not chosen: the first still
+verifies the smaller K's drafts, the other two are measured."""
 RATIO_BOUNDS = (0.25, 4.0)
 """A measured step further than this from the profile's (as a ratio) counts at the bound:
 one stall, the machine busy with something else, must not decide for a whole window."""
@@ -406,6 +416,9 @@ class AdaptiveK:
         self._steps_at_zero = 0
         self._steps_drafting = 0
         self._baseline_left = 0  # steps at K = 0 still to run to measure it
+        self._upward_left = 0  # steps at `_upward_k` still to run to measure it
+        self._upward_k = 0
+        self._upward_next = False  # the next run of drafting steps ends with an upward probe
         self._last_tokens_per_step: float | None = None
         """Tokens per sequence-step one draft gave in the last verified step."""
 
@@ -457,14 +470,23 @@ class AdaptiveK:
 
     def _drafting(self, k: int) -> int:
         """`k`, unless the steps that draft have run `probe_every` in a row with step times
-        adapting: then BASELINE_STEPS at K = 0, to measure it by the same clock."""
+        adapting: then BASELINE_STEPS at K = 0, to measure it by the same clock, or, every
+        other time and below the largest K, UPWARD_STEPS at K + 1 (see the module)."""
         if self._baseline_left > 0:
             self._baseline_left -= 1
             return 0
+        if self._upward_left > 0:
+            self._upward_left -= 1
+            return self._upward_k
         self._steps_drafting += 1
         if self.settings.adapt_step_times and self._steps_drafting >= self.settings.probe_every:
             self._steps_drafting = 0
-            self._baseline_left = BASELINE_STEPS
+            if self._upward_next and k < self.max_k:
+                self._upward_next = False
+                self._upward_k, self._upward_left = k + 1, UPWARD_STEPS
+            else:
+                self._upward_next = True
+                self._baseline_left = BASELINE_STEPS
         return k
 
     def _last_step_pays(self, batch: int) -> bool:
