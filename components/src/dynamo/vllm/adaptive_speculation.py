@@ -222,6 +222,8 @@ class StepCost:
     profile: SpeculationProfile
     decay: float
     k0_ms: Sequence[float]  # what a step without drafting costs (the plain engine's)
+    trusted_steps: float = DEFAULT_WINDOW_STEPS / 2
+    """Measured steps of a K at a bucket after which its time stands (`trusted`)."""
     ratios: dict[int, dict[int, DecayedRate]] = field(default_factory=dict)
     """K -> batch bucket (`batch_bucket`) -> measured over profiled time."""
 
@@ -355,15 +357,23 @@ class StepCost:
         profiled = [self.profiled_ms(j, batch) for j in ks]
         times = [ms * self.correction(j, batch) for j, ms in zip(ks, profiled, strict=True)]
         fitted = monotone_fit(times, [self.weight(j, batch) for j in ks])
-        # Never less over K = 0 than the profile's own excess: serving adds contention
-        # to a drafting step, it does not take compute away. K = 0 and K = 1 measured at
-        # different moments (the frontend busy with arrivals during one, not the other)
-        # once put K = 1 at 1.04x K = 0 at 32 sequences, where the profile says 1.14x and
-        # a static K = 2 served 0.69x no speculation.
+        # Not less over K = 0 than the profile's own excess, until K has run here long
+        # enough to speak for itself: serving adds contention to a drafting step, and K = 0
+        # and K = 1 measured at different moments (the frontend busy with arrivals during
+        # one, not the other) once put K = 1 at 1.04x K = 0 at 32 sequences, where the
+        # profile says 1.14x and a static K = 2 served 0.69x no speculation. But the
+        # profile's excess is one measurement too: at one sequence it put Eagle3's K = 3
+        # at 1.31x K = 0 where served steps measured 1.16x over hundreds of steps, and
+        # held that way K = 3 only tied K = 1 where a static K = 3 served 1.2x as much.
         return [
-            max(time, fitted[0] * ms / profiled[0])
-            for time, ms in zip(fitted, profiled, strict=True)
+            time if self.trusted(k, batch) else max(time, fitted[0] * ms / profiled[0])
+            for k, (time, ms) in enumerate(zip(fitted, profiled, strict=True))
         ]
+
+    def trusted(self, k: int, batch: int) -> bool:
+        """Whether K has run at the bucket of `batch` for half a window of measured steps
+        (decayed): then its own time stands without the profile's excess as a floor."""
+        return k > 0 and self.weight(k, batch) >= self.trusted_steps
 
     def weight(self, k: int, batch: int) -> float:
         """How many (decayed) steps measured K at the bucket of `batch`; an estimate
@@ -412,7 +422,12 @@ class AdaptiveK:
             profile.acceptance_per_position[: self.max_k], profile.drafted_fraction, self.settings
         )
         plain = profile.no_speculation_step_ms if free_k0 else []
-        self.cost = StepCost(profile, decay, plain or profile.times_for(0).step_ms)
+        self.cost = StepCost(
+            profile,
+            decay,
+            plain or profile.times_for(0).step_ms,
+            trusted_steps=self.settings.window_steps / 2,
+        )
         self._steps_at_zero = 0
         self._steps_drafting = 0
         self._baseline_left = 0  # steps at K = 0 still to run to measure it
