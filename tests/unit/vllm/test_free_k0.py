@@ -59,8 +59,14 @@ def runner_class() -> type[FakeRunner]:
     return module.GPUModelRunner  # type: ignore[attr-defined,no-any-return]
 
 
-def step(k: int) -> SimpleNamespace:
-    return SimpleNamespace(num_spec_tokens_to_schedule=k)
+def step(k: int, scheduled: dict[str, int] | None = None) -> SimpleNamespace:
+    """A scheduler output at `k` whose requests compute `scheduled` tokens each (default:
+    two decoding requests, one token each, no drafts to verify)."""
+    return SimpleNamespace(
+        num_spec_tokens_to_schedule=k,
+        num_scheduled_tokens=scheduled or {"a": 1, "b": 1},
+        scheduled_spec_decode_tokens={},
+    )
 
 
 def test_ngram_at_k0_answers_an_empty_list_per_sequence_without_searching() -> None:
@@ -78,6 +84,29 @@ def test_eagle_at_k0_answers_a_zero_width_tensor_without_a_forward_pass(method: 
     drafts = runner.propose_draft_token_ids(step(0), torch.zeros((5, 4), dtype=torch.int64))
     assert isinstance(drafts, torch.Tensor)
     assert drafts.shape == (5, 0) and drafts.dtype == torch.int64
+    assert runner.drafter_runs == 0
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_at_k0_still_runs_its_pass_over_prompt_tokens(method: str) -> None:
+    """A new request's prompt (or a chunk of one) in a step at K = 0 reaches Eagle's
+    drafter, which then reads the sampler's layout: no plain sampling either. Drafts
+    verified with a step's one new token are not prompt tokens."""
+    runner = runner_class()(method, [0, 0])
+    prefill = step(0, {"new": 40, "decoding": 1})
+    assert runner.propose_draft_token_ids(prefill, torch.zeros((2, 1))) == "drafted"
+    assert runner._prepare_inputs(prefill, None) == ("rows", runner.metadata, 1)
+    verifying = step(0, {"a": 3, "b": 1})
+    verifying.scheduled_spec_decode_tokens = {"a": [7, 8]}
+    drafts = runner.propose_draft_token_ids(verifying, torch.zeros((2, 3)))
+    assert isinstance(drafts, torch.Tensor) and drafts.shape == (2, 0)
+    assert runner.drafter_runs == 1
+
+
+def test_ngram_at_k0_skips_its_search_over_prompts_too() -> None:
+    """n-gram keeps no state: nothing to see in a prompt before it is asked to draft."""
+    runner = runner_class()("ngram")
+    assert runner.propose_draft_token_ids(step(0, {"new": 40}), [[1]]) == [[]]
     assert runner.drafter_runs == 0
 
 
@@ -134,6 +163,9 @@ def test_vllms_runner_still_has_what_the_wrappers_read() -> None:
     assert "num_spec_tokens_to_schedule" in propose
     metadata = importlib.import_module("vllm.v1.spec_decode.metadata").SpecDecodeMetadata
     assert "num_draft_tokens" in metadata.__dataclass_fields__
+    output = importlib.import_module("vllm.v1.core.sched.output").SchedulerOutput
+    for name in ("num_scheduled_tokens", "scheduled_spec_decode_tokens"):
+        assert name in output.__dataclass_fields__
 
 
 class FakeScheduler:

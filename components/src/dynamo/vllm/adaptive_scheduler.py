@@ -91,7 +91,9 @@ class AdaptiveSpeculationScheduler(SpeculationOptOutScheduler):
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         decoding, prefilling = self._batch_of(scheduler_output)
-        k = self.chooser.choose(decoding)
+        # A step of prompts alone (at one request at a time, each request's first) drafts
+        # for the batch that decodes next; a run of them is no run of K = 0 steps.
+        k = self.chooser.choose(decoding) if decoding else self.chooser.best(prefilling)
         scheduler_output.num_spec_tokens_to_schedule = k
         if decoding:
             self.shared.write(k)

@@ -26,7 +26,13 @@ model runner still does two kinds of work for drafts that do not exist:
 What skipping Eagle's pass costs: the drafter's KV cache has no entry for the positions
 decoded at K = 0, and when drafting resumes its attention reads whatever those slots
 hold. Measured on the shipped Eagle3 head (docs/speculative_decoding.md, "A free K = 0"),
-that costs less acceptance than a catch-up pass would cost time, so there is none.
+that costs less acceptance than a catch-up pass would cost time, so there is none. A
+prompt is another matter: a step at K = 0 that carries prompt tokens (a new request, a
+chunk of a long prompt) still runs Eagle's pass, or every draft of that request would
+attend over a prompt its drafter never saw. Skipped there, adaptive Eagle3 at one
+sequence (where each request's prefill runs alone, with no sequence decoding, at K = 0)
+accepted 0.39 / 0.12 / 0.04 at positions 0-2 where a static K = 3 accepts 0.41 / 0.17 /
+0.08.
 
 Only methods whose skip was measured take it: n-gram (stateless), Eagle and Eagle3.
 Suffix decoding updates its tree when it proposes, MTP and draft models were not
@@ -59,6 +65,8 @@ RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 ENGINE_CORE_MODULE = "vllm.v1.engine.core"
 SKIPPED_METHODS = frozenset({"ngram", "eagle", "eagle3"})
 """Speculative methods whose drafter the runner skips at K = 0 (see the module)."""
+DRAFTERS_WITH_KV = frozenset({"eagle", "eagle3"})
+"""Of those, the drafters that keep a KV cache: they still see every prompt token."""
 _PATCHED = "_dynamo_free_k0"
 
 
@@ -71,9 +79,25 @@ class StepKnowsK(Protocol):
         ...
 
 
-def skips_drafting(runner: Any, k: int) -> bool:
-    """Whether `runner`'s step at `k` calls no drafter."""
-    return k == 0 and drafter_skipped_at_k0(runner.speculative_config, runner.use_async_scheduling)
+def skips_drafting(runner: Any, scheduler_output: Any) -> bool:
+    """Whether `runner`'s step calls no drafter: its K is 0, the method's drafter is
+    skipped at K = 0, and a drafter with a KV cache gets no prompt tokens in this step."""
+    config = runner.speculative_config
+    return (
+        scheduler_output.num_spec_tokens_to_schedule == 0
+        and drafter_skipped_at_k0(config, runner.use_async_scheduling)
+        and not (config.method in DRAFTERS_WITH_KV and carries_prompt_tokens(scheduler_output))
+    )
+
+
+def carries_prompt_tokens(scheduler_output: Any) -> bool:
+    """Whether a step computes tokens other than each request's one new token and the
+    drafts it verifies: a prompt, or a chunk of one."""
+    drafts = scheduler_output.scheduled_spec_decode_tokens
+    return any(
+        tokens > 1 + len(drafts.get(req_id, ()))
+        for req_id, tokens in scheduler_output.num_scheduled_tokens.items()
+    )
 
 
 def drafter_skipped_at_k0(speculative_config: Any, asynchronous: bool) -> bool:
@@ -126,7 +150,7 @@ def skipping_drafter_at_k0(propose: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(
         self: Any, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        if not skips_drafting(self, scheduler_output.num_spec_tokens_to_schedule):
+        if not skips_drafting(self, scheduler_output):
             return propose(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         # What vLLM's own method resets before drafting: no draft, so no draft probabilities.
         self._draft_probs = None
@@ -155,7 +179,7 @@ def plain_sampling_without_drafts(prepare_inputs: Callable[..., Any]) -> Callabl
         no_draft = metadata is not None and not any(metadata.num_draft_tokens)
         if no_draft and (
             self.speculative_config.method == "ngram"  # stateless: never reads the layout
-            or skips_drafting(self, scheduler_output.num_spec_tokens_to_schedule)
+            or skips_drafting(self, scheduler_output)
         ):
             metadata = None
         return logits_indices, metadata, max_sampled
