@@ -42,6 +42,7 @@ from dynamo.runtime import (
     ErrorKind,
     InstanceOverloadedError,
     InvalidRequestError,
+    NoResponderError,
     RemoteError,
     RequestNotAcceptedError,
     RequestTooLargeError,
@@ -401,7 +402,6 @@ async def test_a_request_lost_on_its_way_fails_fast_and_a_slow_handler_does_not(
 
     assert served.server is not None
     subject = served.server.subject
-    await served.server.stop_accepting()
     swallowed: list[bytes] = []
     stops: list[bytes] = []
 
@@ -412,13 +412,32 @@ async def test_a_request_lost_on_its_way_fails_fast_and_a_slow_handler_does_not(
         stops.append(msg.data)
         probe.closed.set()
 
+    # The swallowing subscription first, then the handler's goes: the subject never
+    # has no subscriber at all.
     await worker_rt.nc.subscribe(subject, cb=swallow)
     await worker_rt.nc.subscribe(naming.control_subject(instance), cb=record_stop)
     await worker_rt.nc.flush()
-    started = asyncio.get_running_loop().time()
-    lost = client.direct(b"y", instance, accept_timeout=0.3, first_item_timeout=STEP_TIMEOUT_S)
-    with pytest.raises(RequestNotAcceptedError, match="did not confirm the request"):
-        await first_item(lost)
+    await served.server.stop_accepting()
+    await worker_rt.nc.flush()
+    for _ in range(3):
+        started = asyncio.get_running_loop().time()
+        lost = client.direct(b"y", instance, accept_timeout=0.3, first_item_timeout=STEP_TIMEOUT_S)
+        try:
+            await first_item(lost)
+        except NoResponderError:
+            # Seen once in a full suite on a loaded host (and once in 12 runs of this test
+            # alone with the cores busy, never since in 100): NATS answered that the
+            # subject had no subscriber when the request came, cause not pinned (a
+            # reconnect of the worker's connection after missed pings would do it). That
+            # fails fast too, but is not what this test is about: send again.
+            await asyncio.sleep(0.5)
+            continue
+        except RequestNotAcceptedError as exc:
+            assert "did not confirm the request" in str(exc)
+            break
+        pytest.fail("a request no handler saw produced an item")
+    else:
+        pytest.fail("three requests in a row found no subscriber on the instance's subject")
     assert asyncio.get_running_loop().time() - started < STEP_TIMEOUT_S / 2
     await lost.aclose()
     assert len(swallowed) == 1  # it did reach NATS: only the handler never saw it
