@@ -13,6 +13,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from dynamo.llm.models import model_dir
 from dynamo.vllm import spec_config as sc
 from dynamo.vllm.args import parse_worker_args
+from dynamo.vllm.speculative_resolution import SRC_PREFIX_DEFAULT, keep_whole_prefix_hit
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "engine_configs"
 ALL_FILES = sorted(CONFIG_DIR.rglob("*.yaml"))
@@ -67,6 +68,8 @@ def test_every_file_resolves_into_a_worker_config(path: Path, tiny_model: Path) 
     )
     assert cfg.disaggregation_mode == mode
     expected, resolved = translate(path).speculative, cfg.speculative_config
+    if keep_whole_prefix_hit(expected):  # the worker's default for Eagle, on top of the file
+        assert cfg.sources["speculative_config.disable_eagle_block_drop"] == SRC_PREFIX_DEFAULT
     assert {k: v for k, v in resolved.items() if k != "model"} == {
         k: v for k, v in expected.items() if k != "model"
     }

@@ -29,6 +29,7 @@ from dynamo.vllm.args import (
     resolved_config_yaml,
 )
 from dynamo.vllm.speculation_profile import SpeculationProfile, StepTimes, save_profile
+from dynamo.vllm.speculative_resolution import SRC_PREFIX_DEFAULT
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
@@ -548,11 +549,32 @@ def test_speculators_checkpoint_as_model(speculators_checkpoint: Path, tiny_mode
         "method": "eagle3",
         "model": str(speculators_checkpoint),
         "num_speculative_tokens": 4,
+        "disable_eagle_block_drop": True,  # keep_whole_prefix_hit
     }
     assert cfg.served_model_name == "tiny-llama"
     assert (cfg.engine_args.max_model_len, cfg.engine_args.seed) == (1024, 3)
     assert cfg.sources["model"] == "speculators checkpoint verifier"
     assert cfg.sources["speculative_config.method"] == "speculators checkpoint"
+
+
+def test_eagle_workers_reuse_the_whole_prefix_hit_unless_told(
+    speculators_checkpoint: Path,
+) -> None:
+    argv = ["--model", str(speculators_checkpoint), "--dry-run"]
+    cfg = parse_worker_args(argv)
+    assert cfg.speculative_config["disable_eagle_block_drop"] is True
+    assert cfg.sources["speculative_config.disable_eagle_block_drop"] == SRC_PREFIX_DEFAULT
+    # An explicit value from any source wins, and is reported as that source's.
+    told = json.dumps({"disable_eagle_block_drop": False})
+    cfg = parse_worker_args([*argv, "--speculative-config", told])
+    assert cfg.speculative_config["disable_eagle_block_drop"] is False
+    assert cfg.sources["speculative_config.disable_eagle_block_drop"] == "--speculative-config"
+
+
+def test_methods_without_an_eagle_drafter_keep_vllms_prefix_handling(parse) -> None:
+    cfg = parse("--speculative-config", json.dumps(NGRAM))
+    assert "disable_eagle_block_drop" not in cfg.speculative_config
+    assert not any("disable_eagle_block_drop" in key for key in cfg.sources)
 
 
 def test_speculators_proposal_yields_to_higher_sources(speculators_checkpoint: Path) -> None:
