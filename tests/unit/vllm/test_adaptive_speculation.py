@@ -14,6 +14,7 @@ from dynamo.vllm.adaptive_speculation import (
     AdaptationError,
     AdaptationSettings,
     AdaptiveK,
+    batch_bucket,
     monotone_fit,
 )
 from dynamo.vllm.speculation_profile import SpeculationProfile, StepTimes
@@ -455,6 +456,39 @@ def test_a_drafting_k_run_for_half_a_window_is_priced_at_its_own_measurement() -
     assert cost.trusted(3, 1)
     # Its own time (pooled a little with K = 2's borrowed 0.9x, which weighs one step).
     assert cost.step_ms(3, 1) == pytest.approx(0.8 * cost.profiled_ms(3, 1), rel=0.01)
+
+
+def test_an_unmeasured_k_is_held_to_the_excess_serving_widened_elsewhere() -> None:
+    """Seen entering 16 sequences: neither K had run there; K = 0 was priced from the
+    buckets either side, K = 1 from a smaller one, so only the profile's excess over
+    K = 0 held K = 1 up, while at the smaller bucket serving had widened that excess
+    1.33x; about 75 steps drafted at a loss. The floor of a K not yet trusted carries
+    that widening; a narrowing does not lower it."""
+    chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
+    cost = chooser.cost
+    for _ in range(30):
+        chooser.observe_step(0, 1, 0.9 * cost.profiled_ms(0, 1))
+        chooser.observe_step(1, 1, 1.2 * cost.profiled_ms(1, 1))
+        chooser.observe_step(0, 16, 2.0 * cost.profiled_ms(0, 16))
+    widening = cost.widening(1, batch_bucket(4))
+    assert widening == pytest.approx(1.2 / 0.9, rel=0.01)  # from the fitted times at 1
+    assert cost.widening(2, batch_bucket(4)) == widening  # K = 2 never ran: K = 1's
+    k0 = cost.step_ms(0, 4)
+    assert k0 == pytest.approx((0.9 + 2.0) / 2 * cost.profiled_ms(0, 4))  # either side
+    profile_excess = cost.profiled_ms(1, 4) / cost.profiled_ms(0, 4)
+    assert cost.step_ms(1, 4) == pytest.approx(k0 * profile_excess * widening)
+    # One draft accepted 40% of the time pays at the profile's excess (1.33x) but not at
+    # the served one (1.78x).
+    feed_acceptance(chooser, [0.4, 0.2, 0.1], steps=200)
+    assert chooser.best(4) == 0
+    narrower = AdaptiveK(PROFILE, max_k=3, settings=FAST)
+    for _ in range(30):
+        narrower.observe_step(0, 1, 1.0 * narrower.cost.profiled_ms(0, 1))
+        narrower.observe_step(1, 1, 0.8 * narrower.cost.profiled_ms(1, 1))
+        narrower.observe_step(0, 16, 1.0 * narrower.cost.profiled_ms(0, 16))
+    assert narrower.cost.step_ms(1, 4) == pytest.approx(
+        narrower.cost.step_ms(0, 4) * profile_excess
+    )
 
 
 @pytest.mark.parametrize(

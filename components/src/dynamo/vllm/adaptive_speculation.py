@@ -57,7 +57,7 @@ and the unit tests drive it with synthetic counts.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -226,6 +226,8 @@ class StepCost:
     """Measured steps of a K at a bucket after which its time stands (`trusted`)."""
     ratios: dict[int, dict[int, DecayedRate]] = field(default_factory=dict)
     """K -> batch bucket (`batch_bucket`) -> measured over profiled time."""
+    _fitted: dict[tuple[int, int], list[float]] = field(default_factory=dict, repr=False)
+    """`fitted_times` by (batch, max_k), until the next measured step."""
 
     def profiled_ms(self, k: int, batch: int) -> float:
         times = self.k0_ms if k == 0 else self.profile.times_for(k).step_ms
@@ -240,6 +242,7 @@ class StepCost:
         ratio = self.ratios.setdefault(k, {}).setdefault(batch_bucket(batch), DecayedRate(0, 0))
         ratio.fade(self.decay)
         ratio.add(sample, 1.0)
+        self._fitted.clear()
 
     def correction(self, k: int, batch: int | None = None) -> float:
         """Measured over profiled time for K at `batch` (None: over every batch size,
@@ -290,6 +293,34 @@ class StepCost:
         plain = self._bucket(0, bucket)
         if plain is None:
             return None
+        excess = self._nearest_beside_k0(
+            k, bucket, lambda b: self.ratios[k][b].rate(1.0) / (self._bucket(0, b) or 1.0)
+        )
+        return None if excess is None else plain * excess
+
+    def widening(self, k: int, bucket: int) -> float:
+        """How much wider a drafting K's excess over K = 0 was served than profiled, at
+        the nearest bucket to `bucket` where both ran (the mean of two as near), from the
+        fitted step times there (`fitted_times`, so a few steps of one K do not speak
+        louder than the fit). A K that never ran beside K = 0 takes the widening of the
+        largest smaller K that did (drafting more adds at least as much); 1 where none
+        did."""
+        for j in range(k, 0, -1):
+            widening = self._nearest_beside_k0(j, bucket, lambda b, j=j: self._widening_at(j, b))
+            if widening is not None:
+                return widening
+        return 1.0
+
+    def _widening_at(self, k: int, bucket: int) -> float:
+        batch = 2**bucket
+        times = self.fitted_times(batch, k)
+        return (times[k] / times[0]) / (self.profiled_ms(k, batch) / self.profiled_ms(0, batch))
+
+    def _nearest_beside_k0(
+        self, k: int, bucket: int, value: Callable[[int], float]
+    ) -> float | None:
+        """The mean of `value(b)` over the buckets b nearest `bucket` where K and K = 0
+        were both measured; None where they never were at one bucket."""
         both = [
             b
             for b, rate in self.ratios.get(k, {}).items()
@@ -298,12 +329,8 @@ class StepCost:
         if not both:
             return None
         nearest = min(abs(b - bucket) for b in both)
-        excess = [
-            self.ratios[k][b].rate(1.0) / (self._bucket(0, b) or 1.0)
-            for b in both
-            if abs(b - bucket) == nearest
-        ]
-        return plain * sum(excess) / len(excess)
+        values = [value(b) for b in both if abs(b - bucket) == nearest]
+        return sum(values) / len(values)
 
     def _bucket(self, k: int, bucket: int) -> float | None:
         """K's measured ratio at exactly `bucket`, None where it was not measured."""
@@ -355,8 +382,7 @@ class StepCost:
         speculation."""
         ks = range(max(max_k, self.profile.max_k) + 1)
         profiled = [self.profiled_ms(j, batch) for j in ks]
-        times = [ms * self.correction(j, batch) for j, ms in zip(ks, profiled, strict=True)]
-        fitted = monotone_fit(times, [self.weight(j, batch) for j in ks])
+        fitted = self.fitted_times(batch, max_k)
         # Not less over K = 0 than the profile's own excess, until K has run here long
         # enough to speak for itself: serving adds contention to a drafting step, and K = 0
         # and K = 1 measured at different moments (the frontend busy with arrivals during
@@ -365,10 +391,28 @@ class StepCost:
         # profile's excess is one measurement too: at one sequence it put Eagle3's K = 3
         # at 1.31x K = 0 where served steps measured 1.16x over hundreds of steps, and
         # held that way K = 3 only tied K = 1 where a static K = 3 served 1.2x as much.
+        # Where serving widened K's excess at another batch size, the floor widens with
+        # it: entering 16 sequences, where neither K had run, n-gram's K = 1 was held
+        # only to the profile's excess while at 4 sequences it had served 1.2-1.3x that
+        # excess, and about 75 steps drafted at a loss before K = 1 was measured there.
+        bucket = batch_bucket(batch)
         return [
-            time if self.trusted(k, batch) else max(time, fitted[0] * ms / profiled[0])
+            time
+            if self.trusted(k, batch)
+            else max(time, fitted[0] * ms / profiled[0] * max(self.widening(k, bucket), 1.0))
             for k, (time, ms) in enumerate(zip(fitted, profiled, strict=True))
         ]
+
+    def fitted_times(self, batch: int, max_k: int = 0) -> list[float]:
+        """The profile's step time at every K, each times its correction, made
+        non-decreasing in K (`monotone_fit`, weighted by the steps that measured each)."""
+        cached = self._fitted.get((batch, max_k))
+        if cached is None:
+            ks = range(max(max_k, self.profile.max_k) + 1)
+            times = [self.profiled_ms(j, batch) * self.correction(j, batch) for j in ks]
+            cached = monotone_fit(times, [self.weight(j, batch) for j in ks])
+            self._fitted[(batch, max_k)] = cached
+        return list(cached)
 
     def trusted(self, k: int, batch: int) -> bool:
         """Whether K has run at the bucket of `batch` for half a window of measured steps
