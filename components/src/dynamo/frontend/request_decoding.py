@@ -6,7 +6,8 @@ reports most failures as `ValidationError` / `DecodeError` with a JSON path, whi
 `errors.from_validation_error` turns into a 400 naming the field. Two failures it reports
 otherwise, and they used to leave as 500s:
 
-* invalid UTF-8 inside a JSON string raises `UnicodeDecodeError`, which carries no
+* invalid UTF-8 inside a JSON string raises `UnicodeDecodeError` (msgspec 0.22; from
+  0.23 a `DecodeError` saying "Invalid UTF-8 encoded string"), which carries no
   location. Only then (the error path, never a valid request) a body of at most 1 MiB is
   parsed once more with the standard library, with the invalid bytes escaped to lone
   surrogates (`surrogateescape`), to find the field that holds them (about 10 ms per MiB:
@@ -43,10 +44,18 @@ def decode_request(decoder: msgspec.json.Decoder, body: bytes) -> Any:
     return request
 
 
+# How msgspec 0.23 and later word a JSON string that is not valid UTF-8.
+_INVALID_UTF8 = "Invalid UTF-8"
+
+
 def _decode(decoder: msgspec.json.Decoder, body: bytes) -> Any:
     try:
         return decoder.decode(body)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except msgspec.ValidationError as exc:
+        raise from_validation_error(exc) from exc
+    except msgspec.DecodeError as exc:
+        if str(exc).startswith(_INVALID_UTF8):
+            raise invalid_utf8(locate_invalid_utf8(body)) from exc
         raise from_validation_error(exc) from exc
     except UnicodeDecodeError as exc:
         raise invalid_utf8(locate_invalid_utf8(body)) from exc
