@@ -227,7 +227,7 @@ class StepCost:
     ratios: dict[int, dict[int, DecayedRate]] = field(default_factory=dict)
     """K -> batch bucket (`batch_bucket`) -> measured over profiled time."""
     _fitted: dict[tuple[int, int], list[float]] = field(default_factory=dict, repr=False)
-    """`fitted_times` by (batch, max_k), until the next measured step."""
+    """`fitted_times` by (batch, largest K fitted), until the next measured step."""
 
     def profiled_ms(self, k: int, batch: int) -> float:
         times = self.k0_ms if k == 0 else self.profile.times_for(k).step_ms
@@ -406,12 +406,13 @@ class StepCost:
     def fitted_times(self, batch: int, max_k: int = 0) -> list[float]:
         """The profile's step time at every K, each times its correction, made
         non-decreasing in K (`monotone_fit`, weighted by the steps that measured each)."""
-        cached = self._fitted.get((batch, max_k))
+        top = max(max_k, self.profile.max_k)  # every max_k up to the profile's is one fit
+        cached = self._fitted.get((batch, top))
         if cached is None:
-            ks = range(max(max_k, self.profile.max_k) + 1)
+            ks = range(top + 1)
             times = [self.profiled_ms(j, batch) * self.correction(j, batch) for j in ks]
             cached = monotone_fit(times, [self.weight(j, batch) for j in ks])
-            self._fitted[(batch, max_k)] = cached
+            self._fitted[(batch, top)] = cached
         return list(cached)
 
     def trusted(self, k: int, batch: int) -> bool:
