@@ -362,12 +362,14 @@ def test_served_drafting_never_costs_less_beside_k0_than_the_profile_says() -> N
     as the profile says; measured at 0.6x too, the comparison is the profile's."""
     chooser = AdaptiveK(PROFILE, max_k=3, settings=FAST)
     assert chooser.best(16) == 0
-    for _ in range(5):  # fewer than half a window: not yet trusted alone
+    for _ in range(2):  # a probe's few steps, a fifth of half a window here
         for k in (1, 2, 3):
             chooser.observe_step(k, 16, 0.6 * chooser.cost.profiled_ms(k, 16))
     cost = chooser.cost
     for k in (1, 2, 3):
-        assert cost.step_ms(k, 16) >= cost.step_ms(0, 16) * cost.profiled_ms(k, 16) / 20.0
+        floor = cost.step_ms(0, 16) * cost.profiled_ms(k, 16) / 20.0
+        assert cost.trust(k, 16) < 0.05
+        assert cost.step_ms(k, 16) >= floor * 0.97  # near the floor, not at 0.6x
     assert chooser.best(16) == 0
     for _ in range(30):
         chooser.observe_step(0, 16, 0.6 * chooser.cost.profiled_ms(0, 16))
@@ -436,7 +438,11 @@ def test_a_drafting_k_costs_at_least_the_profiles_excess_over_k0() -> None:
     for _ in range(5):  # a few probe steps, fewer than half a window
         chooser.observe_step(1, 32, 1.87 * cost.profiled_ms(1, 32))
     assert not cost.trusted(1, 32)
-    assert cost.step_ms(1, 32) == pytest.approx(2.05 * cost.profiled_ms(1, 32))
+    trust = cost.trust(1, 32)
+    assert 0.1 < trust < 0.25  # 5 steps (decayed) of 10, squared
+    floor, own = 2.05 * cost.profiled_ms(1, 32), 1.87 * cost.profiled_ms(1, 32)
+    assert cost.step_ms(1, 32) == pytest.approx(own + (1.0 - trust) * (floor - own))
+    assert cost.step_ms(1, 32) > cost.step_ms(0, 32) * 1.0  # still dearer than K = 0
 
 
 def test_a_drafting_k_run_for_half_a_window_is_priced_at_its_own_measurement() -> None:
@@ -448,14 +454,57 @@ def test_a_drafting_k_run_for_half_a_window_is_priced_at_its_own_measurement() -
     cost = chooser.cost
     for _ in range(30):
         chooser.observe_step(0, 1, 1.0 * cost.profiled_ms(0, 1))
-    for _ in range(4):
+    chooser.observe_step(3, 1, 0.8 * cost.profiled_ms(3, 1))
+    # One step: the floor (the profile's excess) all but holds.
+    assert cost.step_ms(3, 1) == pytest.approx(cost.profiled_ms(3, 1), rel=0.01)
+    for _ in range(3):
         chooser.observe_step(3, 1, 0.8 * cost.profiled_ms(3, 1))
-    assert cost.step_ms(3, 1) == pytest.approx(cost.profiled_ms(3, 1))  # the floor holds
+    # Four: it gives way in part (4 of 10 steps, decayed, squared).
+    assert 0.8 * cost.profiled_ms(3, 1) < cost.step_ms(3, 1) < 0.99 * cost.profiled_ms(3, 1)
     for _ in range(30):
         chooser.observe_step(3, 1, 0.8 * cost.profiled_ms(3, 1))
     assert cost.trusted(3, 1)
     # Its own time (pooled a little with K = 2's borrowed 0.9x, which weighs one step).
     assert cost.step_ms(3, 1) == pytest.approx(0.8 * cost.profiled_ms(3, 1), rel=0.01)
+
+
+# The shipped Eagle3 profile's times at one and four sequences (its K = 0 measured with the
+# drafter running; the plain engine's is the free K = 0's).
+EAGLE3_SMALL_BATCHES = SpeculationProfile(
+    model="m",
+    method="eagle3",
+    speculative_config={"method": "eagle3"},
+    batch_sizes=[1, 4],
+    acceptance_per_position=[0.43, 0.2, 0.11],
+    step_times=[
+        StepTimes(k=0, step_ms=[44.0, 47.5]),
+        StepTimes(k=1, step_ms=[43.6, 49.0]),
+        StepTimes(k=2, step_ms=[52.0, 55.6]),
+        StepTimes(k=3, step_ms=[51.1, 54.9]),
+    ],
+    no_speculation_step_ms=[39.0, 44.1],
+    schedule=[[1, 4, 3]],
+    max_batch_size=4,
+)
+
+
+def test_a_k_that_ran_most_of_half_a_window_is_mostly_priced_at_its_own_time() -> None:
+    """Seen with Eagle3 at one sequence: K = 1 measured at length (0.94x the profile),
+    K = 2 over about 90 steps at 0.82x, 1.09x K = 1's time where the profile says 1.19x,
+    then held to the whole floor of the profile's excess over K = 0 (1.33x) until half a
+    window: K = 1 won, K = 2 ran only in upward probes from then on, and adaptive served
+    1.14x no speculation where a static K = 2 served 1.27x. The floor now gives way as
+    K's steps add up, and K = 2 keeps the batch."""
+    chooser = AdaptiveK(EAGLE3_SMALL_BATCHES, max_k=3)
+    cost = chooser.cost
+    chooser.observe_step(3, 4, 1.42 * cost.profiled_ms(3, 4))  # one warm-up step at 4
+    for k, ratio, steps in ((0, 0.96, 200), (1, 0.94, 300), (2, 0.82, 90)):
+        for _ in range(steps):
+            chooser.observe_step(k, 1, ratio * cost.profiled_ms(k, 1))
+    feed_acceptance(chooser, [0.43, 0.21, 0.11], steps=400, batch=100)
+    assert not cost.trusted(2, 1)
+    assert 0.4 < cost.trust(2, 1) < 0.7
+    assert chooser.best(1) == 2
 
 
 def test_an_unmeasured_k_is_held_to_the_excess_serving_widened_elsewhere() -> None:

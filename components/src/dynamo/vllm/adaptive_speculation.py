@@ -395,11 +395,16 @@ class StepCost:
         # it: entering 16 sequences, where neither K had run, n-gram's K = 1 was held
         # only to the profile's excess while at 4 sequences it had served 1.2-1.3x that
         # excess, and about 75 steps drafted at a loss before K = 1 was measured there.
+        # The floor gives way step by step as K's own steps here add up (`trust`), not at
+        # once at half a window: Eagle3's K = 2 at one sequence ran about 90 steps at
+        # 0.8x the profile, 1.14x K = 0 where the profile says 1.33x, then, still held to
+        # the whole floor, lost to K = 1 and was never chosen again (1.14x no speculation
+        # where a static K = 2 served 1.27x).
         bucket = batch_bucket(batch)
         return [
             time
-            if self.trusted(k, batch)
-            else max(time, fitted[0] * ms / profiled[0] * max(self.widening(k, bucket), 1.0))
+            + (1.0 - self.trust(k, batch))
+            * max(fitted[0] * ms / profiled[0] * max(self.widening(k, bucket), 1.0) - time, 0.0)
             for k, (time, ms) in enumerate(zip(fitted, profiled, strict=True))
         ]
 
@@ -415,10 +420,24 @@ class StepCost:
             self._fitted[(batch, top)] = cached
         return list(cached)
 
+    def trust(self, k: int, batch: int) -> float:
+        """How far K's own time at the bucket of `batch` stands against the profile's
+        excess over K = 0 (`step_times`): the square of its measured steps there (decayed)
+        over half a window, up to 1. Squared, a few probe steps barely move the floor (10
+        of 100: 1% of the way from the floor to K's own time), and a K the probes alone
+        measured does not beat K = 0 on noise (the floor's reason), while one that ran most
+        of the way keeps most of its own time (70 of 100: 49%). A K never measured at that
+        bucket has none. K = 0 has no floor to give way."""
+        if k == 0:
+            return 1.0
+        rate = self.ratios.get(k, {}).get(batch_bucket(batch))
+        steps = rate.trials if rate is not None else 0.0
+        return min(steps / self.trusted_steps, 1.0) ** 2
+
     def trusted(self, k: int, batch: int) -> bool:
         """Whether K has run at the bucket of `batch` for half a window of measured steps
         (decayed): then its own time stands without the profile's excess as a floor."""
-        return k > 0 and self.weight(k, batch) >= self.trusted_steps
+        return k > 0 and self.trust(k, batch) >= 1.0
 
     def weight(self, k: int, batch: int) -> float:
         """How many (decayed) steps measured K at the bucket of `batch`; an estimate
