@@ -4,9 +4,10 @@ Processes, command lines, readiness waits and HTTP probes are shared with the en
 tests and live in `dynamo.testing` (`processes`, `waiting`, `http`). What is here is what
 only the benchmarks need, in small pieces:
 
-* stacks: `nats_server`, `dynamo_stack` and `vllm_direct_stack` start what a benchmark
-  measures (as `dynamo.testing.processes.ManagedProcess`es, each in its own process group
-  with a log file) and always tear it down;
+* stacks: `nats_server`, `dynamo_stack`, `vllm_direct_stack` and `launch_stack` (a launch
+  script as a user runs it) start what a benchmark measures (as
+  `dynamo.testing.processes.ManagedProcess`es, each in its own process group with a log
+  file) and always tear it down;
 * vLLM's serving benchmark: `run_bench_serve` runs `vllm bench serve` in a subprocess and
   reads its result JSON into a `RunResult`;
 * CPU accounting: `Stack.cpu_seconds` sums user + system CPU of every process of a stack;
@@ -328,6 +329,35 @@ def dynamo_stack(
         pids.update({part: p.pid for part, p in zip(workers, procs[: len(workers)], strict=True)})
         pids["nats"] = nats_server_pid(nats)
         yield Stack(frontend.base_url, pids, tuple(procs))
+
+
+@contextmanager
+def launch_stack(
+    script: str,
+    served: str,
+    *,
+    env: Mapping[str, str],
+    log_dir: Path,
+    timeout: float,
+) -> Iterator[Stack]:
+    """One of the launch scripts (`launch/<script>`) as a user runs it, on a free HTTP port
+    with its own nats-server and namespace, until its frontend serves `served`; `env` adds
+    the script's variables (SPEC, WORKER_ARGS, ...). Its processes log under `log_dir`;
+    stopping the script stops them. Part of the `Stack`: `launch` (the script's tree)."""
+    port = free_port()
+    own_env = {
+        "HTTP_PORT": str(port),
+        "NATS_SERVER": "",  # never reuse another stack's server
+        "NAMESPACE": f"launch{port}",
+        "LOG_DIR": str(log_dir),
+        **env,
+    }
+    argv = ["bash", str(ROOT / "launch" / script)]
+    with running([ManagedProcess("launch", argv, log_dir, own_env, cwd=ROOT)]) as procs:
+        base_url = f"http://127.0.0.1:{port}"
+        took = wait_serving(base_url, served, procs, timeout=timeout)
+        print(f"  launch/{script} ready in {took:.0f}s", flush=True)
+        yield Stack(base_url, {"launch": procs[0].pid}, tuple(procs))
 
 
 # --------------------------------------------------------------------------- vLLM bench serve

@@ -785,21 +785,34 @@ def measure_interleaved(
             served_setups.append(running.enter_context(
                 started_setup(setup, model_dir, served, own_logs, timeout, flags)
             ))  # fmt: skip
-        warm_up(served_setups, runs, model_dir, served, logs)
-        points = []
-        for scenario in runs:
-            per_round = max(scenario.concurrency, scenario.num_prompts // rounds)
-            measured: dict[str, list[Point]] = {}
-            for round_index in range(rounds):
-                order = served_setups if round_index % 2 == 0 else served_setups[::-1]
-                part = dataclasses.replace(
-                    scenario, num_prompts=per_round, seed=scenario.seed * 100 + round_index
-                )
-                for setup in order:
-                    point = measure_run(setup, part, model_dir, served, logs,
-                                        f"{setup.label}-r{round_index}")  # fmt: skip
-                    measured.setdefault(setup.label, []).append(point)
-            points += [mean_point(measured[setup.label]) for setup in served_setups]
+        return measure_rounds(served_setups, runs, model_dir, served, logs, rounds)
+
+
+def measure_rounds(
+    served_setups: Sequence[Served],
+    runs: Sequence[Scenario],
+    model_dir: Path,
+    served: str,
+    logs: Path,
+    rounds: int = ADAPTIVE_ROUNDS,
+) -> list[Point]:
+    """Stacks that are all up: each warmed up, then per concurrency measured one after the
+    other in `rounds` rounds of alternating order; one point per setup and concurrency."""
+    warm_up(served_setups, runs, model_dir, served, logs)
+    points = []
+    for scenario in runs:
+        per_round = max(scenario.concurrency, scenario.num_prompts // rounds)
+        measured: dict[str, list[Point]] = {}
+        for round_index in range(rounds):
+            order = served_setups if round_index % 2 == 0 else served_setups[::-1]
+            part = dataclasses.replace(
+                scenario, num_prompts=per_round, seed=scenario.seed * 100 + round_index
+            )
+            for setup in order:
+                point = measure_run(setup, part, model_dir, served, logs,
+                                    f"{setup.label}-r{round_index}")  # fmt: skip
+                measured.setdefault(setup.label, []).append(point)
+        points += [mean_point(measured[setup.label]) for setup in served_setups]
     return points
 
 
