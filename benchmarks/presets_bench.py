@@ -147,6 +147,8 @@ def verdict_lines(results: Sequence[PresetVerdict]) -> str:
 def body(args: argparse.Namespace) -> int:
     model_dir, served = resolve_model_arg(args.model)
     sizes = QUICK_SIZES if args.quick else SIZES
+    if args.concurrency:
+        sizes = {c: sizes[c] for c in args.concurrency}
     with log_dir("spec-presets", keep=args.keep_logs) as logs:
         runs = scenarios(write_prompts(logs / "prompts.jsonl", max(64, *sizes.values())), sizes)
         print(f"model {served}; presets none (launch/agg.sh), {', '.join(args.presets)}; "
@@ -165,7 +167,8 @@ def body(args: argparse.Namespace) -> int:
     print(verdict_lines(results))
     if args.quick:
         print("(quick run: too few requests to judge the targets; run without --quick)")
-    save_report(results_path(args, "spec_presets.json"), {
+    partial = bool(args.concurrency) and args.json is None  # a subset: only where asked
+    save_report(None if partial else results_path(args, "spec_presets.json"), {
         "rounds": args.rounds,
         "points": [asdict(p) for p in points],
         "verdicts": [{**asdict(v), "passed": v.passed} for v in results],
@@ -180,6 +183,19 @@ def preset_list(text: str) -> list[str]:
     unknown = [p for p in chosen if p not in PRESETS]
     if not chosen or unknown:
         raise argparse.ArgumentTypeError(f"choose among {list(PRESETS)}, not {unknown or text!r}")
+    return chosen
+
+
+def levels(text: str) -> list[int]:
+    try:
+        chosen = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of numbers: {text!r}"
+        ) from None
+    unknown = [c for c in chosen if c not in SIZES]
+    if not chosen or unknown:
+        raise argparse.ArgumentTypeError(f"choose among {sorted(SIZES)}, not {unknown or text!r}")
     return chosen
 
 
@@ -200,6 +216,14 @@ def main() -> int:
         help="interleaved rounds per concurrency, the order reversed every round; the "
         f"requests of a level ({SIZES} in full runs) are split between them "
         "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=levels,
+        default=None,
+        help=f"comma-separated subset of the levels {','.join(map(str, SIZES))} "
+        "(e.g. 32 with more --rounds, to tell a 2%% gap from the host's drift); a partial "
+        "run writes JSON only with --json",
     )
     args = parser.parse_args()
     if args.rounds < 1:
