@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,6 +129,20 @@ def resolve_model_arg(model: str) -> tuple[Path, str]:
     if path.is_dir():
         return path.resolve(), path.name
     return Path(resolve_model(model)), model
+
+
+def levels_arg(text: str, known: Collection[int]) -> list[int]:
+    """A `--concurrency` value: comma-separated levels, each one of `known`, sorted."""
+    try:
+        levels = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of numbers: {text!r}"
+        ) from None
+    unknown = [c for c in levels if c not in known]
+    if not levels or unknown:
+        raise argparse.ArgumentTypeError(f"choose among {sorted(known)}, not {unknown or text!r}")
+    return levels
 
 
 def warn_if_busy(threshold: float = 0.5) -> float:

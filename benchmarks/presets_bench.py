@@ -39,6 +39,7 @@ from harness import (
     guarded,
     host_info,
     launch_stack,
+    levels_arg,
     log_dir,
     resolve_model_arg,
     results_path,
@@ -187,16 +188,7 @@ def preset_list(text: str) -> list[str]:
 
 
 def levels(text: str) -> list[int]:
-    try:
-        chosen = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not a comma-separated list of numbers: {text!r}"
-        ) from None
-    unknown = [c for c in chosen if c not in SIZES]
-    if not chosen or unknown:
-        raise argparse.ArgumentTypeError(f"choose among {sorted(SIZES)}, not {unknown or text!r}")
-    return chosen
+    return levels_arg(text, SIZES)
 
 
 def main() -> int:

@@ -73,6 +73,7 @@ from harness import (
     format_table,
     guarded,
     host_info,
+    levels_arg,
     log_dir,
     resolve_model_arg,
     results_path,
@@ -912,18 +913,7 @@ def drafter_setups(drafter: str, profile: Path, static_k: int, kinds: set[str]) 
 
 def concurrency_levels(text: str) -> list[int]:
     """`--concurrency`: levels of the adaptive run, each one it knows."""
-    try:
-        levels = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not a comma-separated list of numbers: {text!r}"
-        ) from None
-    unknown = [c for c in levels if c not in ADAPTIVE_SIZES]
-    if not levels or unknown:
-        raise argparse.ArgumentTypeError(
-            f"choose among {sorted(ADAPTIVE_SIZES)}, not {unknown or text!r}"
-        )
-    return levels
+    return levels_arg(text, ADAPTIVE_SIZES)
 
 
 def main() -> int:
