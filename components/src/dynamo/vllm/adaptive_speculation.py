@@ -401,12 +401,14 @@ class StepCost:
         # the whole floor, lost to K = 1 and was never chosen again (1.14x no speculation
         # where a static K = 2 served 1.27x).
         bucket = batch_bucket(batch)
-        return [
-            time
-            + (1.0 - self.trust(k, batch))
-            * max(fitted[0] * ms / profiled[0] * max(self.widening(k, bucket), 1.0) - time, 0.0)
-            for k, (time, ms) in enumerate(zip(fitted, profiled, strict=True))
-        ]
+        times = []
+        for k, (time, ms) in enumerate(zip(fitted, profiled, strict=True)):
+            doubt = 1.0 - self.trust(k, batch)
+            if doubt > 0.0:  # the floor (and its widening lookups) only where it weighs
+                floor = fitted[0] * ms / profiled[0] * max(self.widening(k, bucket), 1.0)
+                time += doubt * max(floor - time, 0.0)
+            times.append(time)
+        return times
 
     def fitted_times(self, batch: int, max_k: int = 0) -> list[float]:
         """The profile's step time at every K, each times its correction, made
