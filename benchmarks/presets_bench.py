@@ -50,6 +50,7 @@ from spec_decode_bench import (
     OUTPUT_LEN,
     Point,
     Served,
+    k_shares,
     measure_rounds,
     scenarios,
     write_prompts,
@@ -121,14 +122,12 @@ def table(points: Sequence[Point]) -> str:
     base = {p.concurrency: p.output_tokens_per_s for p in points if p.setup == "none"}
     rows = []
     for p in sorted(points, key=lambda p: (p.concurrency, p.setup != "none", p.setup)):
-        steps = sum((p.k_steps or {}).values())
-        ks = ", ".join(f"{k}: {100 * n / steps:.0f}%" for k, n in (p.k_steps or {}).items())
         rows.append([
             p.setup, str(p.concurrency), f"{p.output_tokens_per_s:.1f}",
             f"{p.output_tokens_per_s / base[p.concurrency]:.2f}x",
             f"{p.median_tpot_ms:.1f}", f"{p.p90_tpot_ms or 0:.1f}", f"{p.median_ttft_ms:.0f}",
             "-" if p.mean_acceptance_length is None else f"{p.mean_acceptance_length:.2f}",
-            ks or "-",
+            k_shares(p.k_steps or {}),
         ])  # fmt: skip
     headers = ["preset", "c", "output tok/s", "vs agg.sh", "TPOT p50 ms", "TPOT p90 ms",
                "TTFT p50 ms", "acceptance length", "Ks used"]  # fmt: skip

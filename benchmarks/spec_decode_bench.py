@@ -692,13 +692,18 @@ def adaptive_vs_profiled(points: Sequence[Point], drafters: Sequence[str], stati
     return "\n".join(lines)
 
 
+def k_shares(k_steps: dict[str, int]) -> str:
+    """An adaptive worker's steps at each K as shares ("0:90% 1:10%"), "-" for none."""
+    total = sum(k_steps.values()) or 1
+    return " ".join(f"{k}:{n / total:.0%}" for k, n in k_steps.items()) or "-"
+
+
 def k_used(point: Point, schedules: dict[str, list[list[int]]], static_k: int) -> str:
     """What K a setup ran at this concurrency: adaptive, the share of steps at each K."""
     if point.setup == "none":
         return "-"
     if point.k_steps is not None:
-        total = sum(point.k_steps.values()) or 1
-        return " ".join(f"{k}:{n / total:.0%}" for k, n in point.k_steps.items()) or "-"
+        return k_shares(point.k_steps)
     drafter = point.setup.split("-")[0]
     if point.setup.endswith("-profiled"):
         return f"K={k_for_batch(schedules[drafter], point.concurrency)}"
