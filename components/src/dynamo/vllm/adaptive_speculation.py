@@ -48,7 +48,10 @@ chosen is never measured, and a larger K priced from steps at another batch size
 look dear where it is cheap (seen: Eagle3 at one sequence held at K = 1, 1.14x no
 speculation, its K = 3 priced from a few warm-up steps at 4 sequences at 1.29x the
 profile where served it costs 0.76x, and a static K = 3 served 1.44x). K climbs one
-step per probe while each pays.
+step per probe while each pays. A probed K whose own measured time pays goes on after
+its UPWARD_STEPS, each step measured, until `best` takes it or its time stops paying:
+priced with the floor (`StepCost.step_times`), it would otherwise gather its steps only
+from the probes, a few in a hundred, and never be trusted.
 
 Pure arithmetic on plain numbers (no vLLM import): the scheduler feeds it and asks it,
 and the unit tests drive it with synthetic counts.
@@ -536,7 +539,7 @@ class AdaptiveK:
             return k
         if k > 0:
             self._steps_at_zero = 0
-            return self._drafting(k)
+            return self._drafting(k, batch)
         if self._last_step_pays(batch):
             return 1  # the probe, or the steps since, found drafts worth it: go on looking
         self._last_tokens_per_step = None
@@ -549,16 +552,20 @@ class AdaptiveK:
             return 1
         return 0
 
-    def _drafting(self, k: int) -> int:
+    def _drafting(self, k: int, batch: int) -> int:
         """`k`, unless the steps that draft have run `probe_every` in a row with step times
         adapting: then BASELINE_STEPS at K = 0, to measure it by the same clock, or, every
-        other time and below the largest K, UPWARD_STEPS at K + 1 (see the module)."""
+        other time and below the largest K, UPWARD_STEPS at K + 1, continued for as long
+        as its own measured time pays (`_upward_pays`; see the module)."""
         if self._baseline_left > 0:
             self._baseline_left -= 1
             return 0
         if self._upward_left > 0:
             self._upward_left -= 1
             return self._upward_k
+        if self._upward_k > k and self._upward_pays(k, batch):
+            return self._upward_k
+        self._upward_k = 0
         self._steps_drafting += 1
         if self.settings.adapt_step_times and self._steps_drafting >= self.settings.probe_every:
             self._steps_drafting = 0
@@ -569,6 +576,23 @@ class AdaptiveK:
                 self._upward_next = True
                 self._baseline_left = BASELINE_STEPS
         return k
+
+    def _upward_pays(self, k: int, batch: int) -> bool:
+        """Whether the K of the upward probe just run, priced at its own measured time at
+        `batch` (no floor of the profile's excess over K = 0), beats the chosen `k` by the
+        margin. Its floor gives way only as its own steps add up, and a probe gives it
+        UPWARD_STEPS in a hundred: Eagle3's K = 2 at one sequence measured 0.68x the
+        profile, cheaper than K = 1, and stayed held to the profile's excess (1.33x K = 0
+        where served it is about 1.09x) while K = 1 served 0.93x what the profiled K = 3
+        did. Going on while its steps pay, the probed K gathers them until its floor has
+        given way and `best` takes it, or its measured time stops paying."""
+        up = self._upward_k
+        if up > self.max_k or self.cost.trust(up, batch) == 0.0:  # not measured at `batch`
+            return False
+        own = self.cost.fitted_times(batch, up)[up]
+        rate_up = self.acceptance.tokens_per_step(up) / own
+        rate_k = self.acceptance.tokens_per_step(k) / self.cost.step_times(batch)[k]
+        return rate_up > rate_k * (1.0 + self.settings.margin)
 
     def _last_step_pays(self, batch: int) -> bool:
         """Whether one draft, accepted as often as in the last verified step alone,
