@@ -23,6 +23,7 @@ from dynamo.frontend.openai_types import (
 )
 from dynamo.frontend.preprocessor import OutputPlan
 from dynamo.frontend.stop_strings import StopStringMatcher
+from dynamo.llm.acceptance import acceptance_rate
 from dynamo.llm.protocols import FinishReason, LLMEngineOutput, SpecDecodeStats, TokenLogprob
 
 # Wire finish reasons as OpenAI names them. `error` is not here: it becomes an error.
@@ -62,7 +63,7 @@ def speculative_decoding_metrics(stats: SpecDecodeStats) -> SpeculativeDecodingM
     drafted = stats.num_draft_tokens
     return SpeculativeDecodingMetrics(
         mean_acceptance_length=stats.mean_acceptance_length,
-        draft_acceptance_rate=stats.num_accepted_tokens / drafted if drafted else 0.0,
+        draft_acceptance_rate=acceptance_rate(stats.num_accepted_tokens, drafted),
         acceptance_histogram=histogram,
         num_spec_steps=stats.num_drafts,
         num_accepted_draft_tokens=stats.num_accepted_tokens,

@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from dynamo.llm.acceptance import acceptance_length, acceptance_rate, per_position_rates
 from dynamo.llm.kv_router.active_sequences import ActiveSequences
 from dynamo.llm.kv_router.hashing import compute_block_hashes, num_blocks_spanned
 from dynamo.llm.protocols import (
@@ -95,15 +96,14 @@ class EngineCounters:
 
     @property
     def acceptance_rate(self) -> float:
-        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+        return acceptance_rate(self.spec_accepted_tokens, self.spec_draft_tokens)
 
     @property
     def mean_acceptance_length(self) -> float:
-        return 1.0 + self.spec_accepted_tokens / self.spec_drafts if self.spec_drafts else 1.0
+        return acceptance_length(self.spec_accepted_tokens, self.spec_drafts)
 
     def per_position_rate(self) -> list[float]:
-        drafts = self.spec_drafts
-        return [n / drafts if drafts else 0.0 for n in self.spec_accepted_per_position]
+        return per_position_rates(self.spec_accepted_per_position, self.spec_drafts)
 
 
 class MockEngine:

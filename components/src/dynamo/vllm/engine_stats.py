@@ -14,6 +14,8 @@ from typing import Any
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from dynamo.llm.acceptance import acceptance_length, acceptance_rate, per_position_rates
+
 
 @dataclass
 class SpecDecodeTotals:
@@ -26,17 +28,15 @@ class SpecDecodeTotals:
 
     @property
     def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        return acceptance_rate(self.num_accepted_tokens, self.num_draft_tokens)
 
     @property
     def mean_acceptance_length(self) -> float:
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+        return acceptance_length(self.num_accepted_tokens, self.num_drafts)
 
     def per_position_rate(self) -> list[float]:
         """Fraction of drafts whose token at position i was accepted."""
-        if not self.num_drafts:
-            return [0.0] * len(self.accepted_per_pos)
-        return [n / self.num_drafts for n in self.accepted_per_pos]
+        return per_position_rates(self.accepted_per_pos, self.num_drafts)
 
     def add(self, stats: Any) -> None:
         self.num_drafts += stats.num_drafts

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from dynamo.llm.acceptance import acceptance_length
 from dynamo.llm.protocols import SpeculativeInfo
 from dynamo.vllm.speculation_profile import (
     Schedule,
@@ -66,7 +67,7 @@ class SpecWindow:
     @property
     def acceptance_length(self) -> float | None:
         """Tokens per verification step (bonus token included); None without drafts."""
-        return 1.0 + self.accepted / self.drafts if self.drafts else None
+        return acceptance_length(self.accepted, self.drafts) if self.drafts else None
 
     @property
     def first_position_rate(self) -> float | None:

@@ -14,6 +14,8 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from msgspec import Meta
 
+from dynamo.llm.acceptance import acceptance_length
+
 T = TypeVar("T")
 
 
@@ -182,7 +184,7 @@ class SpecDecodeStats(msgspec.Struct, omit_defaults=True):
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens produced per verification step, bonus token included."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+        return acceptance_length(self.num_accepted_tokens, self.num_drafts)
 
 
 class TopLogprob(msgspec.Struct, array_like=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dynamo.llm.acceptance import acceptance_length, per_position_rates
 from dynamo.testing.processes import WorkerProcess
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"
@@ -39,9 +40,9 @@ class SpecCounters:
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens per verification round: the bonus token plus the accepted drafts."""
-        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
+        return acceptance_length(self.accepted, self.drafts)
 
     @property
     def acceptance_per_position(self) -> tuple[float, ...]:
         """The share of rounds that accepted each position (cumulative along the chain)."""
-        return tuple(p / self.drafts if self.drafts else 0.0 for p in self.per_position)
+        return tuple(per_position_rates(self.per_position, self.drafts))
