@@ -184,10 +184,6 @@ class KvIndexer:
         blocks = self._blocks_of.get(worker_id)
         return len(blocks) if blocks is not None else 0
 
-    def block_counts(self) -> dict[int, int]:
-        """Cached blocks per known worker (for the debug view)."""
-        return {worker_id: len(blocks) for worker_id, blocks in self._blocks_of.items()}
-
     def num_unique_blocks(self) -> int:
         """Distinct content hashes held by at least one worker."""
         return len(self._nodes)

@@ -167,10 +167,6 @@ class ReplicaBooks:
 
     # ------------------------------------------------------------------ own books
 
-    @property
-    def has_peers(self) -> bool:
-        return bool(self._peers)
-
     def local_change(self, change: BookingChange) -> bool:
         """Record a change of the local books; True when it should be published (it
         concerns an own booking and another replica is listening)."""
