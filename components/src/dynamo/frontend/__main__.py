@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import os
 import signal
 import sys
@@ -50,6 +49,8 @@ from dynamo.frontend.tool_calls import tool_parser_class
 from dynamo.llm.kv_router.scheduler import DEFAULT_OVERLAP_SCORE_WEIGHT
 from dynamo.runtime.cli import (
     ConfigError,
+    add_log_level_argument,
+    configure_logging,
     fraction,
     non_negative_float,
     non_negative_int,
@@ -265,12 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model's thinking out of `content` into `reasoning_content`; unknown names are a "
         "start-up error listing the valid ones. $DYN_REASONING_PARSER sets the default.",
     )
-    parser.add_argument(
-        "--log-level",
-        default=os.environ.get("DYN_LOG", "INFO").upper(),
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="Log verbosity; $DYN_LOG overrides the default.",
-    )
+    add_log_level_argument(parser)
     return parser
 
 
@@ -418,9 +414,7 @@ async def _serve(config: FrontendConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     worker = "" if args.http_worker_index is None else f"[http worker {args.http_worker_index}] "
-    logging.basicConfig(
-        level=args.log_level, format=f"%(asctime)s %(levelname)s {worker}%(name)s: %(message)s"
-    )
+    configure_logging(args.log_level, prefix=worker)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # prometheus_client adds a `<name>_created` timestamp series next to every counter,
     # histogram and labelled child: noise that doubles /metrics and that Prometheus

@@ -8,7 +8,6 @@ launch script by swapping the module name and adding timing flags.
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from dynamo.mocker.model_info import ModelInfo
 from dynamo.mocker.timing import TimingModel
 from dynamo.runtime.cli import (
     ConfigError,
+    add_log_level_argument,
     non_negative_float,
     non_negative_int,
     port,
@@ -223,12 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         "move a request to another worker when this one dies mid-stream (the prompt plus "
         "the tokens generated so far are resent); 0 fails the request instead.",
     )
-    where.add_argument(
-        "--log-level",
-        default=os.environ.get("DYN_LOG", "INFO").upper(),
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="Log verbosity; $DYN_LOG overrides the default.",
-    )
+    add_log_level_argument(where)
 
     cache = parser.add_argument_group("engine capacity and scheduling")
     cache.add_argument("--block-size", type=int, default=16, help="Tokens per KV block.")

@@ -7,7 +7,6 @@ concurrently, SIGTERM drain in parallel, exit codes 0 / 1 / 2) is the vLLM worke
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Sequence
 
@@ -25,6 +24,7 @@ from dynamo.mocker.args import (
 from dynamo.mocker.backend import mocker_worker
 from dynamo.mocker.metrics import MockerCollector
 from dynamo.mocker.model_info import ModelInfo
+from dynamo.runtime.cli import configure_logging
 from dynamo.runtime.gc_tuning import tune_for_serving
 
 
@@ -61,11 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level)
 
     async def run() -> int:
         try:

@@ -19,6 +19,7 @@ import uvloop
 from prometheus_client import REGISTRY
 
 from dynamo.llm.worker import ServedWorker, WorkerProcess, WorkerRegistration
+from dynamo.runtime.cli import configure_logging
 from dynamo.runtime.gc_tuning import tune_for_serving
 from dynamo.runtime.parent_death import (
     children_die_with_this_process,
@@ -88,11 +89,7 @@ def build_process(cfg: VllmWorkerConfig) -> WorkerProcess:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(logging.INFO)
     try:
         cfg = parse_worker_args(argv)
     except ConfigError as exc:

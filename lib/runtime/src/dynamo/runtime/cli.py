@@ -10,8 +10,11 @@ whose `error` raises).
 from __future__ import annotations
 
 import argparse
+import logging
 import math
-from typing import TypeVar
+import os
+import sys
+from typing import Any, Protocol, TypeVar
 
 MAX_PORT = 65535
 
@@ -81,3 +84,29 @@ def port(text: str) -> int:
     if not 0 <= value <= MAX_PORT:
         raise argparse.ArgumentTypeError(f"must be a port between 0 and {MAX_PORT}, got {text}")
     return value
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMAT = "%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s"
+
+
+class TakesArguments(Protocol):
+    """An argparse parser or argument group."""
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def add_log_level_argument(parser: TakesArguments) -> None:
+    """`--log-level`, defaulting to $DYN_LOG (else INFO), as every Dynamo process takes it."""
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("DYN_LOG", "INFO").upper(),
+        choices=LOG_LEVELS,
+        help="Log verbosity; $DYN_LOG overrides the default.",
+    )
+
+
+def configure_logging(level: str | int, *, prefix: str = "") -> None:
+    """Log lines to stderr with time, level, `prefix` (e.g. the HTTP worker's index) and
+    the logger's name, the one format of every Dynamo process."""
+    logging.basicConfig(level=level, format=LOG_FORMAT.format(prefix=prefix), stream=sys.stderr)
