@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from dynamo.llm.worker import metrics_schema as schema
+from dynamo.llm.worker.metrics_schema import WorkerSeries
 from dynamo.runtime.supervise import restarts_so_far
 from dynamo.vllm.engine_stats import EngineStats
 from dynamo.vllm.handlers import RequestCounters
@@ -48,6 +50,12 @@ class VllmWorkerCollector(Collector):
         g.add_metric(list(self.labels.values()), value)
         return g
 
+    def _one(self, series: WorkerSeries, value: float) -> GaugeMetricFamily | CounterMetricFamily:
+        """A series of the shared schema with this worker's one value."""
+        family = series.family(list(self.labels))
+        family.add_metric(list(self.labels.values()), value)
+        return family
+
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         snap = self.stats.snapshot
         spec = self.stats.spec
@@ -55,42 +63,18 @@ class VllmWorkerCollector(Collector):
         yield self._gauge(
             "dynamo_worker_requests_in_flight", "Requests being generated", self.counters.in_flight
         )
-        yield self._gauge(
-            "dynamo_worker_restarts",
-            "Times the supervisor restarted this worker before this run (launch scripts)",
-            restarts_so_far(),
-        )
-        yield self._gauge(
-            "dynamo_worker_running_requests", "Requests running in the engine", snap.running
-        )
-        yield self._gauge(
-            "dynamo_worker_waiting_requests", "Requests waiting in the engine", snap.waiting
-        )
-        yield self._gauge(
-            "dynamo_worker_kv_cache_usage", "Fraction of KV blocks in use", snap.kv_usage
-        )
-        finished = CounterMetricFamily(
-            "dynamo_worker_requests",
-            "Finished requests by finish reason",
-            labels=[*self.labels, "reason"],
-        )
+        yield self._one(schema.RESTARTS, restarts_so_far())
+        yield self._one(schema.RUNNING, snap.running)
+        yield self._one(schema.WAITING, snap.waiting)
+        yield self._one(schema.KV_USAGE, snap.kv_usage)
+        finished = schema.FINISHED.family(list(self.labels))
         for reason, n in sorted(self.counters.finished.items()):
             finished.add_metric([*lv, reason], n)
         yield finished
         # Both prompt counters, so a dashboard's prefix hit rate (cached / prompt) reads
         # the same on vLLM workers and mockers.
-        prompt = CounterMetricFamily(
-            "dynamo_worker_prompt_tokens", "Prompt tokens received", labels=list(self.labels)
-        )
-        prompt.add_metric(lv, self.counters.prompt_tokens)
-        yield prompt
-        cached = CounterMetricFamily(
-            "dynamo_worker_cached_prompt_tokens",
-            "Prompt tokens served from the prefix cache or a KV connector",
-            labels=list(self.labels),
-        )
-        cached.add_metric(lv, self.counters.cached_prompt_tokens)
-        yield cached
+        yield self._one(schema.PROMPT_TOKENS, self.counters.prompt_tokens)
+        yield self._one(schema.CACHED_PROMPT_TOKENS, self.counters.cached_prompt_tokens)
         remote = CounterMetricFamily(
             "dynamo_worker_remote_prefills",
             "Decode requests that came with a prefill worker's KV, by what this worker did "
@@ -100,21 +84,9 @@ class VllmWorkerCollector(Collector):
         remote.add_metric([*lv, "loaded"], self.counters.remote_prefill_used)
         remote.add_metric([*lv, "refused"], self.counters.remote_prefill_refused)
         yield remote
-        yield self._gauge(
-            "dynamo_worker_spec_decode_acceptance_rate",
-            "Accepted draft tokens / proposed draft tokens since start",
-            spec.acceptance_rate,
-        )
-        yield self._gauge(
-            "dynamo_worker_spec_decode_mean_acceptance_length",
-            "Tokens produced per verification step (bonus token included) since start",
-            spec.mean_acceptance_length,
-        )
-        per_pos = GaugeMetricFamily(
-            "dynamo_worker_spec_decode_acceptance_per_position",
-            "Fraction of drafts whose token at this position was accepted",
-            labels=[*self.labels, "position"],
-        )
+        yield self._one(schema.ACCEPTANCE_RATE, spec.acceptance_rate)
+        yield self._one(schema.MEAN_ACCEPTANCE_LENGTH, spec.mean_acceptance_length)
+        per_pos = schema.ACCEPTANCE_PER_POSITION.family(list(self.labels))
         for i, rate in enumerate(spec.per_position_rate()):
             per_pos.add_metric([*lv, str(i)], rate)
         yield per_pos
