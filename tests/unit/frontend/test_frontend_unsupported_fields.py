@@ -28,10 +28,15 @@ from frontend_support import MODEL, Frontend, start_frontend
 from dynamo.frontend.unsupported_fields import SUPPORT, Endpoint, Support, fields_for
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "frontend.md"
-PATHS = {Endpoint.CHAT: "/v1/chat/completions", Endpoint.COMPLETIONS: "/v1/completions"}
+PATHS = {
+    Endpoint.CHAT: "/v1/chat/completions",
+    Endpoint.COMPLETIONS: "/v1/completions",
+    Endpoint.RESPONSES: "/v1/responses",
+}
 BASE: dict[Endpoint, dict[str, Any]] = {
     Endpoint.CHAT: {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
     Endpoint.COMPLETIONS: {"model": MODEL, "prompt": "Hi"},
+    Endpoint.RESPONSES: {"model": MODEL, "input": "Hi", "max_output_tokens": 3},
 }
 # A short template that reads `tools` (the tiny model's has none; its context is short).
 TOOLS_TEMPLATE = (
@@ -147,9 +152,25 @@ COMPLETIONS_ONLY: dict[str, dict[str, Any]] = {
     "suffix": {"suffix": "tail"},
     "prompt_embeds": {"prompt_embeds": "AAAA"},
 }
+# The Responses endpoint's table lists only what it refuses.
+RESPONSES_REFUSED: dict[str, dict[str, Any]] = {
+    "previous_response_id": {"previous_response_id": "resp_1"},
+    "conversation": {"conversation": "conv_1"},
+    "background": {"background": True},
+    "tools": {"tools": [TOOL]},
+    "tool_choice": {"tool_choice": "required"},
+    "max_tool_calls": {"max_tool_calls": 2},
+    "reasoning": {"reasoning": {"effort": "high"}},
+    "include": {"include": ["reasoning.encrypted_content"]},
+    "prompt": {"prompt": {"id": "pmpt_1"}},
+    "top_logprobs": {"top_logprobs": 2},
+    "truncation": {"truncation": "auto"},
+    "context_management": {"context_management": [{"type": "compaction"}]},
+}
 SAMPLES: dict[Endpoint, dict[str, dict[str, Any]]] = {
     Endpoint.CHAT: {**COMMON, **CHAT_ONLY},
     Endpoint.COMPLETIONS: {**COMMON, **COMPLETIONS_ONLY},
+    Endpoint.RESPONSES: RESPONSES_REFUSED,
 }
 
 # Refused fields with a value that changes nothing: served.
@@ -162,6 +183,9 @@ NEUTRAL = [
     (Endpoint.CHAT, {"logit_bias": {}, "audio": None, "prediction": None}),
     (Endpoint.COMPLETIONS, {"suffix": "", "use_beam_search": False, "length_penalty": 1.0}),
     (Endpoint.CHAT, {"spaces_between_special_tokens": True, "include_reasoning": True}),
+    (Endpoint.RESPONSES, {"tool_choice": "auto", "tools": [], "truncation": "disabled"}),
+    (Endpoint.RESPONSES, {"reasoning": {"effort": None}, "top_logprobs": 0, "include": []}),
+    (Endpoint.RESPONSES, {"previous_response_id": "", "background": False}),
 ]
 
 

@@ -15,13 +15,13 @@ Nothing is stored. `store: true` (the API's default) is accepted, because every 
 sends it, and ignored: the response object says `store: false`. Whatever would need
 stored state (`previous_response_id`, `conversation`, `background: true`) or a feature
 we do not serve through this endpoint (`tools`, `reasoning`, `include`, `prompt`, ...)
-is a 400 naming the field (`REFUSED`), never a 200 that ignored it.
+is a 400 naming the field (the `responses` rows of `unsupported_fields.SUPPORT`), never
+a 200 that ignored it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -43,6 +43,8 @@ from dynamo.frontend.openai_types import (
 )
 from dynamo.frontend.postprocessor import TextDelta
 from dynamo.frontend.preprocessor import OutputPlan, Prepared, Preprocessor
+from dynamo.frontend.unsupported_fields import Endpoint, unsupported
+from dynamo.frontend.unsupported_fields import refuse_unserved as refuse_unserved_fields
 
 # --------------------------------------------------------------------------- requests
 
@@ -83,7 +85,8 @@ class TextConfig(msgspec.Struct, kw_only=True):
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
     """POST /v1/responses: the subset we serve, the fields accepted without effect, and
-    the fields declared only so that a value we do not serve is refused (`REFUSED`)."""
+    the fields declared only so that a value we do not serve is refused
+    (`unsupported_fields.SUPPORT`)."""
 
     model: str
     input: str | list[InputItem]
@@ -107,7 +110,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     prompt_cache_retention: str | None = None
     parallel_tool_calls: bool | None = None
     stream_options: dict[str, Any] | None = None
-    # Refused unless neutral (see `REFUSED`).
+    # Refused unless neutral (see `unsupported_fields.SUPPORT`).
     previous_response_id: str | None = None
     conversation: Any = None
     background: bool | None = None
@@ -125,68 +128,12 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
 # --------------------------------------------------------------------------- refusals
 
 
-def _unset(value: Any) -> bool:
-    return value is None or value is False or value == [] or value == {}
-
-
-def _no_tool_choice(value: Any) -> bool:
-    return value is None or value in ("none", "auto")
-
-
-def _no_reasoning(value: Any) -> bool:
-    """Clients send `reasoning: {}` or `{"effort": null}` for "no reasoning options"."""
-    return value is None or (isinstance(value, dict) and all(v is None for v in value.values()))
-
-
-def _no_truncation(value: Any) -> bool:
-    return value is None or value == "disabled"
-
-
-def _no_logprobs(value: Any) -> bool:
-    return value is None or value == 0
-
-
-@dataclass(frozen=True)
-class RefusedField:
-    """A request field served only at its neutral values; any other is a 400."""
-
-    name: str
-    why: str
-    neutral: Callable[[Any], bool] = _unset
-
-
-REFUSED: tuple[RefusedField, ...] = (
-    RefusedField("previous_response_id", "nothing is stored: send the whole history"),
-    RefusedField("conversation", "nothing is stored: send the whole history"),
-    RefusedField("background", "no background responses: nothing is stored"),
-    RefusedField("tools", "no tools through /v1/responses; use /v1/chat/completions"),
-    RefusedField("tool_choice", "`none` and `auto` are accepted", _no_tool_choice),
-    RefusedField("max_tool_calls", "no tools through /v1/responses", lambda v: v is None),
-    RefusedField("reasoning", "no reasoning controls", _no_reasoning),
-    RefusedField("include", "no extra output data"),
-    RefusedField("prompt", "no stored prompt templates", lambda v: v is None),
-    RefusedField("top_logprobs", "no logprobs through /v1/responses", _no_logprobs),
-    RefusedField("truncation", "input is never truncated; `disabled` is accepted", _no_truncation),
-    RefusedField("context_management", "no context compaction"),
-)
-
-
 def refuse_unserved(req: ResponsesRequest) -> None:
-    """400 naming the first field `req` sets to a value we do not serve."""
-    values = msgspec.structs.asdict(req)
-    for entry in REFUSED:
-        if not entry.neutral(values[entry.name]):
-            raise _unsupported(entry.name, entry.why)
+    """400 naming the first field `req` sets to a value we do not serve (the Responses
+    rows of `unsupported_fields.SUPPORT`, and `text.verbosity`)."""
+    refuse_unserved_fields(req, Endpoint.RESPONSES)
     if req.text is not None and req.text.verbosity is not None:
-        raise _unsupported("text.verbosity", "no verbosity control")
-
-
-def _unsupported(name: str, why: str) -> OpenAIError:
-    return bad_request(
-        f"`{name}` is not supported by this server ({why}).",
-        param=name,
-        code="unsupported_parameter",
-    )
+        raise unsupported("text.verbosity", "no verbosity control")
 
 
 # --------------------------------------------------------------------------- conversion

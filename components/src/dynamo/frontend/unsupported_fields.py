@@ -31,7 +31,7 @@ from typing import Any
 
 import msgspec
 
-from dynamo.frontend.errors import bad_request
+from dynamo.frontend.errors import OpenAIError, bad_request
 from dynamo.frontend.openai_types import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
@@ -46,11 +46,15 @@ class Support(StrEnum):
 class Endpoint(StrEnum):
     CHAT = "chat"
     COMPLETIONS = "completions"
+    RESPONSES = "responses"
 
 
 BOTH = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
+"""Chat and completions: the Responses endpoint lists only what it refuses (its request
+is converted into a chat request, and the chat path serves the rest)."""
 CHAT = frozenset({Endpoint.CHAT})
 COMPLETIONS = frozenset({Endpoint.COMPLETIONS})
+RESPONSES = frozenset({Endpoint.RESPONSES})
 
 
 def _unset(value: Any) -> bool:
@@ -76,6 +80,23 @@ def _text_only(value: Any) -> bool:
 
 def _true_or_unset(value: Any) -> bool:
     return value is None or value is True
+
+
+def _no_tool_choice(value: Any) -> bool:
+    return value is None or value in ("none", "auto")
+
+
+def _no_reasoning(value: Any) -> bool:
+    """Clients send `reasoning: {}` or `{"effort": null}` for "no reasoning options"."""
+    return value is None or (isinstance(value, dict) and all(v is None for v in value.values()))
+
+
+def _no_truncation(value: Any) -> bool:
+    return value is None or value == "disabled"
+
+
+def _no_logprobs(value: Any) -> bool:
+    return value is None or value == 0
 
 
 @dataclass(frozen=True)
@@ -261,6 +282,27 @@ SUPPORT: tuple[FieldSupport, ...] = (
     _vllm("return_token_ids", H, "`prompt_token_ids` and each choice's `token_ids`"),
     _vllm("prompt_embeds", R, "no engine here takes embeddings", COMPLETIONS),
     _vllm("vllm_xargs", R, "they reach only custom logits processors, which are not loaded"),
+    # ------------------------------------------------------------------ /v1/responses
+    _openai("previous_response_id", R, "nothing is stored: send the whole history", RESPONSES),
+    _openai("conversation", R, "nothing is stored: send the whole history", RESPONSES),
+    _openai("background", R, "no background responses: nothing is stored", RESPONSES),
+    _openai("tools", R, "no tools through /v1/responses; use /v1/chat/completions", RESPONSES),
+    _openai("tool_choice", R, "`none` and `auto` are accepted", RESPONSES, neutral=_no_tool_choice),
+    _openai("max_tool_calls", R, "no tools through /v1/responses", RESPONSES, neutral=_is_none),
+    _openai("reasoning", R, "no reasoning controls", RESPONSES, neutral=_no_reasoning),
+    _openai("include", R, "no extra output data", RESPONSES),
+    _openai("prompt", R, "no stored prompt templates", RESPONSES, neutral=_is_none),
+    _openai(
+        "top_logprobs", R, "no logprobs through /v1/responses", RESPONSES, neutral=_no_logprobs
+    ),
+    _openai(
+        "truncation",
+        R,
+        "input is never truncated; `disabled` is accepted",
+        RESPONSES,
+        neutral=_no_truncation,
+    ),
+    _openai("context_management", R, "no context compaction", RESPONSES),
 )
 
 
@@ -288,11 +330,16 @@ def refuse_unserved(request: msgspec.Struct, endpoint: Endpoint) -> None:
     values = msgspec.structs.asdict(request)
     for entry in _REFUSED[endpoint]:
         if not entry.neutral(values.get(entry.name)):
-            raise bad_request(
-                f"`{entry.name}` is not supported by this server ({entry.note}).",
-                param=entry.name,
-                code="unsupported_parameter",
-            )
+            raise unsupported(entry.name, entry.note)
+
+
+def unsupported(name: str, why: str) -> OpenAIError:
+    """The 400 for a field `name` set to a value this server does not serve, and `why`."""
+    return bad_request(
+        f"`{name}` is not supported by this server ({why}).",
+        param=name,
+        code="unsupported_parameter",
+    )
 
 
 def check_request(request: object) -> None:
