@@ -22,12 +22,8 @@ from vllm.platforms import current_platform
 from vllm_config_support import speculators_config, write_config
 
 from dynamo.vllm.adaptive_speculation import SCHEDULER_CLS, adaptive_entry
-from dynamo.vllm.args import (
-    ConfigError,
-    parse_worker_args,
-    resolved_config_lines,
-    resolved_config_yaml,
-)
+from dynamo.vllm.args import ConfigError, parse_worker_args
+from dynamo.vllm.config_report import resolved_config_lines, resolved_config_yaml
 from dynamo.vllm.speculation_profile import SpeculationProfile, StepTimes, save_profile
 from dynamo.vllm.speculative_resolution import SRC_PREFIX_DEFAULT
 

@@ -37,7 +37,8 @@ from dynamo.llm.worker.addresses import (
 )
 from dynamo.llm.worker.served import instance_metadata
 from dynamo.runtime.wire import InstanceInfo, decode_instance, encode_instance
-from dynamo.vllm.args import ConfigError, build_parser, resolved_config_yaml
+from dynamo.vllm.args import ConfigError, build_parser
+from dynamo.vllm.config_report import resolved_config_yaml
 from dynamo.vllm.kv_defaults import (
     NIXL_SIDE_CHANNEL_HOST_ENV,
     advertised_kv_event_addresses,

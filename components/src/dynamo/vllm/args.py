@@ -13,7 +13,8 @@ into one `VllmWorkerConfig` (see `--help` and docs/speculative_decoding.md).
   `--speculation-profile` (the schedule only), engine-level flags applying to target and
   draft;
 * `kv_defaults`: KV events, KV transfer and CPU block-size rules;
-* `config_report`: the resolved configuration as log lines or `--dry-run` YAML.
+* `config_report` (used by `main`, which prints what this module resolved): the resolved
+  configuration as log lines or `--dry-run` YAML.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from dynamo.runtime.cli import ConfigError
 from dynamo.runtime.nats_options import NatsConnectOptions, nats_options_from_args
 from dynamo.runtime.runtime import default_lease_ttl
 from dynamo.vllm.config_layers import collect_layers, merge_engine_values
-from dynamo.vllm.config_report import resolved_config_lines, resolved_config_yaml
 from dynamo.vllm.kv_defaults import (
     check_block_size,
     configure_kv_events,
@@ -70,8 +70,6 @@ __all__ = [
     "VllmWorkerConfig",
     "build_parser",
     "parse_worker_args",
-    "resolved_config_lines",
-    "resolved_config_yaml",
 ]
 
 log = logging.getLogger("dynamo.vllm")

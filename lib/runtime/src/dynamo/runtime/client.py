@@ -54,7 +54,9 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+from typing import Any, Generic, Protocol, TypeVar, overload
+
+from nats.aio.client import Client as NatsClient
 
 from dynamo.runtime import naming, request_parts, wire
 from dynamo.runtime.errors import (
@@ -70,13 +72,55 @@ from dynamo.runtime.errors import (
     StreamTimeoutError,
     error_from_frame,
 )
+from dynamo.runtime.inbox import Inbox
 from dynamo.runtime.request_parts import MAX_CARRIED_REQUEST_BYTES
 from dynamo.runtime.selection import RandomChoice, RoundRobin
-
-if TYPE_CHECKING:
-    from dynamo.runtime.runtime import DistributedRuntime, Endpoint
+from dynamo.runtime.watch import BucketWatcher
 
 log = logging.getLogger(__name__)
+
+
+class EndpointAddress(Protocol):
+    """The endpoint a client talks to (`runtime.Endpoint`)."""
+
+    @property
+    def namespace(self) -> str: ...
+
+    @property
+    def component(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def path(self) -> str: ...
+
+
+class ClientConnection(Protocol):
+    """What a client needs of this process's runtime (`runtime.DistributedRuntime`): the
+    NATS connection it publishes on, the shared reply inbox its streams receive on, the
+    instance registry's watch and lease TTL, and word when the connection drops. A
+    protocol, so that this module does not import the runtime that builds its clients."""
+
+    nc: NatsClient
+    inbox: Inbox
+    lease_ttl: float
+
+    def watch_bucket(
+        self,
+        bucket: str,
+        key_filter: str = ">",
+        *,
+        on_put: Callable[[str, bytes], None] | None = None,
+        on_delete: Callable[[str], None] | None = None,
+    ) -> BucketWatcher: ...
+
+    async def close_watcher(self, watcher: BucketWatcher) -> None: ...
+
+    def add_disconnect_listener(self, listener: Callable[[], None]) -> None: ...
+
+    def remove_disconnect_listener(self, listener: Callable[[], None]) -> None: ...
+
 
 T = TypeVar("T")
 
@@ -99,7 +143,7 @@ InstancesListener = Callable[[list[int]], None]
 class Client:
     """Client of one endpoint (namespace/component/endpoint)."""
 
-    def __init__(self, runtime: DistributedRuntime, endpoint: Endpoint) -> None:
+    def __init__(self, runtime: ClientConnection, endpoint: EndpointAddress) -> None:
         self.runtime = runtime
         self.endpoint = endpoint
         self._instances: dict[int, wire.InstanceInfo] = {}
