@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dynamo.llm.worker import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MIGRATION_LIMIT
-from dynamo.llm.worker.inflight import MAX_INFLIGHT_HELP, max_inflight_or_env
+from dynamo.llm.worker.flags import add_worker_runtime_arguments
+from dynamo.llm.worker.inflight import max_inflight_or_env
 from dynamo.mocker.acceptance import AcceptanceModel
 from dynamo.mocker.config import MockEngineConfig
 from dynamo.mocker.model_info import ModelInfo
@@ -21,10 +22,8 @@ from dynamo.mocker.timing import TimingModel
 from dynamo.runtime.cli import (
     ConfigError,
     add_log_level_argument,
-    non_negative_float,
     non_negative_int,
     port,
-    positive_float,
     positive_int,
 )
 from dynamo.runtime.nats_options import (
@@ -162,21 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Model name clients use (default: the embedded model's name or the directory name).",
     )
-    where.add_argument("--namespace", default="dynamo", help="Dynamo namespace to register in.")
+    add_worker_runtime_arguments(where)
     where.add_argument("--component", default="backend", help="Component name of the workers.")
-    where.add_argument("--endpoint", default="generate", help="Endpoint serving generation.")
-    where.add_argument(
-        "--nats-server",
-        default=None,  # read from the environment later: --help must not show credentials
-        help="NATS URL (default: $NATS_SERVER, else nats://127.0.0.1:4222); logs show it redacted.",
-    )
     add_nats_arguments(parser.add_argument_group("NATS authentication and TLS"))
-    where.add_argument(
-        "--lease-ttl",
-        type=positive_float,
-        default=None,
-        help="Seconds a dead worker stays registered (default: $DYN_LEASE_TTL, else 5, or 18 with --nats-replicas above 1: a lease must outlive a JetStream leader election).",
-    )
     where.add_argument(
         "--num-workers",
         type=positive_int,
@@ -198,22 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="Publish KV-cache events (stored / removed / cleared) for the KV router.",
     )
     where.add_argument(
-        "--max-inflight-requests",
-        type=non_negative_int,
-        default=None,
-        help=MAX_INFLIGHT_HELP,
-    )
-    where.add_argument(
         "--system-port",
         type=port,
         default=None,
         help="Serve /metrics, /health and /live on this port (0: any free port; default: off).",
-    )
-    where.add_argument(
-        "--drain-timeout",
-        type=non_negative_float,
-        default=DEFAULT_DRAIN_TIMEOUT_S,
-        help="On SIGTERM, seconds to let requests in flight finish before cancelling them.",
     )
     where.add_argument(
         "--migration-limit",

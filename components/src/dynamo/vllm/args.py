@@ -30,6 +30,7 @@ from typing import Any
 
 from vllm.engine.arg_utils import AsyncEngineArgs
 
+from dynamo.llm.worker import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MIGRATION_LIMIT
 from dynamo.llm.worker.addresses import advertise_host_or_env
 from dynamo.llm.worker.inflight import max_inflight_or_env
 from dynamo.runtime.cli import ConfigError
@@ -52,8 +53,6 @@ from dynamo.vllm.speculative_resolution import (
 )
 from dynamo.vllm.worker_parser import (
     DEFAULT_COMPONENT,
-    DEFAULT_DRAIN_TIMEOUT_S,
-    DEFAULT_MIGRATION_LIMIT,
     DEFAULT_NATS,
     PREFILL_COMPONENT,
     DisaggregationMode,

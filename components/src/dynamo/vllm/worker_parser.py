@@ -20,19 +20,17 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from dynamo.llm.models import DEFAULT_MODEL
-from dynamo.llm.worker import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MIGRATION_LIMIT
+from dynamo.llm.worker import DEFAULT_MIGRATION_LIMIT
 from dynamo.llm.worker.addresses import ADVERTISE_HOST_HELP
-from dynamo.llm.worker.inflight import MAX_INFLIGHT_HELP
+from dynamo.llm.worker.flags import add_worker_runtime_arguments
 from dynamo.runtime.cli import (
     ConfigError,
-    non_negative_float,
     non_negative_int,
     port,
-    positive_float,
     positive_int,
 )
 from dynamo.runtime.nats_options import add_nats_arguments
-from dynamo.runtime.runtime import CLUSTER_LEASE_TTL_S, DEFAULT_LEASE_TTL_S
+from dynamo.runtime.nats_server import DEFAULT_NATS_URL
 from dynamo.vllm.adaptive_speculation import (
     ADAPT_MODES,
     DEFAULT_WARMUP_DRAFTS,
@@ -41,11 +39,9 @@ from dynamo.vllm.adaptive_speculation import (
 
 DisaggregationMode = Literal["agg", "prefill", "decode"]
 WORKER_GROUP = "DynamoWorker"
-DEFAULT_NAMESPACE = "dynamo"
 DEFAULT_COMPONENT = "backend"
 PREFILL_COMPONENT = "prefill"
-DEFAULT_ENDPOINT = "generate"
-DEFAULT_NATS = "nats://127.0.0.1:4222"
+DEFAULT_NATS = DEFAULT_NATS_URL
 SYSTEM_PORT_ENV = "DYN_SYSTEM_PORT"
 SYSTEM_HOST_ENV = "DYN_SYSTEM_HOST"
 DEFAULT_SYSTEM_HOST = "0.0.0.0"
@@ -167,16 +163,11 @@ def _explain_json_errors(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 def _add_worker_flags(parser: FlexibleArgumentParser) -> None:
     group = parser.add_argument_group(WORKER_GROUP, "Dynamo runtime settings of this worker.")
-    group.add_argument(
-        "--namespace", default=DEFAULT_NAMESPACE, help="Dynamo namespace to serve in."
-    )
+    add_worker_runtime_arguments(group, default_in_words=_OWN_DEFAULT)
     group.add_argument(
         "--component",
         default=None,
         help=f"Component name (default: {DEFAULT_COMPONENT!r}, or {PREFILL_COMPONENT!r} for prefill workers).{_OWN_DEFAULT}",
-    )
-    group.add_argument(
-        "--endpoint", default=DEFAULT_ENDPOINT, help="Name of the generate endpoint."
     )
     group.add_argument(
         "--disaggregation-mode",
@@ -277,34 +268,7 @@ def _add_worker_flags(parser: FlexibleArgumentParser) -> None:
         "free port, advertised in the instance record). Default: a private Unix socket, "
         "ipc://$TMPDIR/dynamo-kv-*-events.sock." + _OWN_DEFAULT,
     )
-    group.add_argument(
-        "--nats-server",
-        default=None,
-        help=f"NATS URL (default: $NATS_SERVER, else {DEFAULT_NATS}); logs and --dry-run "
-        f"show it redacted.{_OWN_DEFAULT}",
-    )
     add_nats_arguments(group)
-    group.add_argument(
-        "--lease-ttl",
-        type=positive_float,
-        default=None,
-        help="Seconds a registration outlives a silent worker "
-        f"(default: $DYN_LEASE_TTL, else {DEFAULT_LEASE_TTL_S:g}, or {CLUSTER_LEASE_TTL_S:g} with --nats-replicas above 1)."
-        + _OWN_DEFAULT,
-    )
-    group.add_argument(
-        "--max-inflight-requests",
-        type=non_negative_int,
-        default=None,
-        help=MAX_INFLIGHT_HELP + _OWN_DEFAULT,
-    )
-    group.add_argument(
-        "--drain-timeout",
-        type=non_negative_float,
-        default=DEFAULT_DRAIN_TIMEOUT_S,
-        help="On SIGTERM/SIGINT: seconds in-flight requests get to finish after the worker "
-        "deregisters; what is still running then is aborted.",
-    )
     group.add_argument(
         "--dry-run",
         action="store_true",
