@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 import psutil
 
 from dynamo.llm.models import DEFAULT_MODEL, resolve_model
-from dynamo.runtime.nats_server import NatsServer
+from dynamo.nats_server import NatsServer
 from dynamo.runtime.ports import free_port
 from dynamo.testing.processes import (
     FrontendProcess,

@@ -23,8 +23,8 @@ import subprocess
 import sys
 import time
 
+from dynamo.nats_server import NatsServer
 from dynamo.runtime import DistributedRuntime
-from dynamo.runtime.nats_server import NatsServer
 
 
 async def serve(url: str) -> None:

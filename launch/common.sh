@@ -91,7 +91,7 @@ start_supervised() {
 }
 
 nats_reachable() {
-  "$PYTHON" -c 'import sys; from dynamo.runtime.nats_server import is_reachable; sys.exit(0 if is_reachable(sys.argv[1]) else 1)' "$1"
+  "$PYTHON" -c 'import sys; from dynamo.runtime.nats_address import is_reachable; sys.exit(0 if is_reachable(sys.argv[1]) else 1)' "$1"
 }
 
 # Sets and exports NATS_SERVER: the reachable one, or a new one we start.
@@ -100,9 +100,9 @@ ensure_nats() {
     log "reusing NATS at $(redact "$NATS_SERVER")"
   else
     local port scheme=nats
-    port=$("$PYTHON" -c 'from dynamo.runtime.nats_server import free_port; print(free_port())')
+    port=$("$PYTHON" -c 'from dynamo.runtime.ports import free_port; print(free_port())')
     [[ -n "${NATS_SERVER_TLS_CERT:-}" ]] && scheme=tls
-    start nats "$PYTHON" -m dynamo.runtime.nats_server --port "$port"
+    start nats "$PYTHON" -m dynamo.nats_server --port "$port"
     export NATS_SERVER="$scheme://127.0.0.1:$port"
     local deadline=$((SECONDS + 15))
     until nats_reachable "$NATS_SERVER"; do

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from dynamo.runtime.nats_server import NatsServer
+from dynamo.nats_server import NatsServer
 from dynamo.testing.leftovers import finish_leftovers
 
 _FOLDER_MARKS = {

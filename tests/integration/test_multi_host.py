@@ -42,7 +42,7 @@ import nats
 import pytest
 
 from dynamo.llm.kv_router.subjects import KV_EVENTS_STREAM
-from dynamo.runtime.nats_server import ClusterMembership, NatsServer
+from dynamo.nats_server import ClusterMembership, NatsServer
 from dynamo.testing import netns
 from dynamo.testing.http import http_post_json, kv_router_views, routed_totals
 from dynamo.testing.jetstream import node_holding, prefer_stream_leaders

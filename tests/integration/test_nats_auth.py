@@ -1,5 +1,5 @@
 """NATS with authentication and TLS, against real nats-servers started with
-`ServerSecurity` (the same code path as `python -m dynamo.runtime.nats_server --user ...`).
+`ServerSecurity` (the same code path as `python -m dynamo.nats_server --user ...`).
 
 Claims: a client without (or with wrong) credentials is refused at once with an error
 naming the redacted URL, never a hang; user/password, token, NKey and credentials in the
@@ -28,10 +28,11 @@ import psutil
 import pytest
 import pytest_asyncio
 
+from dynamo.nats_server import NatsServer, ServerSecurity
 from dynamo.runtime import DistributedRuntime
+from dynamo.runtime.nats_address import is_reachable
 from dynamo.runtime.nats_connect import NatsRefusedError
 from dynamo.runtime.nats_options import NatsConnectOptions
-from dynamo.runtime.nats_server import NatsServer, ServerSecurity, is_reachable
 from dynamo.testing.http import http_post_json
 from dynamo.testing.processes import FrontendProcess, ManagedProcess, running
 from dynamo.testing.tls import TestPki, make_test_pki

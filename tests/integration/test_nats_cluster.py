@@ -36,7 +36,7 @@ import nats
 import pytest
 
 from dynamo.llm.kv_router.subjects import KV_EVENTS_STREAM
-from dynamo.runtime.nats_server import NatsCluster, NatsServer
+from dynamo.nats_server import NatsCluster, NatsServer
 from dynamo.testing.http import http_post_json, kv_router_views
 from dynamo.testing.jetstream import node_holding, prefer_stream_leaders
 from dynamo.testing.processes import FrontendProcess, ManagedProcess, running, wait_serving

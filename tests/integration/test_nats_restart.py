@@ -71,10 +71,10 @@ from dynamo.mocker.args import WorkerSettings
 from dynamo.mocker.backend import MockerBackend, mocker_worker
 from dynamo.mocker.config import MockEngineConfig
 from dynamo.mocker.model_info import ModelInfo
+from dynamo.nats_server import NatsServer
 from dynamo.runtime import DistributedRuntime, naming
 from dynamo.runtime.backoff import Backoff, retry_until_done
 from dynamo.runtime.events import EventStream, StreamSubscription
-from dynamo.runtime.nats_server import NatsServer
 from dynamo.testing.http import kv_router_views
 from dynamo.testing.processes import FrontendProcess, ManagedProcess
 from dynamo.testing.waiting import wait_until_async

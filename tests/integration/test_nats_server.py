@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dynamo.runtime.nats_server import NatsServer, NatsServerError, ensure_nats_server, is_reachable
+from dynamo.nats_server import NatsServer, NatsServerError, ensure_nats_server
+from dynamo.runtime.nats_address import is_reachable
 
 
 def test_start_stop_restart_keeps_port_and_store(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Children die with their parent, even a SIGKILLed one (Linux PR_SET_PDEATHSIG).
 
-Claims: SIGKILLing `python -m dynamo.runtime.nats_server` takes its nats-server along and
+Claims: SIGKILLing `python -m dynamo.nats_server` takes its nats-server along and
 frees the port; SIGKILLing a `launch/` script leaves none of its descendants (NATS wrapper
 and server, frontend, mocker) running; the exec wrapper (`python -m
 dynamo.runtime.parent_death -- CMD`) keeps CMD's pid, ties it to the wrapper's parent and
@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dynamo.runtime.nats_server import is_reachable
+from dynamo.runtime.nats_address import is_reachable
 from dynamo.runtime.parent_death import supported
 from dynamo.runtime.ports import free_port
 from dynamo.testing.processes import child_env, start_launch_script, wait_serving
@@ -112,7 +112,7 @@ def test_sigkilled_nats_server_wrapper_takes_its_server_along(
 ) -> None:
     port = free_port()
     wrapper = spawn(
-        [sys.executable, "-m", "dynamo.runtime.nats_server", "--port", str(port)],
+        [sys.executable, "-m", "dynamo.nats_server", "--port", str(port)],
         tmp_path / "wrapper.log",
     )
     reap.append(wrapper.pid)
@@ -164,7 +164,7 @@ def test_sigkilled_launch_script_leaves_nothing_behind(
         reap.extend(p.pid for p in descendants)
         commands = [" ".join(p.cmdline()) for p in descendants]
         for part in (
-            "dynamo.runtime.nats_server",
+            "dynamo.nats_server",
             "nats-server",
             "dynamo.frontend",
             "dynamo.mocker",

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from dynamo.nats_server import NatsServer
 from dynamo.runtime import (
     Client,
     DistributedRuntime,
@@ -30,7 +31,6 @@ from dynamo.runtime import (
     NoInstancesError,
     RemoteError,
 )
-from dynamo.runtime.nats_server import NatsServer
 
 LEASE_TTL = 2.0
 WORKER_SCRIPT = Path(__file__).with_name("runtime_worker.py")

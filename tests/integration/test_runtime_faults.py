@@ -35,6 +35,7 @@ from typing import Any
 import nats
 import pytest
 
+from dynamo.nats_server import NatsServer
 from dynamo.runtime import (
     Client,
     Context,
@@ -52,7 +53,6 @@ from dynamo.runtime import (
     wire,
 )
 from dynamo.runtime import client as runtime_client
-from dynamo.runtime.nats_server import NatsServer
 from dynamo.runtime.server import PUBLISH_FLUSH_TIMEOUT_S, EndpointServer
 from dynamo.testing.waiting import wait_until_async
 

@@ -59,6 +59,7 @@ VIOLATIONS = [
     ("dynamo/mocker/metrics.py", "import dynamo.frontend.errors", "layers"),
     ("dynamo/frontend/errors.py", "import vllm", "frontend-vllm"),
     ("dynamo/llm/acceptance.py", "import vllm", "core-vllm"),
+    ("dynamo/runtime/runtime.py", "import dynamo.nats_server", "nats-server-tool"),
 ]
 
 
@@ -79,5 +80,6 @@ def test_each_contract_breaks_on_a_planted_violation(
         "layers": "no component imports another",
         "frontend-vllm": "only the frontend's parsers import vLLM",
         "core-vllm": "the runtime and llm layers never import vLLM",
+        "nats-server-tool": "nothing served imports it",
     }
     assert any(names[contract] in line for line in broken), result.stdout

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from deploy_support import OVERLAY_NAMES, OVERLAYS, by_kind, containers, module_args, rendered
 
-from dynamo.runtime.nats_server import find_nats_server_binary
+from dynamo.nats_server import find_nats_server_binary
 
 # Kubernetes versions the manifests must be valid for: the kubectl of this repository's
 # machines, and the newest kubernetes-validate bundles.

@@ -12,9 +12,12 @@ from nats.aio.client import Client as NatsClient
 
 from dynamo.frontend.__main__ import build_parser as frontend_parser
 from dynamo.mocker.args import build_parser as mocker_parser
+from dynamo.nats_server import NatsCluster
+from dynamo.nats_server.cli import build_parser
 from dynamo.runtime.cli import ConfigError
 from dynamo.runtime.kv import registry_config
 from dynamo.runtime.leases import LeaseKeeper
+from dynamo.runtime.nats_address import is_reachable
 from dynamo.runtime.nats_options import (
     ENV_NATS_REPLICAS,
     NatsConnectOptions,
@@ -22,7 +25,6 @@ from dynamo.runtime.nats_options import (
     nats_options_from_args,
     split_urls,
 )
-from dynamo.runtime.nats_server import NatsCluster, build_parser, is_reachable
 from dynamo.runtime.runtime import (
     CLUSTER_LEASE_TTL_S,
     DEFAULT_LEASE_TTL_S,

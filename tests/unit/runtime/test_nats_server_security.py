@@ -1,4 +1,4 @@
-"""`python -m dynamo.runtime.nats_server`'s authentication and TLS settings
+"""`python -m dynamo.nats_server`'s authentication and TLS settings
 (`ServerSecurity`): one method at most, TLS files that go together, flags over the
 variables the clients read, and a configuration text that carries secrets verbatim."""
 
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dynamo.runtime.nats_server import ServerSecurity, build_parser, main, security_from_args
+from dynamo.nats_server import ServerSecurity
+from dynamo.nats_server.cli import build_parser, main, security_from_args
 
 
 def parse(*argv: str, env: dict[str, str] | None = None) -> ServerSecurity:

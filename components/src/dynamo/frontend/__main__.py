@@ -59,8 +59,8 @@ from dynamo.runtime.cli import (
     positive_int,
 )
 from dynamo.runtime.gc_tuning import tune_for_serving
+from dynamo.runtime.nats_address import nats_url_from_env
 from dynamo.runtime.nats_options import add_nats_arguments, nats_options_from_args
-from dynamo.runtime.nats_server import nats_url_from_env
 
 
 def build_parser() -> argparse.ArgumentParser:

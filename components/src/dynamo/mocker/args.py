@@ -26,12 +26,12 @@ from dynamo.runtime.cli import (
     port,
     positive_int,
 )
+from dynamo.runtime.nats_address import nats_url_from_env
 from dynamo.runtime.nats_options import (
     NatsConnectOptions,
     add_nats_arguments,
     nats_options_from_args,
 )
-from dynamo.runtime.nats_server import nats_url_from_env
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_SPECULATIVE_METHOD = "mocker"

@@ -29,8 +29,8 @@ from dynamo.runtime.cli import (
     port,
     positive_int,
 )
+from dynamo.runtime.nats_address import DEFAULT_NATS_URL
 from dynamo.runtime.nats_options import add_nats_arguments
-from dynamo.runtime.nats_server import DEFAULT_NATS_URL
 from dynamo.vllm.adaptive_speculation import (
     ADAPT_MODES,
     DEFAULT_WARMUP_DRAFTS,

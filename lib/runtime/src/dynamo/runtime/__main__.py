@@ -17,8 +17,8 @@ import msgspec
 
 from dynamo.runtime import naming, wire
 from dynamo.runtime.cli import ConfigError
+from dynamo.runtime.nats_address import nats_url_from_env
 from dynamo.runtime.nats_options import add_nats_arguments, nats_options_from_args, redact_url
-from dynamo.runtime.nats_server import nats_url_from_env
 from dynamo.runtime.runtime import DistributedRuntime
 
 MODELS_BUCKET = "dyn_models"  # owned by dynamo.llm.model_card; read here as plain msgpack

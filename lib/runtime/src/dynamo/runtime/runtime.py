@@ -45,9 +45,9 @@ from dynamo.runtime.kv import (
     wait_for_stream_leader,
 )
 from dynamo.runtime.leases import LeaseKeeper
+from dynamo.runtime.nats_address import is_reachable, nats_url_from_env
 from dynamo.runtime.nats_connect import open_nats_connection
 from dynamo.runtime.nats_options import NatsConnectOptions, redact_url
-from dynamo.runtime.nats_server import is_reachable, nats_url_from_env
 from dynamo.runtime.server import (
     PUBLISH_FLUSH_TIMEOUT_S,
     EndpointServer,
@@ -443,7 +443,7 @@ async def _wait_reachable(url: str, timeout: float) -> None:
     while not await asyncio.to_thread(is_reachable, url, 0.5):
         if loop.time() >= deadline:
             raise ConnectionError(
-                f"no NATS server at {shown} (start one with `python -m dynamo.runtime.nats_server` "
+                f"no NATS server at {shown} (start one with `python -m dynamo.nats_server` "
                 f"or set $NATS_SERVER)"
             )
         if not logged:

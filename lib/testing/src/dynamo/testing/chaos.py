@@ -49,7 +49,7 @@ import aiohttp
 import psutil
 
 from dynamo.llm.models import DEFAULT_MODEL
-from dynamo.runtime.nats_server import NatsCluster
+from dynamo.nats_server import NatsCluster
 from dynamo.testing.http import http_get, kv_router_views, listed_instances
 from dynamo.testing.mocker_tokens import ExpectedTokens
 from dynamo.testing.processes import (

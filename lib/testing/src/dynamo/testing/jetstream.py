@@ -12,7 +12,7 @@ import nats
 import nats.errors
 from nats.js import JetStreamContext
 
-from dynamo.runtime.nats_server import NatsServer
+from dynamo.nats_server import NatsServer
 
 ELECTION_TRIES = 4
 """Stream info requests (5 s each) tried while a stream elects a leader: longer than the

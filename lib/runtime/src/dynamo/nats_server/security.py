@@ -4,7 +4,7 @@
 the TLS files; `config_text()` renders them as nats-server configuration, and
 `private_config_file` puts that text where only this user can read it, for as long as the
 server needs to read it: it may carry a password. `NatsServer(security=...)` and
-`python -m dynamo.runtime.nats_server --user ...` use both.
+`python -m dynamo.nats_server --user ...` use both.
 """
 
 from __future__ import annotations

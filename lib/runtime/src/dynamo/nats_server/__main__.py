@@ -1,0 +1,5 @@
+"""`python -m dynamo.nats_server` (see `dynamo.nats_server.cli`)."""
+
+from dynamo.nats_server.cli import main
+
+raise SystemExit(main())
