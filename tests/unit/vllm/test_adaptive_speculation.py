@@ -9,15 +9,13 @@ import pytest
 
 from dynamo.vllm.adaptive_speculation import (
     BASELINE_STEPS,
-    RATIO_BOUNDS,
     UPWARD_STEPS,
     AdaptationError,
     AdaptationSettings,
     AdaptiveK,
-    batch_bucket,
-    monotone_fit,
 )
 from dynamo.vllm.speculation_profile import SpeculationProfile, StepTimes
+from dynamo.vllm.speculation_step_cost import RATIO_BOUNDS, batch_bucket, monotone_fit
 
 # A CPU-like engine: a draft is cheap at batch 1 and costs more as the batch grows; the
 # plain engine (no drafter) is what a free K = 0 costs.

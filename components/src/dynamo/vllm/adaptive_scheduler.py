@@ -37,12 +37,12 @@ from dynamo.vllm.adaptive_speculation import (
     ADDITIONAL_CONFIG_KEY,
     SCHEDULER_CLS,
     adaptive_entry,
-    batch_bucket,
     chooser_from_engine_config,
     state_path_of,
 )
 from dynamo.vllm.speculation_opt_out import SpeculationOptOutScheduler
 from dynamo.vllm.speculation_state import SpeculationStateWriter
+from dynamo.vllm.speculation_step_cost import batch_bucket
 
 # Under vLLM's logger: this runs in the engine core process, where only vLLM's logging
 # is configured (its lines reach the worker's log with the engine core's prefix).

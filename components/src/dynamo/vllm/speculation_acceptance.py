@@ -1,0 +1,106 @@
+"""The live acceptance estimate of adaptive speculation (`adaptive_speculation`): the
+per-position acceptance kept as decayed conditional rates, and the fraction of
+sequence-steps that carried a draft, warm-started from a profile."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class DecayedRate:
+    """A rate from counts that fade by `decay` each time `fade` is called."""
+
+    hits: float
+    trials: float
+
+    def add(self, hits: float, trials: float) -> None:
+        self.hits += hits
+        self.trials += trials
+
+    def fade(self, decay: float) -> None:
+        self.hits *= decay
+        self.trials *= decay
+
+    def rate(self, default: float) -> float:
+        return self.hits / self.trials if self.trials > 1e-9 else default
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Per-position acceptance and the drafted fraction, warm-started from a profile."""
+
+    conditional: list[DecayedRate]
+    drafted: DecayedRate
+    decay: float
+
+    @classmethod
+    def from_profile(
+        cls, acceptance: Sequence[float], drafted: float, *, warmup_drafts: int, window_steps: int
+    ) -> AcceptanceEstimate:
+        """Seeded with the profile's rates as `warmup_drafts` drafts at every position;
+        counts fade to a third over `window_steps` steps."""
+        weight = float(warmup_drafts)
+        return cls(
+            conditional=[DecayedRate(weight * c, weight) for c in conditional_rates(acceptance)],
+            drafted=DecayedRate(weight * drafted, weight),
+            decay=1.0 - 1.0 / window_steps,
+        )
+
+    def observe(
+        self,
+        reached_per_position: Sequence[int],
+        accepted_per_position: Sequence[int],
+        sequences_asked: int,
+        sequences_drafted: int,
+    ) -> None:
+        """One verification step, summed over the batch: at each position, the drafts that
+        reached it with every earlier token accepted, and those whose token there was
+        accepted too; the sequences that were asked for drafts and those that got any."""
+        self.fade()
+        for i, (reached, accepted) in enumerate(
+            zip(reached_per_position, accepted_per_position, strict=True)
+        ):
+            if i < len(self.conditional) and reached > 0:
+                self.conditional[i].add(min(accepted, reached), reached)
+        if sequences_asked > 0:
+            self.drafted.add(min(sequences_drafted, sequences_asked), sequences_asked)
+
+    def fade(self) -> None:
+        """One decoding step has passed: older counts weigh less."""
+        for rate in self.conditional:
+            rate.fade(self.decay)
+        self.drafted.fade(self.decay)
+
+    def rates(self) -> list[float]:
+        """a_i for every position: the product of the conditional rates up to it. A
+        position never measured (no warm-up, no traffic) borrows the conditional rate
+        before it; position 0 unmeasured assumes no gain."""
+        out: list[float] = []
+        product, previous = 1.0, 0.0
+        for rate in self.conditional:
+            previous = min(max(rate.rate(previous), 0.0), 1.0)
+            product *= previous
+            out.append(product)
+        return out
+
+    def drafted_fraction(self) -> float:
+        return self.drafted.rate(1.0)
+
+    def tokens_per_step(self, k: int) -> float:
+        return 1.0 + self.drafted_fraction() * sum(self.rates()[:k])
+
+
+def conditional_rates(acceptance: Sequence[float]) -> list[float]:
+    """vLLM's per-position rates (a_i) as conditional ones (a_i / a_(i-1)); where an
+    earlier rate is 0 the ratio is unknown and the conditional rate before it stands in."""
+    out: list[float] = []
+    before = 1.0
+    for rate in acceptance:
+        if before > 0.0:
+            out.append(min(max(rate / before, 0.0), 1.0))
+        else:
+            out.append(out[-1] if out else 0.0)
+        before = rate
+    return out
