@@ -13,9 +13,8 @@ from dynamo.vllm.args import (
     ConfigError,
     build_parser,
     parse_worker_args,
-    resolved_config_lines,
-    resolved_config_yaml,
 )
+from dynamo.vllm.config_report import resolved_config_lines, resolved_config_yaml
 from dynamo.vllm.main import main
 
 SECRET = "hunter2-Secret"
