@@ -553,6 +553,17 @@ def test_the_monotone_fit_pools_what_falls(
     assert monotone_fit(values, weights) == pytest.approx(fitted)
 
 
+def eagle3_at_one_sequence_after_k1(served: list[float]) -> AdaptiveK:
+    """Eagle3 at one sequence on the repeat prompts: K = 0 and K = 1 measured at length
+    (at `served[k]` of the profile), the acceptance of that traffic, K = 1 chosen."""
+    chooser = AdaptiveK(EAGLE3_SMALL_BATCHES, max_k=3)
+    for k, steps in ((0, 200), (1, 300)):
+        for _ in range(steps):
+            chooser.observe_step(k, 1, served[k] * chooser.cost.profiled_ms(k, 1))
+    feed_acceptance(chooser, [0.3, 0.15, 0.07], steps=400, batch=100)
+    return chooser
+
+
 def test_a_probed_k_whose_own_steps_pay_goes_on_until_it_is_chosen() -> None:
     """Seen with Eagle3 at one sequence on the repeat prompts: K = 1 measured at length,
     K = 2 served at 0.68x the profile, cheaper than K = 1, but ran only in upward probes
@@ -560,12 +571,7 @@ def test_a_probed_k_whose_own_steps_pay_goes_on_until_it_is_chosen() -> None:
     adaptive served 0.93x what the profiled K = 3 did. A probe whose K pays at its own
     measured time now goes on, each step measured, until its floor has given way."""
     served = [0.96, 0.94, 0.68, 0.7]
-    chooser = AdaptiveK(EAGLE3_SMALL_BATCHES, max_k=3)
-    cost = chooser.cost
-    for k, steps in ((0, 200), (1, 300)):
-        for _ in range(steps):
-            chooser.observe_step(k, 1, served[k] * cost.profiled_ms(k, 1))
-    feed_acceptance(chooser, [0.3, 0.15, 0.07], steps=400, batch=100)
+    chooser = eagle3_at_one_sequence_after_k1(served)
     assert chooser.best(1) == 1
     chosen = serve_steps(chooser, 1, served, 400)
     assert chooser.best(1) >= 2
@@ -576,12 +582,7 @@ def test_a_probed_k_whose_own_steps_do_not_pay_is_not_continued() -> None:
     """The same, K = 2 served dear (1.3x the profile): after its UPWARD_STEPS the batch
     goes back to K = 1 at once, and K = 2 runs only in its probes."""
     served = [0.96, 0.94, 1.3, 1.3]
-    chooser = AdaptiveK(EAGLE3_SMALL_BATCHES, max_k=3)
-    cost = chooser.cost
-    for k, steps in ((0, 200), (1, 300)):
-        for _ in range(steps):
-            chooser.observe_step(k, 1, served[k] * cost.profiled_ms(k, 1))
-    feed_acceptance(chooser, [0.3, 0.15, 0.07], steps=400, batch=100)
+    chooser = eagle3_at_one_sequence_after_k1(served)
     chosen = serve_steps(chooser, 1, served, 400)
     assert chooser.best(1) == 1
     assert chosen.count(2) <= 4 * UPWARD_STEPS
