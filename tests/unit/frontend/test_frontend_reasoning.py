@@ -19,12 +19,12 @@ from dynamo.frontend.__main__ import build_parser, config_from_args, main
 from dynamo.frontend.chat_output import ChatPieces, PlainText
 from dynamo.frontend.chat_parsers import ChatParsingOptions, chat_output_parser
 from dynamo.frontend.errors import OpenAIError
-from dynamo.frontend.preprocessor import load_tokenizer
 from dynamo.frontend.reasoning import (
     ReasoningSplitter,
     check_reasoning_parser_name,
     reasoning_splitter,
 )
+from dynamo.frontend.tokenizer_setup import load_tokenizer
 from dynamo.runtime.cli import ConfigError
 from dynamo.testing.tokenizers import build_tiny_tokenizer
 

@@ -42,8 +42,9 @@ from frontend_support import (
     replaced_render,
 )
 
-from dynamo.frontend.preprocessor import Preprocessor, load_tokenizer
+from dynamo.frontend.preprocessor import Preprocessor
 from dynamo.frontend.stop_strings import StopStringMatcher
+from dynamo.frontend.tokenizer_setup import load_tokenizer
 from dynamo.testing.tokenizers import build_tiny_tokenizer
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 6
