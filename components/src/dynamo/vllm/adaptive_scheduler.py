@@ -14,9 +14,13 @@ around vLLM's own method:
 * `make_spec_decoding_stats`: called once per verified request with its drafts and
   accepted tokens; they feed the acceptance estimate (the positions each draft reached
   with every earlier token accepted, and which of those were accepted).
-* `schedule` and `update_from_output`: the time between them is the step's forward,
-  sampling and drafting; a pure-decode step whose verified and drafted K were the same
-  feeds the step-time estimate at that K.
+* `schedule`, `update_from_output` and `update_draft_token_ids`: a step's time runs from
+  `schedule` to the end of the engine core's work for it: `update_from_output` at K = 0,
+  and for a step that drafted, `update_draft_token_ids`, which the engine core calls
+  after it has fetched the drafts from the runner's process (`EngineCore.post_step`). That
+  round trip is work only a drafting step causes (the free K = 0 skips it), so it belongs
+  to the drafting K's price. A pure-decode step whose verified and drafted K were the
+  same feeds the step-time estimate at that K.
 
 The settings arrive in `additional_config[ADDITIONAL_CONFIG_KEY]` (a vLLM config field
 made for plugins), written by the worker from its flags. Each decoding step's K goes to
@@ -76,6 +80,7 @@ class AdaptiveSpeculationScheduler(SpeculationOptOutScheduler):
         self._asked_now = 0
         self._asked_next = 0
         self._step: tuple[float, int, int] | None = None  # (started, K, batch) to time
+        self._awaiting_drafts: tuple[float, int, int] | None = None  # ... until they come
         self._scheduled_at = 0.0
         # (batch size bucket, K) chosen since the last report
         self._chosen: Counter[tuple[int, int]] = Counter()
@@ -86,6 +91,7 @@ class AdaptiveSpeculationScheduler(SpeculationOptOutScheduler):
         )
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        self._awaiting_drafts = None  # a step whose drafts never came is not timed
         self._scheduled_at = time.perf_counter()
         return super().schedule(*args, **kwargs)
 
@@ -142,11 +148,13 @@ class AdaptiveSpeculationScheduler(SpeculationOptOutScheduler):
         return decoding, prefilling
 
     def update_from_output(self, scheduler_output: SchedulerOutput, *args: Any, **kwargs: Any):  # type: ignore[no-untyped-def]
-        if self._step is not None:
-            started, k, batch = self._step
-            self.chooser.observe_step(k, batch, (time.perf_counter() - started) * 1000.0)
-            self._step = None
         outputs = super().update_from_output(scheduler_output, *args, **kwargs)
+        if self._step is not None:
+            if self._step[1] == 0:
+                self._observe(self._step)
+            else:  # timed until the engine core has fetched its drafts (see the module)
+                self._awaiting_drafts = self._step
+            self._step = None
         if self._verified or self._asked_now:  # drafts asked for, even if none came (n-gram)
             self.chooser.observe_verification(
                 self._reached,
@@ -158,6 +166,17 @@ class AdaptiveSpeculationScheduler(SpeculationOptOutScheduler):
             self._accepted = [0] * self.num_spec_tokens
             self._verified = 0
         return outputs
+
+    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
+        super().update_draft_token_ids(draft_token_ids)
+        if self._awaiting_drafts is not None:
+            self._observe(self._awaiting_drafts)
+            self._awaiting_drafts = None
+
+    def _observe(self, step: tuple[float, int, int]) -> None:
+        """Feed the chooser one timed step: (started, K, batch)."""
+        started, k, batch = step
+        self.chooser.observe_step(k, batch, (time.perf_counter() - started) * 1000.0)
 
     def make_spec_decoding_stats(
         self,
