@@ -32,12 +32,8 @@ from dynamo.frontend.errors import OpenAIError, bad_request, engine_error
 from dynamo.frontend.openai_types import Usage
 from dynamo.frontend.postprocessor import TextDelta
 from dynamo.frontend.preprocessor import OutputPlan
-from dynamo.frontend.responses_api import (
-    ResponsesFormatter,
-    ResponsesRequest,
-    to_chat_request,
-    translated,
-)
+from dynamo.frontend.responses_api import ResponsesFormatter, to_chat_request, translated
+from dynamo.frontend.responses_types import ResponsesRequest
 from dynamo.frontend.structured_output import structured_output_of
 
 DECODER = msgspec.json.Decoder(ResponsesRequest)

@@ -87,11 +87,11 @@ from dynamo.frontend.responses import (
 )
 from dynamo.frontend.responses_api import (
     ResponsesChatRequest,
-    ResponsesRequest,
     prepare_response,
     responses_formatter,
     to_chat_request,
 )
+from dynamo.frontend.responses_types import ResponsesRequest
 from dynamo.frontend.unsupported_fields import check_request
 
 log = logging.getLogger(__name__)

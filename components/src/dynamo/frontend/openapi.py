@@ -25,7 +25,7 @@ from dynamo.frontend.openai_types import (
     ModelInfo,
     ModelList,
 )
-from dynamo.frontend.responses_api import ResponseObject, ResponsesRequest
+from dynamo.frontend.responses_types import ResponseObject, ResponsesRequest
 
 OPENAPI_PATH = "/openapi.json"
 _REF = "#/components/schemas/{name}"
