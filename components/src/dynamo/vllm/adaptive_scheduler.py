@@ -79,8 +79,9 @@ class AdaptiveSpeculationScheduler(SpeculationOptOutScheduler):
         # after this step: a step's K decides the drafts the next step verifies.
         self._asked_now = 0
         self._asked_next = 0
-        self._step: tuple[float, int, int] | None = None  # (started, K, batch) to time
-        self._awaiting_drafts: tuple[float, int, int] | None = None  # ... until they come
+        # (started, K, batch) of the step being timed; one that drafts stays until its
+        # drafts come, and the next step's `_update_after_schedule` replaces one they never do.
+        self._step: tuple[float, int, int] | None = None
         self._scheduled_at = 0.0
         # (batch size bucket, K) chosen since the last report
         self._chosen: Counter[tuple[int, int]] = Counter()
@@ -91,7 +92,6 @@ class AdaptiveSpeculationScheduler(SpeculationOptOutScheduler):
         )
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
-        self._awaiting_drafts = None  # a step whose drafts never came is not timed
         self._scheduled_at = time.perf_counter()
         return super().schedule(*args, **kwargs)
 
@@ -149,12 +149,8 @@ class AdaptiveSpeculationScheduler(SpeculationOptOutScheduler):
 
     def update_from_output(self, scheduler_output: SchedulerOutput, *args: Any, **kwargs: Any):  # type: ignore[no-untyped-def]
         outputs = super().update_from_output(scheduler_output, *args, **kwargs)
-        if self._step is not None:
-            if self._step[1] == 0:
-                self._observe(self._step)
-            else:  # timed until the engine core has fetched its drafts (see the module)
-                self._awaiting_drafts = self._step
-            self._step = None
+        if self._step is not None and self._step[1] == 0:  # one that drafts: at its drafts
+            self._observe()
         if self._verified or self._asked_now:  # drafts asked for, even if none came (n-gram)
             self.chooser.observe_verification(
                 self._reached,
@@ -169,14 +165,15 @@ class AdaptiveSpeculationScheduler(SpeculationOptOutScheduler):
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
         super().update_draft_token_ids(draft_token_ids)
-        if self._awaiting_drafts is not None:
-            self._observe(self._awaiting_drafts)
-            self._awaiting_drafts = None
+        self._observe()
 
-    def _observe(self, step: tuple[float, int, int]) -> None:
-        """Feed the chooser one timed step: (started, K, batch)."""
-        started, k, batch = step
+    def _observe(self) -> None:
+        """Feed the chooser the step being timed, if any: it ends now."""
+        if self._step is None:
+            return
+        started, k, batch = self._step
         self.chooser.observe_step(k, batch, (time.perf_counter() - started) * 1000.0)
+        self._step = None
 
     def make_spec_decoding_stats(
         self,
