@@ -239,12 +239,11 @@ class AdaptiveK:
         did. Going on while its steps pay, the probed K gathers them until its floor has
         given way and `best` takes it, or its measured time stops paying."""
         up = self._upward_k
-        if up > self.max_k or self.cost.trust(up, batch) == 0.0:  # not measured at `batch`
+        if self.cost.trust(up, batch) == 0.0:  # not measured at `batch`
             return False
         own = self.cost.fitted_times(batch, up)[up]
-        rate_up = self.acceptance.tokens_per_step(up) / own
-        rate_k = self.acceptance.tokens_per_step(k) / self.cost.step_times(batch)[k]
-        return rate_up > rate_k * (1.0 + self.settings.margin)
+        goodput_up = batch * self.acceptance.tokens_per_step(up) * 1000.0 / own
+        return goodput_up > self.goodput(k, batch) * (1.0 + self.settings.margin)
 
     def _last_step_pays(self, batch: int) -> bool:
         """Whether one draft, accepted as often as in the last verified step alone,
