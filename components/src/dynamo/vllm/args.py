@@ -34,6 +34,7 @@ from dynamo.llm.worker import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MIGRATION_LIMIT
 from dynamo.llm.worker.addresses import advertise_host_or_env
 from dynamo.llm.worker.inflight import max_inflight_or_env
 from dynamo.runtime.cli import ConfigError
+from dynamo.runtime.nats_address import DEFAULT_NATS_URL, ENV_NATS_SERVER
 from dynamo.runtime.nats_options import NatsConnectOptions, nats_options_from_args
 from dynamo.runtime.runtime import default_lease_ttl
 from dynamo.vllm.config_layers import collect_layers, merge_engine_values
@@ -53,7 +54,6 @@ from dynamo.vllm.speculative_resolution import (
 )
 from dynamo.vllm.worker_parser import (
     DEFAULT_COMPONENT,
-    DEFAULT_NATS,
     PREFILL_COMPONENT,
     DisaggregationMode,
     build_parser,
@@ -173,7 +173,7 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> VllmWorkerConfig:
     )
     check_block_size(values, sources)
     kv_events_port = configure_kv_events(values, sources, full["kv_events_port"])
-    nats_server = full["nats_server"] or os.environ.get("NATS_SERVER") or DEFAULT_NATS
+    nats_server = full["nats_server"] or os.environ.get(ENV_NATS_SERVER) or DEFAULT_NATS_URL
     configure_kv_transfer(values, sources, mode, full["namespace"])
     if layers.file is not None and layers.file.ignored:
         log.warning(

@@ -29,7 +29,6 @@ from dynamo.runtime.cli import (
     port,
     positive_int,
 )
-from dynamo.runtime.nats_address import DEFAULT_NATS_URL
 from dynamo.runtime.nats_options import add_nats_arguments
 from dynamo.vllm.adaptive_speculation import (
     ADAPT_MODES,
@@ -41,7 +40,6 @@ DisaggregationMode = Literal["agg", "prefill", "decode"]
 WORKER_GROUP = "DynamoWorker"
 DEFAULT_COMPONENT = "backend"
 PREFILL_COMPONENT = "prefill"
-DEFAULT_NATS = DEFAULT_NATS_URL
 SYSTEM_PORT_ENV = "DYN_SYSTEM_PORT"
 SYSTEM_HOST_ENV = "DYN_SYSTEM_HOST"
 DEFAULT_SYSTEM_HOST = "0.0.0.0"
