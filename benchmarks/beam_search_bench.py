@@ -2,7 +2,7 @@
 
 vLLM runs beam search in its OpenAI server, not in its engine: one single-token request
 per live beam and step. This stack does the same in the frontend
-(`dynamo.frontend.beam_search`), so each step also crosses NATS to the worker and back.
+(`dynamo.frontend.engine.beam_search`), so each step also crosses NATS to the worker and back.
 This script measures what that costs, side by side in one run:
 
 * both servers up at once with the same engine flags: `python -m

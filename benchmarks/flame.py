@@ -35,7 +35,7 @@ SAMPLE_RATE = 500  # per second: py-spy counts only busy samples, so ~CPU second
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^():]+)(?::\d+)?\)$")
 
 # py-spy names a file by its path below the sys.path entry it was imported from
-# ("aiohttp/http_writer.py", "frontend/generation.py": the `dynamo` namespace package's
+# ("aiohttp/http_writer.py", "frontend/http/generation.py": the `dynamo` namespace package's
 # subpackages appear without their `dynamo/`). The first component says whose it is.
 _OURS = {"frontend", "runtime", "llm", "mocker", "vllm", "testing"}
 _LIBRARIES = {"nats": "nats-py"}  # shown under another name than their directory's

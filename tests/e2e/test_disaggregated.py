@@ -44,13 +44,13 @@ from dynamo.runtime import DistributedRuntime
 from dynamo.testing.http import http_post_json, kv_router_views, routed_totals
 from dynamo.testing.processes import FrontendProcess, WorkerProcess, stop_all
 from dynamo.testing.waiting import wait_until, wait_until_async
-from dynamo.vllm.kv_storage_check import (
+from dynamo.vllm.kv_transfer.janitor import entry_name, transferred_tokens
+from dynamo.vllm.kv_transfer.storage_check import (
     PROBE_PREFIX,
     KvStorageNotSharedError,
     SharedStorageCheck,
 )
-from dynamo.vllm.kv_transfer import entry_name, transferred_tokens
-from dynamo.vllm.transfer_root import TransferRoot
+from dynamo.vllm.kv_transfer.transfer_root import TransferRoot
 
 NAMESPACE = "disagg"
 PREFILL_ENDPOINT = f"{NAMESPACE}/prefill/generate"
@@ -81,7 +81,7 @@ def long_prompt(topic: str) -> str:
 
 @pytest.fixture(scope="module")
 def transfer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Not created here: the workers create (and so own) it; see dynamo.vllm.transfer_root.
+    # Not created here: the workers create (and so own) it; see dynamo.vllm.kv_transfer.transfer_root.
     return tmp_path_factory.mktemp("kv-transfer") / "store"
 
 

@@ -44,7 +44,7 @@ from dynamo.testing.greedy import (
 from dynamo.testing.http import http_post_json
 from dynamo.testing.processes import FrontendProcess, WorkerProcess, cpu_engine_flags, stop_all
 from dynamo.testing.spec_counters import SpecCounters
-from dynamo.vllm.eagle3_training.prompts import held_out
+from dynamo.vllm.training.eagle3.prompts import held_out
 
 HEAD = "smollm2-135m-instruct-eagle3"
 K = 3

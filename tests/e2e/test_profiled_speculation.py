@@ -43,7 +43,7 @@ from dynamo.testing.processes import (
     cpu_engine_flags,
     stop_all,
 )
-from dynamo.vllm.speculation_profile import (
+from dynamo.vllm.speculative.profile import (
     SpeculationProfile,
     choose_schedule,
     k_for_batch,

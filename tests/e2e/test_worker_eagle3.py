@@ -129,8 +129,8 @@ def test_cli_max_model_len_reaches_target_and_draft(eagle3_pair) -> None:
     own engine configuration: the draft's limit follows the command line, not its config."""
     from vllm.usage.usage_lib import UsageContext
 
-    from dynamo.vllm.args import parse_worker_args
-    from dynamo.vllm.config_report import resolved_config_yaml
+    from dynamo.vllm.config.args import parse_worker_args
+    from dynamo.vllm.config.report import resolved_config_yaml
 
     target, checkpoint = eagle3_pair
     cfg = parse_worker_args(

@@ -50,7 +50,7 @@ from dynamo.testing.processes import (
     wait_while_alive,
 )
 from dynamo.testing.waiting import wait_until_async
-from dynamo.vllm.args import DEFAULT_DRAIN_TIMEOUT_S as DRAIN_TIMEOUT_S
+from dynamo.vllm.config.args import DEFAULT_DRAIN_TIMEOUT_S as DRAIN_TIMEOUT_S
 
 NAMESPACE = "e2e-lifecycle"
 MAX_MODEL_LEN = 512

@@ -38,13 +38,13 @@ from e2e_prompts import greedy_request
 from safetensors.torch import load_file
 from tiny_mtp import build_tiny_mtp
 
-from dynamo.frontend.disagg import prefill_leg
+from dynamo.frontend.engine.disagg import prefill_leg
 from dynamo.llm.protocols import LLMEngineOutput, PrefillResult
 from dynamo.runtime import DistributedRuntime
 from dynamo.testing.http import http_post_json, kv_router_view
 from dynamo.testing.processes import FrontendProcess, WorkerProcess, cpu_engine_flags, stop_all
 from dynamo.testing.spec_counters import SpecCounters
-from dynamo.vllm.kv_transfer import entry_name, transferred_tokens
+from dynamo.vllm.kv_transfer.janitor import entry_name, transferred_tokens
 
 MAX_MODEL_LEN = 512
 MAX_TOKENS = 12
@@ -95,7 +95,7 @@ def mtp_tokenizer(mtp_target: Path):
 
 @pytest.fixture(scope="module")
 def transfer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Not created here: the workers create (and so own) it; see dynamo.vllm.transfer_root.
+    # Not created here: the workers create (and so own) it; see dynamo.vllm.kv_transfer.transfer_root.
     return tmp_path_factory.mktemp("mtp-kv") / "store"
 
 
@@ -211,7 +211,7 @@ def test_router_books_the_k_that_runs(stacks: MtpStacks) -> None:
 
 
 def test_engine_file_dry_run_resolves_to_mtp(mtp_target: Path, tmp_path: Path) -> None:
-    from dynamo.vllm.args import parse_worker_args
+    from dynamo.vllm.config.args import parse_worker_args
 
     path = tmp_path / "mtp.yaml"
     path.write_text(ENGINE_FILE)
@@ -256,7 +256,7 @@ def layout_without_speculation(target: Path) -> str:
     """The KV layout a prefill worker started without MTP reports for the tiny target."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from dynamo.vllm.kv_layout import describe_kv_layout
+    from dynamo.vllm.kv_transfer.layout import describe_kv_layout
 
     args = AsyncEngineArgs(
         model=str(target), enforce_eager=True, block_size=BLOCK, max_model_len=MAX_MODEL_LEN
@@ -284,7 +284,7 @@ async def test_decode_computes_the_prompt_when_the_prefill_worker_lacks_the_mtp_
     none for the MTP layer (`model.layers.2`), and its own layout. vLLM's connector would
     fail the decode engine on the missing file; the decode worker refuses the transfer,
     computes the prompt itself and stays up."""
-    from dynamo.vllm.kv_layout import KV_LAYOUT_PARAM
+    from dynamo.vllm.kv_transfer.layout import KV_LAYOUT_PARAM
 
     ids = mtp_tokenizer("Once more: " + PROMPT)["input_ids"]  # no block in any cache yet
     request = greedy_request(ids, MAX_TOKENS, model=SERVED, ignore_eos=True)

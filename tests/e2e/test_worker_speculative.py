@@ -78,7 +78,7 @@ async def test_tokyo_through_the_worker(runtime, ngram_worker, tokenizer):
 # The lowest raw log-probability a token sampled at temperature 0.2 / top_p 0.9 can
 # plausibly have. Measured on this model: at worst -3.3 with correct sampling; -18 to -29
 # when vLLM-CPU's rejection sampler divided the logits by uninitialised memory (its
-# expand_kernel fallback, repaired by dynamo.vllm.cpu_kernel_fixes).
+# expand_kernel fallback, repaired by dynamo.vllm.plugins.cpu_kernel_fixes).
 LOWEST_PLAUSIBLE_LOGPROB = -10.0
 
 

@@ -25,7 +25,7 @@ import json
 import shutil
 from pathlib import Path
 
-from dynamo.vllm.eagle3_training.export import speculators_section
+from dynamo.vllm.training.eagle3.export import speculators_section
 
 HIDDEN = 64
 INTERMEDIATE = 128

@@ -45,9 +45,9 @@ import msgspec
 import pytest
 from nats.js.errors import NotFoundError
 
-from dynamo.frontend.frontend import ModelCardSync
-from dynamo.frontend.model_registry import ModelManager
-from dynamo.frontend.routing import RouterMode, make_router_factory
+from dynamo.frontend.engine.routing import RouterMode, make_router_factory
+from dynamo.frontend.models.card_sync import ModelCardSync
+from dynamo.frontend.models.manager import ModelManager
 from dynamo.llm.kv_router import create_kv_router
 from dynamo.llm.kv_router.publisher import KvEventPublisher
 from dynamo.llm.kv_router.subjects import KV_EVENTS_STREAM, kv_events_subject

@@ -9,7 +9,7 @@ from dynamo.llm.acceptance import acceptance_length, acceptance_rate, per_positi
 from dynamo.llm.protocols import SpecDecodeStats
 from dynamo.mocker.engine import EngineCounters
 from dynamo.testing.spec_counters import SpecCounters
-from dynamo.vllm.engine_stats import SpecDecodeTotals
+from dynamo.vllm.serving.engine_stats import SpecDecodeTotals
 
 
 def test_the_three_figures_from_vllms_counts() -> None:

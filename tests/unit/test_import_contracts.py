@@ -56,10 +56,27 @@ def planted_copy(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 VIOLATIONS = [
     ("dynamo/runtime/cli.py", "import dynamo.llm.protocols", "layers"),
     ("dynamo/llm/acceptance.py", "import dynamo.vllm.main", "layers"),
-    ("dynamo/mocker/metrics.py", "import dynamo.frontend.errors", "layers"),
-    ("dynamo/frontend/errors.py", "import vllm", "frontend-vllm"),
+    ("dynamo/mocker/metrics.py", "import dynamo.frontend.openai.errors", "layers"),
+    ("dynamo/frontend/openai/errors.py", "import vllm", "frontend-vllm"),
     ("dynamo/llm/acceptance.py", "import vllm", "core-vllm"),
     ("dynamo/runtime/runtime.py", "import dynamo.nats_server", "nats-server-tool"),
+    ("dynamo/frontend/openai/errors.py", "import dynamo.frontend.http.server", "frontend-stages"),
+    (
+        "dynamo/frontend/parsing/chat_output.py",
+        "import dynamo.frontend.engine.client",
+        "frontend-stages",
+    ),
+    (
+        "dynamo/frontend/engine/client.py",
+        "import dynamo.frontend.models.manager",
+        "frontend-stages",
+    ),
+    ("dynamo/vllm/kv_transfer/layout.py", "import dynamo.vllm.serving.engine", "vllm-stages"),
+    (
+        "dynamo/vllm/speculative/profile.py",
+        "import dynamo.vllm.training.eagle3.head",
+        "vllm-stages",
+    ),
 ]
 
 
@@ -81,5 +98,7 @@ def test_each_contract_breaks_on_a_planted_violation(
         "frontend-vllm": "only the frontend's parsers import vLLM",
         "core-vllm": "the runtime and llm layers never import vLLM",
         "nats-server-tool": "nothing served imports it",
+        "frontend-stages": "frontend stages",
+        "vllm-stages": "vLLM worker stages",
     }
     assert any(names[contract] in line for line in broken), result.stdout

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamo.frontend.detokenizer import IncrementalDetokenizer, make_decode_fn
+from dynamo.frontend.postprocess.detokenizer import IncrementalDetokenizer, make_decode_fn
 from dynamo.testing.mocker_tokens import ExpectedTokens
 
 PROMPT = [

@@ -12,8 +12,8 @@ from typing import Any
 
 import openai
 
-from dynamo.frontend.routing import RouterMode
-from dynamo.frontend.tokenizer_setup import load_tokenizer
+from dynamo.frontend.engine.routing import RouterMode
+from dynamo.frontend.preprocess.tokenizer_setup import load_tokenizer
 from dynamo.llm.model_card import publish_model_card, remove_model_card
 from dynamo.llm.protocols import (
     CompletionUsage,

@@ -18,7 +18,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from dynamo.frontend.frontend import FrontendConfig, run_frontend
+from dynamo.frontend.service import FrontendConfig, run_frontend
 from dynamo.runtime import DistributedRuntime
 from dynamo.runtime.ports import free_port
 from dynamo.testing.http import wait_for_instances_async

@@ -22,7 +22,7 @@ import openai
 import pytest
 import pytest_asyncio
 
-from dynamo.frontend.routing import RouterMode
+from dynamo.frontend.engine.routing import RouterMode
 from dynamo.llm.worker import ServedWorker
 from dynamo.mocker.backend import MockerBackend
 from dynamo.testing.mocker_stacks import mock_engine_config, mocker_behind_frontend

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import aiohttp
 
-from dynamo.frontend.frontend import FrontendConfig
+from dynamo.frontend.service import FrontendConfig
 from dynamo.mocker.args import EngineFlags, WorkerSettings
 from dynamo.mocker.backend import mocker_worker
 from dynamo.mocker.model_info import ModelInfo

@@ -27,7 +27,7 @@ import nats
 import pytest
 from nats.errors import NoRespondersError
 
-from dynamo.frontend.engine_client import PLACEMENT_RETRY, RuntimeEngineClient
+from dynamo.frontend.engine.client import PLACEMENT_RETRY, RuntimeEngineClient
 from dynamo.llm.protocols import FinishReason, LLMEngineOutput, PreprocessedRequest
 from dynamo.llm.router import RoundRobinRouter
 from dynamo.runtime import Context, DistributedRuntime

@@ -29,8 +29,8 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from dynamo.frontend.frontend import FrontendConfig
-from dynamo.frontend.routing import RouterMode
+from dynamo.frontend.engine.routing import RouterMode
+from dynamo.frontend.service import FrontendConfig
 from dynamo.llm.worker import ServedWorker
 from dynamo.mocker.args import WorkerSettings
 from dynamo.mocker.backend import MockerBackend, mocker_worker

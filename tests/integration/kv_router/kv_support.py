@@ -1,6 +1,6 @@
 """Building blocks for KV-router integration tests: a worker made of a real NATS runtime,
 a served endpoint (so it is a live instance) and vLLM's real `ZmqEventPublisher` relayed
-by the worker's own glue (`dynamo.vllm.publishers`), no engine needed."""
+by the worker's own glue (`dynamo.vllm.serving.publishers`), no engine needed."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dynamo.llm.kv_router.zmq_relay import KvEventRelay
 from dynamo.llm.protocols import ModelCard
 from dynamo.runtime import DistributedRuntime
 from dynamo.testing.waiting import wait_until_async
-from dynamo.vllm.publishers import relay_kv_events
+from dynamo.vllm.serving.publishers import relay_kv_events
 
 B = 4  # block size of the simulated engines (small keeps the token lists readable)
 COMPONENT = "backend"
@@ -67,7 +67,7 @@ class SimWorker:
 
     async def start_relay(self) -> KvEventRelay:
         """Relay vLLM's events to this worker's subject with the worker's own glue
-        (`dynamo.vllm.publishers.relay_kv_events`), as a vLLM worker does on start."""
+        (`dynamo.vllm.serving.publishers.relay_kv_events`), as a vLLM worker does on start."""
         publisher = await KvEventPublisher(
             self.runtime, self.namespace, COMPONENT, self.instance_id
         ).start()

@@ -14,7 +14,7 @@ from typing import Any
 import openai
 from kv_support import new_namespace
 
-from dynamo.frontend.routing import RouterMode
+from dynamo.frontend.engine.routing import RouterMode
 from dynamo.llm.kv_router.hashing import compute_block_hashes
 from dynamo.llm.kv_router.publisher import KvEventPublisher
 from dynamo.llm.model_card import publish_model_card

@@ -22,8 +22,8 @@ from typing import Any
 
 import openai
 
-from dynamo.frontend.frontend import FrontendConfig
-from dynamo.frontend.routing import RouterMode
+from dynamo.frontend.engine.routing import RouterMode
+from dynamo.frontend.service import FrontendConfig
 from dynamo.mocker.args import WorkerSettings
 from dynamo.mocker.backend import mocker_worker
 from dynamo.mocker.timing import TimingModel

@@ -1,6 +1,6 @@
 """The KV router's NATS feeds against a real nats-server, fed by vLLM's real ZMQ publisher.
 
-Path under test: vLLM `ZmqEventPublisher` → worker relay (`dynamo.vllm.publishers`) →
+Path under test: vLLM `ZmqEventPublisher` → worker relay (`dynamo.vllm.serving.publishers`) →
 JetStream (`dyn_kv_events`) → `create_kv_router` on a separate runtime → indexer →
 `select`. Claims: blocks a worker stores are routed to; removals are forgotten; a router
 started after the events replays them; a worker that leaves loses its blocks, and a dead

@@ -34,8 +34,8 @@ from typing import Any
 
 import openai
 
-from dynamo.frontend.frontend import FrontendConfig
-from dynamo.frontend.routing import RouterMode
+from dynamo.frontend.engine.routing import RouterMode
+from dynamo.frontend.service import FrontendConfig
 from dynamo.llm.protocols import LoadMetrics
 from dynamo.mocker.args import WorkerSettings
 from dynamo.mocker.backend import MockerBackend, mocker_worker

@@ -25,7 +25,7 @@ import pytest
 import pytest_asyncio
 from prometheus_client import CollectorRegistry
 
-from dynamo.frontend.routing import RouterMode
+from dynamo.frontend.engine.routing import RouterMode
 from dynamo.llm.protocols import (
     ClearKvBlocksResult,
     LLMEngineOutput,

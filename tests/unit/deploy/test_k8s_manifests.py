@@ -32,7 +32,7 @@ K8S_VERSIONS = ["1.32.0", "1.37.0"]
 # requests the worker was still allowed to finish.
 MIN_STOP_MARGIN_S = 10
 
-# Paths each server answers (components/src/dynamo/frontend/http_server.py,
+# Paths each server answers (components/src/dynamo/frontend/http/server.py,
 # lib/runtime/src/dynamo/runtime/system_server.py).
 FRONTEND_PATHS = {"/health", "/live", "/metrics"}
 SYSTEM_SERVER_PATHS = {"/health", "/live", "/metrics"}
@@ -103,7 +103,7 @@ def test_strict_validation_refuses_an_unknown_field() -> None:
 
 
 def _worker_parser() -> argparse.ArgumentParser:
-    from dynamo.vllm.worker_parser import build_parser
+    from dynamo.vllm.config.parser import build_parser
 
     return build_parser()
 

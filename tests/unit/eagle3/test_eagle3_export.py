@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from dynamo.vllm.eagle3_training.export import save_checkpoint
-from dynamo.vllm.eagle3_training.head import Eagle3Head, HeadShape
-from dynamo.vllm.eagle3_training.ttt import DraftVocab
+from dynamo.vllm.training.eagle3.export import save_checkpoint
+from dynamo.vllm.training.eagle3.head import Eagle3Head, HeadShape
+from dynamo.vllm.training.eagle3.ttt import DraftVocab
 
 VOCAB = 40
 SHAPE = HeadShape(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from dynamo.vllm.eagle3_training.head import Eagle3Head, HeadShape
+from dynamo.vllm.training.eagle3.head import Eagle3Head, HeadShape
 
 SHAPE = HeadShape(
     hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8,

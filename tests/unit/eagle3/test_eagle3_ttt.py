@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from dynamo.vllm.eagle3_training.head import Eagle3Head, HeadShape
-from dynamo.vllm.eagle3_training.ttt import Batch, DraftVocab, ttt_loss
+from dynamo.vllm.training.eagle3.head import Eagle3Head, HeadShape
+from dynamo.vllm.training.eagle3.ttt import Batch, DraftVocab, ttt_loss
 
 VOCAB = 40
 SHAPE = HeadShape(
@@ -61,7 +61,7 @@ def test_the_loss_falls_and_every_step_learns() -> None:
 
 
 def test_the_walk_drafts_where_vllm_drafts_not_at_every_position() -> None:
-    from dynamo.vllm.eagle3_training.train import walk_rounds
+    from dynamo.vllm.training.eagle3.train import walk_rounds
 
     # Prompt positions 0..1, answer positions 2..9. Leading correct drafts per position:
     leading = torch.tensor([0, 0, 3, 0, 0, 0, 1, 2, 0, 0])
@@ -73,8 +73,8 @@ def test_the_walk_drafts_where_vllm_drafts_not_at_every_position() -> None:
 
 
 def test_a_rerun_goes_on_and_reports_the_whole_run(tmp_path: Path) -> None:
-    from dynamo.vllm.eagle3_training.capture import CapturedSequence
-    from dynamo.vllm.eagle3_training.train import TrainConfig, TrainResult, train
+    from dynamo.vllm.training.eagle3.capture import CapturedSequence
+    from dynamo.vllm.training.eagle3.train import TrainConfig, TrainResult, train
 
     torch.manual_seed(0)
     embed = torch.randn(VOCAB, SHAPE.hidden_size)

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from frontend_support import EOS, Frontend, make_card, start_frontend
 
-from dynamo.frontend.preprocessor import Preprocessor
-from dynamo.frontend.tokenizer_setup import load_tokenizer
+from dynamo.frontend.preprocess.preprocessor import Preprocessor
+from dynamo.frontend.preprocess.tokenizer_setup import load_tokenizer
 from dynamo.testing.tokenizers import build_tiny_tokenizer
 
 

@@ -14,12 +14,12 @@ from typing import Any
 import msgspec
 import pytest
 
-from dynamo.frontend.errors import OpenAIError
-from dynamo.frontend.http_server import HttpService
-from dynamo.frontend.metrics import FrontendMetrics
-from dynamo.frontend.model_registry import ModelManager
-from dynamo.frontend.openai_types import ChatCompletionRequest, CompletionRequest
-from dynamo.frontend.preprocessor import Preprocessor
+from dynamo.frontend.http.metrics import FrontendMetrics
+from dynamo.frontend.http.server import HttpService
+from dynamo.frontend.models.manager import ModelManager
+from dynamo.frontend.openai.errors import OpenAIError
+from dynamo.frontend.openai.protocol import ChatCompletionRequest, CompletionRequest
+from dynamo.frontend.preprocess.preprocessor import Preprocessor
 from dynamo.llm.protocols import (
     CompletionUsage,
     FinishReason,

@@ -14,7 +14,7 @@ from frontend_support import MODEL, Frontend
 from http_support import assert_openai_error, chat, metric_value, running_frontend, send
 
 from dynamo.frontend.__main__ import build_parser, config_from_args
-from dynamo.frontend.auth import ApiKeyCheck
+from dynamo.frontend.http.auth import ApiKeyCheck
 
 KEY = "sk-test-9f8e7d6c5b4a"
 

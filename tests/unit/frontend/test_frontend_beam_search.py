@@ -1,4 +1,4 @@
-"""Beam search in the frontend (`dynamo.frontend.beam_search`), vLLM's algorithm over any
+"""Beam search in the frontend (`dynamo.frontend.engine.beam_search`), vLLM's algorithm over any
 engine client.
 
 Claims, over a toy language model (next-token logprobs per prefix) behind an in-memory
@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 from frontend_support import Frontend, completion_request, openai_error_of
 
-from dynamo.frontend.beam_search import Beam, BeamSearch, BeamSearchEngineClient, beam_score
-from dynamo.frontend.preprocessor import Preprocessor
+from dynamo.frontend.engine.beam_search import Beam, BeamSearch, BeamSearchEngineClient, beam_score
+from dynamo.frontend.preprocess.preprocessor import Preprocessor
 from dynamo.llm.protocols import (
     FinishReason,
     LLMEngineOutput,

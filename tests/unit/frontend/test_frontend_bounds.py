@@ -20,9 +20,9 @@ from frontend_support import (
 )
 from http_support import assert_openai_error, chat, send
 
-from dynamo.frontend import limits
-from dynamo.frontend.preprocessor import Preprocessor
-from dynamo.frontend.template_kwargs import template_variables
+from dynamo.frontend.openai import limits
+from dynamo.frontend.preprocess.preprocessor import Preprocessor
+from dynamo.frontend.preprocess.template_kwargs import template_variables
 from dynamo.testing.tokenizers import CHAT_TEMPLATE
 from dynamo.testing.waiting import wait_until_async
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from frontend_support import make_card
 
-from dynamo.frontend.card_retry import CardRetries
+from dynamo.frontend.models.card_retry import CardRetries
 from dynamo.llm.protocols import ModelCard
 from dynamo.runtime.backoff import Backoff
 from dynamo.testing.clocks import FakeClock

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from frontend_support import make_card
 
-from dynamo.frontend.frontend import ModelCardSync
+from dynamo.frontend.models.card_sync import ModelCardSync
 from dynamo.llm.model_card import CardAdded
 from dynamo.llm.protocols import ModelCard
 
@@ -82,7 +82,7 @@ async def test_a_stalled_card_is_given_up_and_retried_later(
     sync = card_sync(runtime, tmp_path)
     card = make_card(7)
 
-    with caplog.at_level(logging.WARNING, logger="dynamo.frontend.frontend"):
+    with caplog.at_level(logging.WARNING, logger="dynamo.frontend.models.card_sync"):
         await asyncio.wait_for(sync.apply_or_retry(CardAdded(card)), timeout=10 * TIMEOUT_S)
 
     assert card in sync.retries

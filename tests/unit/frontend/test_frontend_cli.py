@@ -6,7 +6,7 @@ import pytest
 from frontend_support import make_card
 
 from dynamo.frontend.__main__ import build_parser, config_from_args
-from dynamo.frontend.routing import RouterMode, make_router_factory
+from dynamo.frontend.engine.routing import RouterMode, make_router_factory
 from dynamo.llm.router import RandomRouter, RoundRobinRouter
 
 

@@ -16,7 +16,7 @@ import pytest
 from frontend_support import MODEL, Frontend, Script
 from http_support import chat, metric_value, running_frontend, send
 
-from dynamo.frontend.http_listener import ConnectionTimeouts
+from dynamo.frontend.http.listener import ConnectionTimeouts
 from dynamo.testing.raw_http import closed_within, connect, read_response, trickle
 from dynamo.testing.waiting import wait_until_async
 

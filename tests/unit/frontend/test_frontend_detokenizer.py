@@ -7,7 +7,11 @@ from typing import Any
 
 import pytest
 
-from dynamo.frontend.detokenizer import IncrementalDetokenizer, TokenTexts, make_decode_fn
+from dynamo.frontend.postprocess.detokenizer import (
+    IncrementalDetokenizer,
+    TokenTexts,
+    make_decode_fn,
+)
 
 MIXED = "Smile 😀 then 你好世界, naïve café 🎉🎉 done."
 

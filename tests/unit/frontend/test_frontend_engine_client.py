@@ -14,7 +14,7 @@ import pytest
 from frontend_support import FakeClient
 
 from dynamo.frontend.__main__ import build_parser, config_from_args
-from dynamo.frontend.engine_client import (
+from dynamo.frontend.engine.client import (
     DEFAULT_FIRST_TOKEN_TIMEOUT_S,
     DEFAULT_INTER_TOKEN_TIMEOUT_S,
     MAX_PLACEMENT_ATTEMPTS,

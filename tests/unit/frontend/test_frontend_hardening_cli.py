@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from dynamo.frontend.__main__ import build_parser, config_from_args
-from dynamo.frontend.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_WAITING
-from dynamo.frontend.http_listener import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S
-from dynamo.frontend.http_server import DEFAULT_WRITE_TIMEOUT_S
+from dynamo.frontend.http.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_WAITING
+from dynamo.frontend.http.listener import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S
+from dynamo.frontend.http.server import DEFAULT_WRITE_TIMEOUT_S
 
 VARIABLES = (
     "DYN_API_KEY",

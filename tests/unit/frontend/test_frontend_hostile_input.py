@@ -15,8 +15,8 @@ import pytest
 from frontend_support import MODEL, Frontend
 from http_support import assert_openai_error, chat, completion, send
 
-from dynamo.frontend.openai_types import INT32_MAX, INT64_MAX, INT64_MIN
-from dynamo.frontend.request_decoding import LOCATE_MAX_BYTES
+from dynamo.frontend.openai.decoding import LOCATE_MAX_BYTES
+from dynamo.frontend.openai.protocol import INT32_MAX, INT64_MAX, INT64_MIN
 
 M = MODEL.encode()
 

@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 from frontend_support import MODEL, WORKER_WAIT_S, Frontend, Script, parse_sse
 
-from dynamo.frontend import http_server
-from dynamo.frontend.engine_client import EngineFailedError, EngineUnavailableError
+from dynamo.frontend.engine.client import EngineFailedError, EngineUnavailableError
+from dynamo.frontend.http import server as http_server
 from dynamo.testing.waiting import wait_until_async
 
 REPLY = "Hello there, friend."

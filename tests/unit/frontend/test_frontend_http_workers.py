@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from dynamo.frontend import http_workers
 from dynamo.frontend.__main__ import build_parser, config_from_args, main
-from dynamo.frontend.http_listener import SHUTDOWN_DRAIN_S
-from dynamo.frontend.http_workers import (
+from dynamo.frontend.http import workers as http_workers
+from dynamo.frontend.http.listener import SHUTDOWN_DRAIN_S
+from dynamo.frontend.http.workers import (
     FINAL_EXIT_CODE,
     MAX_QUICK_RESTARTS,
     METRICS_DIR_PREFIX,

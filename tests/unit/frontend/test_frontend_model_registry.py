@@ -11,10 +11,10 @@ import msgspec
 import pytest
 from frontend_support import MODEL, make_card
 
-from dynamo.frontend.disagg import DisaggregatedEngineClient, prefill_leg
-from dynamo.frontend.engine_client import EngineFailedError
-from dynamo.frontend.model_registry import ModelManager
-from dynamo.frontend.preprocessor import Preprocessor
+from dynamo.frontend.engine.client import EngineFailedError
+from dynamo.frontend.engine.disagg import DisaggregatedEngineClient, prefill_leg
+from dynamo.frontend.models.manager import ModelManager
+from dynamo.frontend.preprocess.preprocessor import Preprocessor
 from dynamo.llm.protocols import (
     FinishReason,
     KvStorageProbe,

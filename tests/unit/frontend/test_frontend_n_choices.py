@@ -18,16 +18,16 @@ import msgspec
 import pytest
 from frontend_support import EOS, MODEL, make_card, parse_sse
 
-from dynamo.frontend.chat_output import ChatPieces, PlainText
-from dynamo.frontend.disagg import DisaggregatedEngineClient
-from dynamo.frontend.engine_client import EngineFailedError, RequestLegs
-from dynamo.frontend.http_server import HttpService
-from dynamo.frontend.metrics import FrontendMetrics
-from dynamo.frontend.model_registry import ModelManager
-from dynamo.frontend.openai_types import Usage
-from dynamo.frontend.postprocessor import TextDelta
-from dynamo.frontend.preprocessor import OutputPlan, Preprocessor
-from dynamo.frontend.responses import ChatFormatter
+from dynamo.frontend.engine.client import EngineFailedError, RequestLegs
+from dynamo.frontend.engine.disagg import DisaggregatedEngineClient
+from dynamo.frontend.http.metrics import FrontendMetrics
+from dynamo.frontend.http.server import HttpService
+from dynamo.frontend.models.manager import ModelManager
+from dynamo.frontend.openai.protocol import Usage
+from dynamo.frontend.parsing.chat_output import ChatPieces, PlainText
+from dynamo.frontend.postprocess.formatters import ChatFormatter
+from dynamo.frontend.postprocess.postprocessor import TextDelta
+from dynamo.frontend.preprocess.preprocessor import OutputPlan, Preprocessor
 from dynamo.llm.protocols import (
     CompletionUsage,
     FinishReason,

@@ -11,8 +11,8 @@ import schemathesis
 from frontend_support import Frontend
 from http_support import running_frontend, send
 
-from dynamo.frontend.openai_types import INT32_MAX, INT64_MAX, INT64_MIN
-from dynamo.frontend.openapi import openapi_document
+from dynamo.frontend.http.openapi import openapi_document
+from dynamo.frontend.openai.protocol import INT32_MAX, INT64_MAX, INT64_MIN
 
 OPERATIONS = {
     ("/v1/completions", "post"),

@@ -22,7 +22,7 @@ from http_support import (
     send,
 )
 
-from dynamo.frontend.admission import AdmissionControl, AdmissionLimits, AdmissionRejected
+from dynamo.frontend.http.admission import AdmissionControl, AdmissionLimits, AdmissionRejected
 from dynamo.testing.waiting import wait_until_async
 
 REJECTED = "dynamo_frontend_rejected_requests_total"

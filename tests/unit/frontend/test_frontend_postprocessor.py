@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 from frontend_support import EOS
 
-from dynamo.frontend.detokenizer import TokenTexts, make_decode_fn
-from dynamo.frontend.postprocessor import Postprocessor, openai_finish_reason
-from dynamo.frontend.preprocessor import OutputPlan
-from dynamo.frontend.stop_strings import StopStringMatcher
+from dynamo.frontend.postprocess.detokenizer import TokenTexts, make_decode_fn
+from dynamo.frontend.postprocess.postprocessor import Postprocessor, openai_finish_reason
+from dynamo.frontend.postprocess.stop_strings import StopStringMatcher
+from dynamo.frontend.preprocess.preprocessor import OutputPlan
 from dynamo.llm.protocols import (
     CompletionUsage,
     FinishReason,

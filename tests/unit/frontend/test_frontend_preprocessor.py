@@ -15,9 +15,9 @@ from frontend_support import (
     openai_error_of,
 )
 
-from dynamo.frontend import preprocessor as preprocessor_module
-from dynamo.frontend.openai_types import CompletionRequest
-from dynamo.frontend.preprocessor import Preprocessor
+from dynamo.frontend.openai.protocol import CompletionRequest
+from dynamo.frontend.preprocess import preprocessor as preprocessor_module
+from dynamo.frontend.preprocess.preprocessor import Preprocessor
 
 
 def test_chat_uses_the_models_own_template(preprocessor: Preprocessor, tokenizer: Any) -> None:

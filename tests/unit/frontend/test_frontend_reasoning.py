@@ -1,5 +1,5 @@
 """`--reasoning-parser`: vLLM's reasoning parsers driven delta by delta
-(`dynamo.frontend.reasoning.ReasoningSplitter`) on canned model text.
+(`dynamo.frontend.parsing.reasoning.ReasoningSplitter`) on canned model text.
 
 The tokenizer is the tiny test tokenizer with `<think>` and `</think>` added as single
 (non-special) tokens, as DeepSeek-R1's and Qwen3's tokenizers have them, so the text
@@ -16,15 +16,15 @@ import pytest
 from frontend_support import MODEL, Frontend, Script, chat_request, start_frontend
 
 from dynamo.frontend.__main__ import build_parser, config_from_args, main
-from dynamo.frontend.chat_output import ChatPieces, PlainText
-from dynamo.frontend.chat_parsers import ChatParsingOptions, chat_output_parser
-from dynamo.frontend.errors import OpenAIError
-from dynamo.frontend.reasoning import (
+from dynamo.frontend.openai.errors import OpenAIError
+from dynamo.frontend.parsing.chat_output import ChatPieces, PlainText
+from dynamo.frontend.parsing.chat_parsers import ChatParsingOptions, chat_output_parser
+from dynamo.frontend.parsing.reasoning import (
     ReasoningSplitter,
     check_reasoning_parser_name,
     reasoning_splitter,
 )
-from dynamo.frontend.tokenizer_setup import load_tokenizer
+from dynamo.frontend.preprocess.tokenizer_setup import load_tokenizer
 from dynamo.runtime.cli import ConfigError
 from dynamo.testing.tokenizers import build_tiny_tokenizer
 

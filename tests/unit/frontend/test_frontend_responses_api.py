@@ -27,14 +27,19 @@ from frontend_support import MODEL, Frontend
 from http_support import assert_openai_error, send
 from openai.types.responses import Response, ResponseStreamEvent
 
-from dynamo.frontend import http_server, limits
-from dynamo.frontend.errors import OpenAIError, bad_request, engine_error
-from dynamo.frontend.openai_types import Usage
-from dynamo.frontend.postprocessor import TextDelta
-from dynamo.frontend.preprocessor import OutputPlan
-from dynamo.frontend.responses_api import ResponsesFormatter, to_chat_request, translated
-from dynamo.frontend.responses_types import ResponsesRequest
-from dynamo.frontend.structured_output import structured_output_of
+from dynamo.frontend.http import server as http_server
+from dynamo.frontend.openai import limits
+from dynamo.frontend.openai.errors import OpenAIError, bad_request, engine_error
+from dynamo.frontend.openai.protocol import Usage
+from dynamo.frontend.openai.responses_protocol import ResponsesRequest
+from dynamo.frontend.postprocess.postprocessor import TextDelta
+from dynamo.frontend.postprocess.responses_api import (
+    ResponsesFormatter,
+    to_chat_request,
+    translated,
+)
+from dynamo.frontend.preprocess.preprocessor import OutputPlan
+from dynamo.frontend.preprocess.structured_output import structured_output_of
 
 DECODER = msgspec.json.Decoder(ResponsesRequest)
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}

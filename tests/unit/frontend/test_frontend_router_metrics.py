@@ -10,13 +10,13 @@ from typing import Any
 
 from frontend_support import FakeClient
 
-from dynamo.frontend.engine_client import (
+from dynamo.frontend.engine.client import (
     PLACEMENT_MIGRATION,
     PLACEMENT_NEW,
     PLACEMENT_RETRY,
     RuntimeEngineClient,
 )
-from dynamo.frontend.metrics import FrontendMetrics
+from dynamo.frontend.http.metrics import FrontendMetrics
 from dynamo.llm.protocols import (
     FinishReason,
     LLMEngineOutput,

@@ -12,7 +12,7 @@ from typing import Any
 
 from frontend_support import chat_request, completion_request, make_card
 
-from dynamo.frontend.preprocessor import Preprocessor
+from dynamo.frontend.preprocess.preprocessor import Preprocessor
 from dynamo.llm.protocols import SamplingDefaults, SamplingOptions
 
 DEFAULTS = SamplingDefaults(temperature=0.2, top_p=0.9, top_k=40, repetition_penalty=1.1)

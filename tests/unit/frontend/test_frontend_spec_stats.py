@@ -20,10 +20,10 @@ import pytest
 from frontend_support import MODEL, Frontend, ScriptedEngine, make_card, parse_sse
 
 from dynamo.frontend.__main__ import build_parser, config_from_args
-from dynamo.frontend.http_server import HttpService
-from dynamo.frontend.model_registry import ModelManager
-from dynamo.frontend.postprocessor import speculative_decoding_metrics
-from dynamo.frontend.preprocessor import Preprocessor
+from dynamo.frontend.http.server import HttpService
+from dynamo.frontend.models.manager import ModelManager
+from dynamo.frontend.postprocess.postprocessor import speculative_decoding_metrics
+from dynamo.frontend.preprocess.preprocessor import Preprocessor
 from dynamo.llm.protocols import LLMEngineOutput, ModelCard, PreprocessedRequest, SpecDecodeStats
 from dynamo.testing.engines import InMemoryEngineClient
 

@@ -1,4 +1,4 @@
-"""Structured output at the frontend (`dynamo.frontend.structured_output`).
+"""Structured output at the frontend (`dynamo.frontend.preprocess.structured_output`).
 
 Claims:
 * `response_format` (`json_object`, `json_schema` with `strict`), vLLM's
@@ -31,11 +31,11 @@ import pytest
 from frontend_support import MODEL, Frontend, chat_request, completion_request, openai_error_of
 from http_support import assert_openai_error, chat, completion, send
 
-from dynamo.frontend import structured_output
-from dynamo.frontend.errors import from_validation_error
-from dynamo.frontend.openai_types import ChatCompletionRequest
-from dynamo.frontend.preprocessor import Preprocessor
-from dynamo.frontend.structured_output import structured_output_of
+from dynamo.frontend.openai.errors import from_validation_error
+from dynamo.frontend.openai.protocol import ChatCompletionRequest
+from dynamo.frontend.preprocess import structured_output
+from dynamo.frontend.preprocess.preprocessor import Preprocessor
+from dynamo.frontend.preprocess.structured_output import structured_output_of
 from dynamo.llm.protocols import StructuredOutput
 from dynamo.testing.waiting import wait_until_async
 

@@ -22,18 +22,13 @@ import jsonschema
 import msgspec
 import pytest
 
-from dynamo.frontend.chat_output import ChatOutputParser, ChatPieces, merge_tool_calls
-from dynamo.frontend.chat_parsers import ChatParsingOptions, chat_output_parser
-from dynamo.frontend.errors import OpenAIError
-from dynamo.frontend.openai_types import ChatCompletionRequest
-from dynamo.frontend.preprocessor import Preprocessor
-from dynamo.frontend.tool_calls import (
-    AutoToolCalls,
-    NamedToolCall,
-    RequiredToolCalls,
-    required_schema,
-    tool_request,
-)
+from dynamo.frontend.openai.errors import OpenAIError
+from dynamo.frontend.openai.protocol import ChatCompletionRequest
+from dynamo.frontend.parsing.chat_output import ChatOutputParser, ChatPieces, merge_tool_calls
+from dynamo.frontend.parsing.chat_parsers import ChatParsingOptions, chat_output_parser
+from dynamo.frontend.parsing.tool_calls import AutoToolCalls, NamedToolCall, RequiredToolCalls
+from dynamo.frontend.preprocess.preprocessor import Preprocessor
+from dynamo.frontend.preprocess.tools import required_schema, tool_request
 
 WEATHER = {
     "type": "function",
@@ -342,8 +337,8 @@ def test_a_missing_or_broken_chat_template_stops_the_frontend(
 def test_the_shipped_template_loads(tmp_path: Any) -> None:
     from pathlib import Path
 
-    from dynamo.frontend.chat_template_file import load_chat_template
-    from dynamo.frontend.tool_calls import template_reads_tools
+    from dynamo.frontend.preprocess.chat_template_file import load_chat_template
+    from dynamo.frontend.preprocess.tools import template_reads_tools
 
     shipped = Path(__file__).parents[3] / "examples" / "chat_templates" / "smollm2_tools.jinja"
     assert template_reads_tools(load_chat_template(shipped))

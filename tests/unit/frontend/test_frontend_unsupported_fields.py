@@ -25,7 +25,7 @@ import aiohttp
 import pytest
 from frontend_support import MODEL, Frontend, start_frontend
 
-from dynamo.frontend.unsupported_fields import SUPPORT, Endpoint, Support, fields_for
+from dynamo.frontend.openai.unsupported_fields import SUPPORT, Endpoint, Support, fields_for
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "frontend.md"
 PATHS = {
@@ -281,7 +281,7 @@ async def test_unknown_fields_are_ignored_and_listed_in_one_debug_line(
     frontend: Frontend, caplog: pytest.LogCaptureFixture
 ) -> None:
     body = {**BASE[Endpoint.CHAT], "frobnicate": 1, "aardvark": {"x": [1]}}
-    with caplog.at_level(logging.DEBUG, logger="dynamo.frontend.unsupported_fields"):
+    with caplog.at_level(logging.DEBUG, logger="dynamo.frontend.openai.unsupported_fields"):
         status, reply = await post(frontend, Endpoint.CHAT, body)
     assert status == 200, reply
     lines = [r.getMessage() for r in caplog.records if "unknown request fields" in r.getMessage()]
@@ -292,7 +292,7 @@ async def test_known_fields_are_not_logged_as_unknown(
     frontend: Frontend, caplog: pytest.LogCaptureFixture
 ) -> None:
     body = {**BASE[Endpoint.COMPLETIONS], "user": "u", "top_k": 3, "echo": False}
-    with caplog.at_level(logging.DEBUG, logger="dynamo.frontend.unsupported_fields"):
+    with caplog.at_level(logging.DEBUG, logger="dynamo.frontend.openai.unsupported_fields"):
         status, reply = await post(frontend, Endpoint.COMPLETIONS, body)
     assert status == 200, reply
     assert not [r for r in caplog.records if "unknown request fields" in r.getMessage()]
@@ -303,7 +303,7 @@ async def test_the_unknown_field_log_line_is_bounded(
 ) -> None:
     names = {f"x{i:03d}" + "y" * 100: i for i in range(30)}
     body = {**BASE[Endpoint.CHAT], **names}
-    with caplog.at_level(logging.DEBUG, logger="dynamo.frontend.unsupported_fields"):
+    with caplog.at_level(logging.DEBUG, logger="dynamo.frontend.openai.unsupported_fields"):
         status, reply = await post(frontend, Endpoint.CHAT, body)
     assert status == 200, reply
     (line,) = [r.getMessage() for r in caplog.records if "unknown request fields" in r.getMessage()]

@@ -42,9 +42,9 @@ from frontend_support import (
     replaced_render,
 )
 
-from dynamo.frontend.preprocessor import Preprocessor
-from dynamo.frontend.stop_strings import StopStringMatcher
-from dynamo.frontend.tokenizer_setup import load_tokenizer
+from dynamo.frontend.postprocess.stop_strings import StopStringMatcher
+from dynamo.frontend.preprocess.preprocessor import Preprocessor
+from dynamo.frontend.preprocess.tokenizer_setup import load_tokenizer
 from dynamo.testing.tokenizers import build_tiny_tokenizer
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 6
@@ -457,7 +457,7 @@ async def test_prompt_logprobs_follow_vllms_rules(
 def test_prompt_logprobs_count_against_the_logprobs_bound(tokenizer: Any) -> None:
     """-1 asks for the whole vocabulary at every prompt position: refused before any
     worker when the response would hold more than the bound; fewer pass."""
-    from dynamo.frontend.limits import MAX_BUFFERED_LOGPROBS
+    from dynamo.frontend.openai.limits import MAX_BUFFERED_LOGPROBS
 
     wide = Preprocessor(make_card(context_length=1_000_000), tokenizer)
     over = MAX_BUFFERED_LOGPROBS // (1 + wide.vocab_size) + 1

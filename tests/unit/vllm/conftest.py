@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from vllm_config_support import TINY_DEEPSEEK_V3, TINY_LLAMA, speculators_config, write_config
 
-from dynamo.vllm.args import parse_worker_args
+from dynamo.vllm.config.args import parse_worker_args
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The online K chooser (`dynamo.vllm.adaptive_speculation`): warm-up from the profile,
+"""The online K chooser (`dynamo.vllm.speculative.adaptive_k`): warm-up from the profile,
 the decaying window, ties and the margin, K = 0 and its probe, empty windows, and step
 times far from the profile's."""
 
@@ -7,15 +7,15 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from dynamo.vllm.adaptive_speculation import (
+from dynamo.vllm.speculative.adaptive_k import (
     BASELINE_STEPS,
     UPWARD_STEPS,
     AdaptationError,
     AdaptationSettings,
     AdaptiveK,
 )
-from dynamo.vllm.speculation_profile import SpeculationProfile, StepTimes
-from dynamo.vllm.speculation_step_cost import RATIO_BOUNDS, batch_bucket, monotone_fit
+from dynamo.vllm.speculative.profile import SpeculationProfile, StepTimes
+from dynamo.vllm.speculative.step_cost import RATIO_BOUNDS, batch_bucket, monotone_fit
 
 # A CPU-like engine: a draft is cheap at batch 1 and costs more as the batch grows; the
 # plain engine (no drafter) is what a free K = 0 costs.

@@ -20,8 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     ReqMeta,
 )
 
-from dynamo.vllm.disk_kv_connector import DiskKvConnector
-from dynamo.vllm.kv_transfer import DISK_CONNECTOR, DISK_CONNECTOR_MODULE, entry_name
+from dynamo.vllm.kv_transfer.disk_connector import DiskKvConnector
+from dynamo.vllm.kv_transfer.janitor import DISK_CONNECTOR, DISK_CONNECTOR_MODULE, entry_name
 
 BLOCK = 32
 LAYER = "model.layers.0.self_attn.attn"

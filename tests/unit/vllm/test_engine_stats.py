@@ -1,4 +1,4 @@
-"""`dynamo.vllm.engine_stats.EngineStats`, fed vLLM's own `SchedulerStats` as its stat
+"""`dynamo.vllm.serving.engine_stats.EngineStats`, fed vLLM's own `SchedulerStats` as its stat
 logger is.
 
 Claims: a step's stats become the snapshot the load reports read, and every watcher hears
@@ -10,8 +10,8 @@ from __future__ import annotations
 from vllm.v1.metrics.stats import SchedulerStats
 
 from dynamo.llm.protocols import LoadMetrics
-from dynamo.vllm.engine_stats import EngineStats
-from dynamo.vllm.publishers import engine_load
+from dynamo.vllm.serving.engine_stats import EngineStats
+from dynamo.vllm.serving.publishers import engine_load
 
 
 def test_watchers_hear_of_each_step_after_the_snapshot_holds_it() -> None:

@@ -1,4 +1,4 @@
-"""`dynamo.vllm.free_k0`: at K = 0 the runner calls no drafter (n-gram, Eagle, Eagle3),
+"""`dynamo.vllm.speculative.free_k0`: at K = 0 the runner calls no drafter (n-gram, Eagle, Eagle3),
 a step verifying no draft samples as an engine without speculation, and the engine core
 does not ask the runner for the drafts it did not make."""
 
@@ -12,7 +12,8 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 
-from dynamo.vllm.free_k0 import (
+from dynamo.vllm.config.speculative_resolution import drafting_is_free_at_k0
+from dynamo.vllm.speculative.free_k0 import (
     ENGINE_CORE_MODULE,
     RUNNER_MODULE,
     SKIPPED_METHODS,
@@ -20,8 +21,7 @@ from dynamo.vllm.free_k0 import (
     patch_engine_core_module,
     patch_runner_module,
 )
-from dynamo.vllm.speculation_opt_out import SpeculationOptOutScheduler
-from dynamo.vllm.speculative_resolution import drafting_is_free_at_k0
+from dynamo.vllm.speculative.opt_out import SpeculationOptOutScheduler
 
 
 @dataclass

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from dynamo.vllm.kv_layout import KV_LAYOUT_PARAM, KvLayoutCheck
+from dynamo.vllm.kv_transfer.layout import KV_LAYOUT_PARAM, KvLayoutCheck
 
 OWN = "2 layers + 1 draft layers (mtp), 1 KV heads x 64, block 32, bfloat16"
 PLAIN = "2 layers + no draft layers, 1 KV heads x 64, block 32, bfloat16"
@@ -25,7 +25,7 @@ def test_a_foreign_layout_is_refused_and_reported_once_per_layout(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     check = KvLayoutCheck(OWN)
-    with caplog.at_level(logging.ERROR, logger="dynamo.vllm.kv_layout"):
+    with caplog.at_level(logging.ERROR, logger="dynamo.vllm.kv_transfer.layout"):
         results = [check.admits({KV_LAYOUT_PARAM: layout}, f"r{i}")
                    for i, layout in enumerate([PLAIN, PLAIN, OTHER_BLOCK, PLAIN])]  # fmt: skip
     assert results == [False, False, False, False]

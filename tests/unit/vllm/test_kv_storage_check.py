@@ -1,5 +1,5 @@
 """The check that a decode worker sees the prefill worker's KV-transfer directory
-(`dynamo.vllm.kv_storage_check`).
+(`dynamo.vllm.kv_transfer.storage_check`).
 
 Claims:
 * a probe written by a prefill worker into a directory the decode worker reads passes; one
@@ -25,7 +25,8 @@ import msgspec
 import pytest
 
 from dynamo.llm.protocols import KvStorageProbe, LLMEngineOutput, ModelCard, PrefillResult
-from dynamo.vllm.kv_storage_check import (
+from dynamo.vllm.kv_transfer.janitor import KvTransferJanitor
+from dynamo.vllm.kv_transfer.storage_check import (
     PROBE_PREFIX,
     STALE_PROBE_S,
     KvStorageNotSharedError,
@@ -34,7 +35,6 @@ from dynamo.vllm.kv_storage_check import (
     probe_path,
     sweep_stale_probes,
 )
-from dynamo.vllm.kv_transfer import KvTransferJanitor
 
 
 class Clock:

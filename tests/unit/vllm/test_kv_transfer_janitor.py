@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dynamo.vllm.kv_transfer import KvTransferJanitor, entry_name
-from dynamo.vllm.transfer_root import MARKER_NAME, TransferRoot
+from dynamo.vllm.kv_transfer.janitor import KvTransferJanitor, entry_name
+from dynamo.vllm.kv_transfer.transfer_root import MARKER_NAME, TransferRoot
 
 BLOCK = 32
 TTL_S = 10.0
@@ -80,7 +80,7 @@ def test_a_system_temp_like_directory_is_never_swept(
     foreign = foreign_tree(tmp_like)
     entry = make_entry(tmp_like, entry_name(PROMPT, BLOCK))
 
-    with caplog.at_level(logging.ERROR, logger="dynamo.vllm.kv_transfer"):
+    with caplog.at_level(logging.ERROR, logger="dynamo.vllm.kv_transfer.janitor"):
         janitor = janitor_for(tmp_like)
         assert janitor.sweep(now=time.time() + OLD_S) == 0
         name = janitor.acquire(PROMPT)
@@ -139,7 +139,7 @@ def test_a_root_opened_to_the_group_is_refused_until_closed_again(
     root.chmod(0o770)
     assert janitor.sweep() == 0 and entry.exists()
     root.chmod(0o700)
-    with caplog.at_level(logging.INFO, logger="dynamo.vllm.kv_transfer"):
+    with caplog.at_level(logging.INFO, logger="dynamo.vllm.kv_transfer.janitor"):
         assert janitor.sweep() == 1
     assert not entry.exists()
     assert any("usable again" in r.message for r in caplog.records)

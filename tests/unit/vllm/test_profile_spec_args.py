@@ -11,8 +11,8 @@ import pytest
 
 from dynamo.runtime.cli import ConfigError
 from dynamo.vllm import profile_spec
-from dynamo.vllm.profile_plot import plot_profile
-from dynamo.vllm.speculation_profile import SpeculationProfile, StepTimes
+from dynamo.vllm.speculative.profile import SpeculationProfile, StepTimes
+from dynamo.vllm.speculative.profile_plot import plot_profile
 
 NGRAM = '{"method": "ngram", "prompt_lookup_max": 3}'
 

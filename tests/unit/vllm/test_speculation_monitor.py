@@ -1,4 +1,4 @@
-"""`dynamo.vllm.speculation_monitor.SpeculationMonitor`, on a fake clock and fake counters.
+"""`dynamo.vllm.speculative.monitor.SpeculationMonitor`, on a fake clock and fake counters.
 
 Claims: K in force follows the schedule for the running batch (capped at the static K as
 vLLM caps it; the static K without a schedule, 0 without speculation); acceptance length is
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from dynamo.llm.protocols import SpeculativeInfo
-from dynamo.vllm.speculation_monitor import SpeculationMonitor
-from dynamo.vllm.speculation_profile import SpeculationProfile, StepTimes
-from dynamo.vllm.speculation_state import SpeculationSnapshot
+from dynamo.vllm.speculative.k_in_force import SpeculationSnapshot
+from dynamo.vllm.speculative.monitor import SpeculationMonitor
+from dynamo.vllm.speculative.profile import SpeculationProfile, StepTimes
 
 SCHEDULE = [[1, 2, 3], [3, 6, 2], [7, 8, 0]]
 ACCEPTANCE = [0.6, 0.4, 0.2]
@@ -213,9 +213,9 @@ def test_no_warning_when_close_or_too_few_drafts(
 
 
 def test_collector_exports_the_monitor(clock: FakeClock) -> None:
-    from dynamo.vllm.engine_stats import EngineStats
-    from dynamo.vllm.handlers import RequestCounters
-    from dynamo.vllm.metrics import VllmWorkerCollector
+    from dynamo.vllm.serving.engine_stats import EngineStats
+    from dynamo.vllm.serving.handlers import RequestCounters
+    from dynamo.vllm.serving.metrics import VllmWorkerCollector
 
     stats = EngineStats()
     mon = monitor(clock)
@@ -242,9 +242,9 @@ def test_collector_exports_the_monitor(clock: FakeClock) -> None:
 
 
 def test_collector_exports_an_adaptive_engines_steps_at_each_k(clock: FakeClock) -> None:
-    from dynamo.vllm.engine_stats import EngineStats
-    from dynamo.vllm.handlers import RequestCounters
-    from dynamo.vllm.metrics import VllmWorkerCollector
+    from dynamo.vllm.serving.engine_stats import EngineStats
+    from dynamo.vllm.serving.handlers import RequestCounters
+    from dynamo.vllm.serving.metrics import VllmWorkerCollector
 
     stats = EngineStats()
     info = SpeculativeInfo("ngram", 3, schedule=SCHEDULE, adaptive=True)
@@ -268,8 +268,8 @@ def test_collector_exports_an_adaptive_engines_steps_at_each_k(clock: FakeClock)
 
 
 def test_backend_observes_at_every_load_report(clock: FakeClock, tiny_model) -> None:
-    from dynamo.vllm.args import parse_worker_args
-    from dynamo.vllm.backend import VllmBackend
+    from dynamo.vllm.config.args import parse_worker_args
+    from dynamo.vllm.serving.backend import VllmBackend
 
     backend = VllmBackend(parse_worker_args(["--model", str(tiny_model), "--dry-run"]))
     assert backend.observe_speculation() is None  # before the engine runs

@@ -11,12 +11,12 @@ import pytest
 from vllm import SamplingParams
 from vllm.v1.outputs import DraftTokenIds
 
-from dynamo.vllm.speculation_opt_out import (
+from dynamo.vllm.config.speculative_resolution import configure_opt_out
+from dynamo.vllm.speculative.opt_out import (
     OPT_OUT_KEY,
     SCHEDULER_CLS,
     SpeculationOptOutScheduler,
 )
-from dynamo.vllm.speculative_resolution import configure_opt_out
 
 
 def scheduler_with(**requests: bool) -> SpeculationOptOutScheduler:

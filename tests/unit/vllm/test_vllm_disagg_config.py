@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamo.vllm.kv_transfer import KvTransferJanitor, disk_connector_storage, entry_name
+from dynamo.vllm.kv_transfer.janitor import KvTransferJanitor, disk_connector_storage, entry_name
 
 
 def dry_run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -41,7 +41,7 @@ def test_cpu_default_connector_uses_the_shared_directory(tmp_path: Path) -> None
     result = dry_run("--is-decode-worker", env={"DYN_KV_SHARED_STORAGE_PATH": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     assert "kv_connector: DiskKvConnector" in result.stdout
-    assert "kv_connector_module_path: dynamo.vllm.disk_kv_connector" in result.stdout
+    assert "kv_connector_module_path: dynamo.vllm.kv_transfer.disk_connector" in result.stdout
     assert f"shared_storage_path: {tmp_path}" in result.stdout
     assert "kv_role: kv_consumer" in result.stdout  # a decode worker only loads
     assert "kv_load_failure_policy: recompute" in result.stdout
@@ -111,7 +111,7 @@ def test_only_the_directory_connectors_are_managed() -> None:
 
 @pytest.mark.parametrize("ttl", ["0.5", "300"])
 def test_ttl_from_environment(monkeypatch: pytest.MonkeyPatch, ttl: str) -> None:
-    from dynamo.vllm.kv_transfer import default_ttl
+    from dynamo.vllm.kv_transfer.janitor import default_ttl
 
     monkeypatch.setenv("DYN_KV_TRANSFER_TTL", ttl)
     assert default_ttl() == float(ttl)

@@ -11,9 +11,9 @@ from vllm.config.speculative import SpeculativeConfig, SpeculativeMethod
 from vllm.engine.arg_utils import AsyncEngineArgs
 
 from dynamo.llm.models import model_dir
-from dynamo.vllm import spec_config as sc
-from dynamo.vllm.args import parse_worker_args
-from dynamo.vllm.speculative_resolution import SRC_PREFIX_DEFAULT, keep_whole_prefix_hit
+from dynamo.vllm.config.args import parse_worker_args
+from dynamo.vllm.config.speculative_resolution import SRC_PREFIX_DEFAULT, keep_whole_prefix_hit
+from dynamo.vllm.speculative import config_sources as sc
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "engine_configs"
 ALL_FILES = sorted(CONFIG_DIR.rglob("*.yaml"))

@@ -1,4 +1,4 @@
-"""The vLLM worker's `generate` handler (`dynamo.vllm.handlers`) over a fake `AsyncLLM`.
+"""The vLLM worker's `generate` handler (`dynamo.vllm.serving.handlers`) over a fake `AsyncLLM`.
 
 Claims:
 * aggregated: every step's tokens are streamed, the last output carries the finish reason
@@ -54,15 +54,15 @@ from dynamo.llm.protocols import (
     WorkerType,
 )
 from dynamo.runtime import Context, InvalidRequestError, WorkerOverloadedError
-from dynamo.vllm.engine import EngineFacts, VllmEngine, applied_defaults
-from dynamo.vllm.handlers import GenerateHandler, RequestCounters
-from dynamo.vllm.kv_layout import KV_LAYOUT_PARAM
-from dynamo.vllm.kv_storage_check import (
+from dynamo.vllm.kv_transfer.janitor import KvTransferJanitor, entry_name
+from dynamo.vllm.kv_transfer.layout import KV_LAYOUT_PARAM
+from dynamo.vllm.kv_transfer.storage_check import (
     KvStorageNotSharedError,
     SharedStorageCheck,
     StorageProbeFile,
 )
-from dynamo.vllm.kv_transfer import KvTransferJanitor, entry_name
+from dynamo.vllm.serving.engine import EngineFacts, VllmEngine, applied_defaults
+from dynamo.vllm.serving.handlers import GenerateHandler, RequestCounters
 
 PROMPT = list(range(100, 109))
 MAX_MODEL_LEN = 64

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dynamo.llm.worker.inflight import ENV_MAX_INFLIGHT_REQUESTS
-from dynamo.vllm.args import ConfigError, parse_worker_args
+from dynamo.vllm.config.args import ConfigError, parse_worker_args
 
 
 def test_the_flag_and_its_variable_reach_the_config(

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from dynamo.runtime.nats_options import NatsConnectOptions
-from dynamo.vllm.args import (
+from dynamo.vllm.config.args import (
     ConfigError,
     build_parser,
     parse_worker_args,
 )
-from dynamo.vllm.config_report import resolved_config_lines, resolved_config_yaml
+from dynamo.vllm.config.report import resolved_config_lines, resolved_config_yaml
 from dynamo.vllm.main import main
 
 SECRET = "hunter2-Secret"

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from dynamo.llm.protocols import ModelCard, SamplingDefaults, decode, encode
-from dynamo.vllm.args import ConfigError, parse_worker_args
-from dynamo.vllm.sampling_defaults import check_generation_config, sampling_defaults_from
+from dynamo.vllm.config.args import ConfigError, parse_worker_args
+from dynamo.vllm.config.sampling_defaults import check_generation_config, sampling_defaults_from
 
 
 def write_generation_config(directory: Path, **values: object) -> Path:

@@ -1,4 +1,4 @@
-"""The pure translation rules of `dynamo.vllm.spec_config` (no vLLM involved).
+"""The pure translation rules of `dynamo.vllm.speculative.config_sources` (no vLLM involved).
 
 Claims: every TensorRT-LLM form docs/speculative_decoding.md lists translates to the
 stated vLLM keys; Eagle becomes eagle or eagle3 by the draft checkpoint; keys without vLLM
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from vllm_config_support import TINY_LLAMA, speculators_config, write_config
 
-from dynamo.vllm import spec_config as sc
-from dynamo.vllm.spec_config import ConfigError
+from dynamo.vllm.speculative import config_sources as sc
+from dynamo.vllm.speculative.config_sources import ConfigError
 
 # A stand-in for AsyncEngineArgs' field names: the translation only needs membership.
 ENGINE_FIELDS = {

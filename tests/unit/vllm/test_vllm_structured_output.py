@@ -1,4 +1,4 @@
-"""Structured output in the vLLM worker's conversion (`dynamo.vllm.conversion`).
+"""Structured output in the vLLM worker's conversion (`dynamo.vllm.serving.conversion`).
 
 Claims: a request's `StructuredOutput` becomes vLLM's `StructuredOutputsParams` on the
 `SamplingParams`, every constraint and option carried; none leaves the params
@@ -17,7 +17,7 @@ from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
 
 from dynamo.llm.protocols import PreprocessedRequest, StructuredOutput
-from dynamo.vllm.conversion import to_sampling_params
+from dynamo.vllm.serving.conversion import to_sampling_params
 
 SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
 

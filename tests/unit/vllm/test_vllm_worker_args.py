@@ -1,4 +1,4 @@
-"""`dynamo.vllm.args.parse_worker_args`: vLLM's parser plus the worker's layering.
+"""`dynamo.vllm.config.args.parse_worker_args`: vLLM's parser plus the worker's layering.
 
 Claims: runtime defaults and environment fallbacks; disaggregation aliases and their
 conflicts; precedence YAML < --speculative-config JSON < explicit CLI flags for both engine
@@ -21,11 +21,11 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.platforms import current_platform
 from vllm_config_support import speculators_config, write_config
 
-from dynamo.vllm.adaptive_speculation import SCHEDULER_CLS, adaptive_entry
-from dynamo.vllm.args import ConfigError, parse_worker_args
-from dynamo.vllm.config_report import resolved_config_lines, resolved_config_yaml
-from dynamo.vllm.speculation_profile import SpeculationProfile, StepTimes, save_profile
-from dynamo.vllm.speculative_resolution import SRC_PREFIX_DEFAULT
+from dynamo.vllm.config.args import ConfigError, parse_worker_args
+from dynamo.vllm.config.report import resolved_config_lines, resolved_config_yaml
+from dynamo.vllm.config.speculative_resolution import SRC_PREFIX_DEFAULT
+from dynamo.vllm.speculative.adaptive_k import SCHEDULER_CLS, adaptive_entry
+from dynamo.vllm.speculative.profile import SpeculationProfile, StepTimes, save_profile
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
@@ -111,7 +111,7 @@ def test_runtime_flags_are_validated(parse, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_default_model_is_the_embedded_one() -> None:
-    from dynamo.vllm.args import build_parser
+    from dynamo.vllm.config.args import build_parser
 
     assert build_parser().parse_args([]).model == "smollm2-135m-instruct"
 
@@ -154,7 +154,7 @@ def test_disaggregated_workers_get_a_kv_connector(parse, monkeypatch: pytest.Mon
     transfer = cfg.engine_args.kv_transfer_config
     assert isinstance(transfer, KVTransferConfig)
     assert transfer.kv_connector == "DiskKvConnector"
-    assert transfer.kv_connector_module_path == "dynamo.vllm.disk_kv_connector"
+    assert transfer.kv_connector_module_path == "dynamo.vllm.kv_transfer.disk_connector"
     assert transfer.kv_role == "kv_consumer"
     assert transfer.kv_load_failure_policy == "recompute"
     assert transfer.kv_connector_extra_config == {"shared_storage_path": "/tmp/dynamo-kv-ns1"}

@@ -37,13 +37,13 @@ from dynamo.llm.worker.addresses import (
 )
 from dynamo.llm.worker.served import instance_metadata
 from dynamo.runtime.wire import InstanceInfo, decode_instance, encode_instance
-from dynamo.vllm.args import ConfigError, build_parser
-from dynamo.vllm.config_report import resolved_config_yaml
-from dynamo.vllm.kv_defaults import (
+from dynamo.vllm.config.args import ConfigError, build_parser
+from dynamo.vllm.config.kv_defaults import (
     NIXL_SIDE_CHANNEL_HOST_ENV,
     advertised_kv_event_addresses,
     nixl_side_channel_env,
 )
+from dynamo.vllm.config.report import resolved_config_yaml
 
 NIXL = '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'
 TEST_NET = "203.0.113.77"  # RFC 5737 documentation range: not an address of this machine

@@ -4,9 +4,9 @@ hit rate per worker (cached / prompt) is one query for both kinds of worker."""
 
 from __future__ import annotations
 
-from dynamo.vllm.engine_stats import EngineStats
-from dynamo.vllm.handlers import RequestCounters
-from dynamo.vllm.metrics import VllmWorkerCollector
+from dynamo.vllm.serving.engine_stats import EngineStats
+from dynamo.vllm.serving.handlers import RequestCounters
+from dynamo.vllm.serving.metrics import VllmWorkerCollector
 
 
 def test_prompt_and_cached_prompt_tokens_are_both_exported() -> None:

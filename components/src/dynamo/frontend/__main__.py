@@ -17,23 +17,21 @@ from pathlib import Path
 import prometheus_client
 import uvloop
 
-from dynamo.frontend.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_WAITING
-from dynamo.frontend.chat_parsers import ChatParsingOptions
-from dynamo.frontend.chat_template_file import ChatTemplateError, load_chat_template
-from dynamo.frontend.disagg import DEFAULT_PREFILL_TIMEOUT_S
-from dynamo.frontend.engine_client import (
+from dynamo.frontend.engine.client import (
     DEFAULT_ACCEPT_TIMEOUT_S,
     DEFAULT_FIRST_TOKEN_TIMEOUT_S,
     DEFAULT_INTER_TOKEN_TIMEOUT_S,
 )
-from dynamo.frontend.frontend import FrontendConfig, default_tokenizer_cache, run_frontend
-from dynamo.frontend.http_listener import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S
-from dynamo.frontend.http_server import (
+from dynamo.frontend.engine.disagg import DEFAULT_PREFILL_TIMEOUT_S
+from dynamo.frontend.engine.routing import RouterMode
+from dynamo.frontend.http.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_WAITING
+from dynamo.frontend.http.listener import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S
+from dynamo.frontend.http.server import (
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_WORKER_WAIT_S,
     DEFAULT_WRITE_TIMEOUT_S,
 )
-from dynamo.frontend.http_workers import (
+from dynamo.frontend.http.workers import (
     HTTP_WORKERS_ENV,
     WORKER_COUNT_FLAG,
     WORKER_INDEX_FLAG,
@@ -43,9 +41,11 @@ from dynamo.frontend.http_workers import (
     claim_port,
     metrics_dir_of_child,
 )
-from dynamo.frontend.reasoning import UnknownReasoningParser, check_reasoning_parser_name
-from dynamo.frontend.routing import RouterMode
-from dynamo.frontend.tool_calls import tool_parser_class
+from dynamo.frontend.parsing.chat_parsers import ChatParsingOptions
+from dynamo.frontend.parsing.reasoning import UnknownReasoningParser, check_reasoning_parser_name
+from dynamo.frontend.parsing.tool_calls import tool_parser_class
+from dynamo.frontend.preprocess.chat_template_file import ChatTemplateError, load_chat_template
+from dynamo.frontend.service import FrontendConfig, default_tokenizer_cache, run_frontend
 from dynamo.llm.kv_router.scheduler import DEFAULT_OVERLAP_SCORE_WEIGHT
 from dynamo.runtime.cli import (
     ConfigError,

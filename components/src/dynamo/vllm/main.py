@@ -25,11 +25,11 @@ from dynamo.runtime.parent_death import (
     children_die_with_this_process,
     spawned_children_die_with_this_process,
 )
-from dynamo.vllm.args import ConfigError, VllmWorkerConfig, parse_worker_args
-from dynamo.vllm.backend import VllmBackend
-from dynamo.vllm.config_report import resolved_config_lines, resolved_config_yaml
-from dynamo.vllm.kv_defaults import advertised_kv_event_addresses
-from dynamo.vllm.metrics import VllmWorkerCollector
+from dynamo.vllm.config.args import ConfigError, VllmWorkerConfig, parse_worker_args
+from dynamo.vllm.config.kv_defaults import advertised_kv_event_addresses
+from dynamo.vllm.config.report import resolved_config_lines, resolved_config_yaml
+from dynamo.vllm.serving.backend import VllmBackend
+from dynamo.vllm.serving.metrics import VllmWorkerCollector
 
 log = logging.getLogger("dynamo.vllm")
 

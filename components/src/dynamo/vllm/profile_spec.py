@@ -43,8 +43,7 @@ from typing import Any
 import msgspec
 
 from dynamo.runtime.cli import ConfigError
-from dynamo.vllm.eagle3_training.prompts import Messages, as_messages, held_out, read_jsonl
-from dynamo.vllm.speculation_profile import (
+from dynamo.vllm.speculative.profile import (
     SpeculationProfile,
     StepTimes,
     best_k,
@@ -54,6 +53,7 @@ from dynamo.vllm.speculation_profile import (
     never_speculates,
     save_profile,
 )
+from dynamo.vllm.training.eagle3.prompts import Messages, as_messages, held_out, read_jsonl
 
 log = logging.getLogger("dynamo.vllm.profile_spec")
 
@@ -196,7 +196,7 @@ def planned_runs(max_k: int) -> list[int | None]:
 def resolve_paths(spec: dict[str, Any]) -> dict[str, Any]:
     """An embedded draft-model name becomes its directory, as the worker resolves it."""
     from dynamo.llm.models import is_known_name
-    from dynamo.vllm.model_resolution import resolve_model_dir
+    from dynamo.vllm.config.model_resolution import resolve_model_dir
 
     draft = spec.get("model")
     if isinstance(draft, str) and is_known_name(draft):
@@ -331,7 +331,7 @@ def run_child(request: ProfileRequest, on_record: Any, log_path: Path) -> list[d
 def profile(args: argparse.Namespace) -> SpeculationProfile:
     from tqdm import tqdm
 
-    from dynamo.vllm.model_resolution import resolve_model_dir
+    from dynamo.vllm.config.model_resolution import resolve_model_dir
 
     model_dir = str(resolve_model_dir(args.model, dry_run=False))
     spec = resolve_paths(args.speculative_config)
@@ -460,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if never_speculates(result.schedule):
         print("speculation never paid at these batch sizes: serve without it")
     if not args.no_plot:
-        from dynamo.vllm.profile_plot import plot_profile
+        from dynamo.vllm.speculative.profile_plot import plot_profile
 
         if plot_profile(result, args.out.with_suffix(".png")):
             print(f"plot written to {args.out.with_suffix('.png')}")

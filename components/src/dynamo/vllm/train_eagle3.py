@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as exc:  # unknown name, no config, cannot prepare
         print(f"error: --target: {exc}", file=sys.stderr)
         return 2
-    from dynamo.vllm.eagle3_training import pipeline
+    from dynamo.vllm.training.eagle3 import pipeline
 
     summary = pipeline.run(args)
     print(json.dumps(summary["held_out"], indent=2))

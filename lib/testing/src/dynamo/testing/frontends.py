@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from dynamo.frontend.frontend import FrontendConfig, run_frontend
-from dynamo.frontend.routing import RouterMode
+from dynamo.frontend.engine.routing import RouterMode
+from dynamo.frontend.service import FrontendConfig, run_frontend
 from dynamo.runtime.ports import free_port
 
 STOP_TIMEOUT_S = 15.0

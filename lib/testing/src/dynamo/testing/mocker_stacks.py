@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from dynamo.frontend.routing import RouterMode
+from dynamo.frontend.engine.routing import RouterMode
 from dynamo.llm.worker import ServedWorker
 from dynamo.mocker.args import WorkerSettings
 from dynamo.mocker.backend import MockerBackend, mocker_worker

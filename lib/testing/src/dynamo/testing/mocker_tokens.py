@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dynamo.frontend.detokenizer import REPLACEMENT
+from dynamo.frontend.postprocess.detokenizer import REPLACEMENT
 from dynamo.llm.protocols import PreprocessedRequest, StopConditions
 from dynamo.mocker.args import EngineFlags
 from dynamo.mocker.config import MockEngineConfig

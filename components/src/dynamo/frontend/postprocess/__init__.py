@@ -1,0 +1,3 @@
+"""The response side: detokenizing, stop strings, choices, and the chat, completion and
+Responses formatters.
+"""

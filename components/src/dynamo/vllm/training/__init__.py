@@ -1,0 +1,1 @@
+"""Training draft models for speculative decoding."""
