@@ -97,18 +97,13 @@ from typing import Any
 
 import aiohttp
 
-from dynamo.llm.kv_router.scheduler import DEFAULT_OVERLAP_SCORE_WEIGHT
+from dynamo.llm.kv_router.scheduler_defaults import DEFAULT_OVERLAP_SCORE_WEIGHT
 from dynamo.llm.models import resolve_model
 from dynamo.runtime import DistributedRuntime
 from dynamo.runtime.ports import free_port
+from dynamo.testing.command_lines import worker_argv
 from dynamo.testing.http import fetch_json, http_get, metric_values
-from dynamo.testing.processes import (
-    FrontendProcess,
-    ManagedProcess,
-    running,
-    wait_for_instances,
-    worker_argv,
-)
+from dynamo.testing.processes import FrontendProcess, ManagedProcess, running, wait_for_instances
 from dynamo_reference import (
     DEFAULT_VENV,
     MockerShape,

@@ -25,7 +25,7 @@ from dynamo.frontend.engine.client import (
     continuation,
 )
 from dynamo.llm.kv_router.hashing import compute_block_hashes
-from dynamo.llm.kv_router.scheduler import KvRouter, build_kv_router
+from dynamo.llm.kv_router.router import KvRouter, build_kv_router
 from dynamo.llm.protocols import (
     CompletionUsage,
     FinishReason,

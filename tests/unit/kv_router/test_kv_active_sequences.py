@@ -6,12 +6,9 @@ import random
 
 import pytest
 
-from dynamo.llm.kv_router.active_sequences import (
-    ActiveSequences,
-    MultiWorkerSequences,
-    speculative_depth,
-)
+from dynamo.llm.kv_router.active_sequences import ActiveSequences, speculative_depth
 from dynamo.llm.kv_router.hashing import compute_block_hashes
+from dynamo.llm.kv_router.multi_worker_sequences import MultiWorkerSequences
 from dynamo.llm.protocols import SpeculativeInfo
 
 

@@ -18,7 +18,8 @@ from kv_cards import BLOCK_SIZE, worker_card
 
 from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.hashing import compute_block_hashes
-from dynamo.llm.kv_router.scheduler import KvScheduler, build_kv_router
+from dynamo.llm.kv_router.router import build_kv_router
+from dynamo.llm.kv_router.scheduler import KvScheduler
 from dynamo.llm.protocols import (
     KvBlockStored,
     LoadMetrics,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kv_cards import worker_card
 
-from dynamo.llm.kv_router.scheduler import build_kv_router
+from dynamo.llm.kv_router.router import build_kv_router
 from dynamo.llm.protocols import LLMEngineOutput, PreprocessedRequest, SamplingOptions
 
 PROMPT = list(range(1000, 1064))  # exactly 4 blocks of 16

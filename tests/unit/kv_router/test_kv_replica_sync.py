@@ -25,7 +25,8 @@ from kv_cards import BLOCK_SIZE
 from dynamo.llm.kv_router import replica_books
 from dynamo.llm.kv_router.replica_books import ReplicaBooks, remote_key
 from dynamo.llm.kv_router.replica_sync import ReplicaSyncSettings, RouterReplicaSync
-from dynamo.llm.kv_router.scheduler import KvScheduler, KvWorkerSpec
+from dynamo.llm.kv_router.scheduler import KvScheduler
+from dynamo.llm.kv_router.worker_spec import KvWorkerSpec
 from dynamo.llm.protocols import (
     BookingChange,
     BookingChanges,

@@ -12,15 +12,11 @@ import pytest
 from kv_cards import BLOCK_SIZE, worker_card
 
 from dynamo.llm.kv_router.hashing import compute_block_hashes
-from dynamo.llm.kv_router.scheduler import (
-    DEFAULT_OVERLAP_SCORE_WEIGHT,
-    KvScheduler,
-    KvWorkerSpec,
-    WorkerScore,
-    build_kv_router,
-    choose,
-    softmax_weights,
-)
+from dynamo.llm.kv_router.router import build_kv_router
+from dynamo.llm.kv_router.scheduler import KvScheduler
+from dynamo.llm.kv_router.scheduler_defaults import DEFAULT_OVERLAP_SCORE_WEIGHT
+from dynamo.llm.kv_router.selection import WorkerScore, choose, softmax_weights
+from dynamo.llm.kv_router.worker_spec import KvWorkerSpec
 from dynamo.llm.protocols import (
     KvBlockStored,
     LLMEngineOutput,

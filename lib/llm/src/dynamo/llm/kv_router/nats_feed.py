@@ -1,6 +1,6 @@
 """Frontend side of the KV router's NATS plumbing: `create_kv_router`.
 
-A `KvRouter` (NATS-free, `scheduler.py`) is fed by three subscriptions, owned here:
+A `KvRouter` (NATS-free, `router.py`) is fed by three subscriptions, owned here:
 
 * the workers' KV events, replayed from the start of the JetStream stream
   (`subjects.KV_EVENTS_STREAM`, filtered to the card's namespace/component), so a frontend
@@ -43,11 +43,8 @@ from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.membership import DEFAULT_GRACE_S, WorkerMembership
 from dynamo.llm.kv_router.publisher import kv_events_stream
 from dynamo.llm.kv_router.replica_sync import ReplicaSyncSettings, RouterReplicaSync
-from dynamo.llm.kv_router.scheduler import (
-    DEFAULT_OVERLAP_SCORE_WEIGHT,
-    KvRouter,
-    build_kv_router,
-)
+from dynamo.llm.kv_router.router import KvRouter, build_kv_router
+from dynamo.llm.kv_router.scheduler_defaults import DEFAULT_OVERLAP_SCORE_WEIGHT
 from dynamo.llm.kv_router.subjects import (
     instance_of_subject,
     kv_events_filter,

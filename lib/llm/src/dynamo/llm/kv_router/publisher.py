@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LOAD_INTERVAL_S = 1.0
 """Longest time between two load reports of a live worker (routers ignore reports older
-than five of these, `scheduler.DEFAULT_LOAD_METRICS_TTL_S`)."""
+than five of these, `scheduler_defaults.DEFAULT_LOAD_METRICS_TTL_S`)."""
 DEFAULT_LOAD_MIN_GAP_S = 0.05
 """Shortest time between two load reports: an engine stepping hundreds of times a second
 reports at most this often, with the load of its latest step."""

@@ -1,4 +1,4 @@
-"""The KV-aware router: pick the worker that makes a request cheapest to serve.
+"""The KV router's scheduler: find the worker that makes a request cheapest to serve.
 
 Cost of sending a request to worker w (lower is better; docs/architecture.md, "The KV
 router's cost"):
@@ -21,11 +21,12 @@ every candidate is busy `schedule` raises `AllWorkersBusyError` and books nothin
 ``overlap_score_weight`` trades time-to-first-token (high: chase cache hits) against
 load balance (low: spread decode load). ``router_temperature`` 0 picks the lowest cost
 (ties broken at random, so equal workers share load); above 0 the choice is sampled from
-``softmax(-normalised_cost / temperature)``, which spreads bursts of identical requests.
+``softmax(-normalised_cost / temperature)``, which spreads bursts of identical requests
+(`selection.choose`, which also holds the records a decision leaves).
 
-`KvScheduler` is the NATS-free core; `KvRouter` implements the `dynamo.llm.router.Router`
-protocol over it and is fed cache events, worker cards and load metrics by whoever owns
-the subscriptions (injected async iterables or direct calls).
+`KvScheduler` is the NATS-free core: costs and books. `router.KvRouter` is the
+`dynamo.llm.router.Router` the frontend holds over it; `worker_spec.KvWorkerSpec` is what
+it knows of each worker, and `scheduler_defaults` holds its knobs' default values.
 
 Books shared among router replicas (docs/kv_router.md, "Replica sync"): every change of
 the scheduler's own bookings goes to its `BookingObserver`s as a wire record
@@ -36,124 +37,40 @@ are applied with `apply_booking` / `apply_prefill` / `release`, which tell no ob
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterable, Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from typing import Any, Protocol
 
-from dynamo.llm.kv_router.active_sequences import MultiWorkerSequences, speculative_depth
+from dynamo.llm.kv_router.active_sequences import speculative_depth
 from dynamo.llm.kv_router.anticipation import AnticipatedBlocks, CachePrediction
 from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.hashing import compute_block_hashes, num_blocks_spanned
 from dynamo.llm.kv_router.indexer import KvIndexer
+from dynamo.llm.kv_router.multi_worker_sequences import MultiWorkerSequences
+from dynamo.llm.kv_router.scheduler_defaults import (
+    DEFAULT_LOAD_METRICS_TTL_S,
+    DEFAULT_LOAD_REPORT_HOLD_OFF_S,
+    DEFAULT_OVERLAP_SCORE_WEIGHT,
+)
+from dynamo.llm.kv_router.selection import RoutingDecision, RoutingTally, WorkerScore, choose
+from dynamo.llm.kv_router.worker_spec import KvWorkerSpec
 from dynamo.llm.protocols import (
     BookingChange,
     KvAllCleared,
     KvBlockStored,
-    LLMEngineOutput,
     LoadMetrics,
-    ModelCard,
-    PreprocessedRequest,
     RouterEvent,
-    RoutingHints,
     SequenceBooked,
     SequenceFreed,
     SequencePrefilled,
-    SpeculativeInfo,
 )
-from dynamo.llm.router import AllWorkersBusyError, Router
-from dynamo.runtime.selection import RoundRobin
+from dynamo.llm.router import AllWorkersBusyError
 
 log = logging.getLogger(__name__)
-
-DEFAULT_OVERLAP_SCORE_WEIGHT = 2.0
-"""Prefill blocks weigh twice an active block. At 1.0 (Dynamo's default) a tenant's home
-worker busy with one other request ties with an idle worker that lacks the prefix, and
-half the time loses it: on the mocker-scale workload of benchmarks/kv_routing_bench.py
-(16 workers, 24 tenants) 2.0 raised the hit rate from 0.64 to 0.88 of a best possible 0.89
-at 16 in flight, with no worse time to first token (docs/kv_router.md, "Cost")."""
-DEFAULT_LOAD_METRICS_TTL_S = 5.0
-"""Worker-reported load older than this is ignored (the worker may be gone or stalled)."""
-DEFAULT_LOAD_REPORT_HOLD_OFF_S = 0.5
-"""After the router releases a request on a worker, that worker's reports received within
-this long are ignored: they may still count the released request's blocks (the engine's
-stats lag a step, a report may be in flight, and workers publish every 250 ms), and
-would charge the worker for load this router knows is gone."""
-
-
-@dataclass(frozen=True, slots=True)
-class KvWorkerSpec:
-    """What the router must know about a worker: its block size and its speculation."""
-
-    worker_id: int
-    block_size: int
-    speculative: SpeculativeInfo | None = None
-
-    @property
-    def is_adaptive(self) -> bool:
-        """K is chosen online (`--speculation-adapt`): the worker reports the K in force."""
-        return self.speculative is not None and self.speculative.adaptive
-
-    @classmethod
-    def from_card(cls, card: ModelCard, default_block_size: int) -> KvWorkerSpec:
-        """Read the card a worker registered; a card without a block size gets the
-        model's (the first card's) block size."""
-        return cls(card.instance_id, card.kv_block_size or default_block_size, card.speculative)
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerScore:
-    """The terms of one worker's cost, kept for logging, metrics and tests."""
-
-    worker_id: int
-    overlap_blocks: int
-    prefill_blocks: int
-    active_blocks: int  # with the request added, speculative slots included
-    num_speculative_tokens: int
-    cost: float
-    cached_blocks: int = 0  # of overlap_blocks, those the worker's events reported stored
-
-
-@dataclass(frozen=True, slots=True)
-class RoutingDecision:
-    """The chosen worker and why."""
-
-    worker_id: int
-    overlap_blocks: int
-    request_blocks: int
-    scores: tuple[WorkerScore, ...]
-
-
-@dataclass(slots=True)
-class RoutingTally:
-    """What the router sent one worker: requests, their blocks, and the blocks it
-    expected to find cached there (the predicted prefix-cache hit rate)."""
-
-    requests: int = 0
-    request_blocks: int = 0
-    overlap_blocks: int = 0
-
-    def add(self, decision: RoutingDecision) -> None:
-        self.requests += 1
-        self.request_blocks += decision.request_blocks
-        self.overlap_blocks += decision.overlap_blocks
-
-    @property
-    def hit_rate(self) -> float:
-        """Predicted fraction of prompt blocks served from cache."""
-        return self.overlap_blocks / self.request_blocks if self.request_blocks else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "requests": self.requests,
-            "request_blocks": self.request_blocks,
-            "overlap_blocks": self.overlap_blocks,
-            "hit_rate": round(self.hit_rate, 4),
-        }
 
 
 class BookingObserver(Protocol):
@@ -161,36 +78,6 @@ class BookingObserver(Protocol):
     replicas), in the order they happen: what a replica publishes to the others."""
 
     def booking_changed(self, change: BookingChange) -> None: ...
-
-
-def choose(scores: Sequence[WorkerScore], temperature: float, rng: random.Random) -> WorkerScore:
-    """Lowest cost at temperature 0 (random among ties), otherwise softmax sampling over
-    negative costs normalised to [0, 1] so the temperature means the same at any load."""
-    if not scores:
-        raise ValueError("no worker to choose from")
-    if temperature <= 0:
-        best = min(score.cost for score in scores)
-        return rng.choice([score for score in scores if score.cost == best])
-    weights = softmax_weights([score.cost for score in scores], temperature)
-    return rng.choices(scores, weights=weights, k=1)[0]
-
-
-def softmax_weights(costs: Sequence[float], temperature: float) -> list[float]:
-    """Selection probabilities ``softmax(-(c - min) / (max - min) / temperature)``.
-
-    Costs are min-max normalised first: raw costs grow with load, and without the
-    normalisation the same temperature would mean "nearly argmin" on a busy cluster and
-    "nearly uniform" on an idle one. Equal costs give a uniform distribution.
-    """
-    if temperature <= 0:
-        raise ValueError("temperature must be positive")
-    low, high = min(costs), max(costs)
-    span = high - low
-    if span <= 0:
-        return [1.0 / len(costs)] * len(costs)
-    exps = [math.exp(-((cost - low) / span) / temperature) for cost in costs]
-    total = sum(exps)
-    return [value / total for value in exps]
 
 
 class KvScheduler:
@@ -585,162 +472,3 @@ class KvScheduler:
         )
         self.apply_booking(request_id, booking)
         self._notify(booking)
-
-
-RouterInput = RouterEvent | LoadMetrics | ModelCard
-"""What a feed may carry: cache events, load reports, and worker cards (add/update)."""
-
-
-class RouterAttachment(Protocol):
-    """Something a router owns besides its feeds (e.g. the NATS subscriptions that feed
-    it): closed with the router and shown in its debug view under `name`."""
-
-    name: str
-
-    async def close(self) -> None: ...
-
-    def debug_state(self) -> dict[str, Any]: ...
-
-
-class KvRouter(Router):
-    """The KV-cache-aware `Router`, over a `KvScheduler`.
-
-    Event plumbing is injected: call `apply_event` / `update_load` / `update_card` /
-    `remove_worker` from subscriptions, or hand async iterables to `feed`, whose
-    consuming tasks `close` cancels.
-    """
-
-    def __init__(self, scheduler: KvScheduler) -> None:
-        self.scheduler = scheduler
-        self._no_tokens = RoundRobin()  # a request without tokens has no prefix to match
-        self._feeds: set[asyncio.Task[None]] = set()
-        self._attachments: list[RouterAttachment] = []
-        self._closed = False
-
-    # ------------------------------------------------------------------ Router protocol
-
-    async def select(self, request: PreprocessedRequest, instance_ids: Sequence[int]) -> int:
-        """Score the candidates, book the request on the cheapest, and record the
-        choice in `request.routing`."""
-        if not request.token_ids:
-            return self._no_tokens.pick(self.scheduler.not_busy(instance_ids))
-        decision = self.scheduler.schedule(request.request_id, request.token_ids, instance_ids)
-        routing = request.routing if request.routing is not None else RoutingHints()
-        routing.backend_instance_id = decision.worker_id
-        routing.overlap_blocks = decision.overlap_blocks
-        request.routing = routing
-        log.debug(
-            "request %s -> worker %d (overlap %d/%d blocks)",
-            request.request_id,
-            decision.worker_id,
-            decision.overlap_blocks,
-            decision.request_blocks,
-        )
-        return decision.worker_id
-
-    def on_first_output(self, request_id: str, output: LLMEngineOutput) -> None:
-        self.scheduler.mark_prefill_completed(request_id, len(output.token_ids))
-
-    def on_finished(self, request_id: str) -> None:
-        self.scheduler.free(request_id)
-
-    async def close(self) -> None:
-        self._closed = True
-        attachments, self._attachments = self._attachments, []
-        for attachment in attachments:
-            try:
-                await attachment.close()
-            except Exception:
-                log.exception("kv router: closing %s failed", attachment.name)
-        feeds = list(self._feeds)
-        for task in feeds:
-            task.cancel()
-        await asyncio.gather(*feeds, return_exceptions=True)
-        self._feeds.clear()
-
-    # ------------------------------------------------------------------ ownership and views
-
-    def attach(self, attachment: RouterAttachment) -> None:
-        """Own `attachment`: it is closed by `close` and reported by `debug_state`."""
-        if self._closed:
-            raise RuntimeError("router is closed")
-        self._attachments.append(attachment)
-
-    def debug_state(self) -> dict[str, Any]:
-        """The scheduler's view plus each attachment's (e.g. the event feed's counters)."""
-        state = self.scheduler.debug_state()
-        for attachment in self._attachments:
-            state[attachment.name] = attachment.debug_state()
-        return state
-
-    # ------------------------------------------------------------------ inputs
-
-    def apply_event(self, event: RouterEvent) -> None:
-        self.scheduler.apply_event(event)
-
-    def update_load(self, metrics: LoadMetrics) -> None:
-        self.scheduler.update_load(metrics)
-
-    def update_card(self, card: ModelCard) -> None:
-        self.scheduler.update_worker(KvWorkerSpec.from_card(card, self.scheduler.block_size))
-
-    def remove_worker(self, worker_id: int) -> None:
-        self.scheduler.remove_worker(worker_id)
-
-    def handle(self, item: RouterInput) -> None:
-        """Dispatch one input by type (what a feed delivers)."""
-        if isinstance(item, RouterEvent):
-            self.apply_event(item)
-        elif isinstance(item, LoadMetrics):
-            self.update_load(item)
-        elif isinstance(item, ModelCard):
-            self.update_card(item)
-        else:
-            raise TypeError(f"unsupported router input {type(item).__name__}")
-
-    def feed(self, source: AsyncIterable[RouterInput]) -> asyncio.Task[None]:
-        """Consume `source` in the background until it ends or `close` is called."""
-        if self._closed:
-            raise RuntimeError("router is closed")
-        task = asyncio.create_task(self._consume(source), name="kv-router-feed")
-        self._feeds.add(task)
-        task.add_done_callback(self._feeds.discard)
-        return task
-
-    async def _consume(self, source: AsyncIterable[RouterInput]) -> None:
-        """Apply items in order; one bad item is logged and skipped so a single
-        malformed event cannot stop the router learning about caches."""
-        async for item in source:
-            try:
-                self.handle(item)
-            except Exception:
-                log.exception("kv router: dropping input %r", type(item).__name__)
-
-
-def build_kv_router(
-    card: ModelCard,
-    *,
-    overlap_score_weight: float = DEFAULT_OVERLAP_SCORE_WEIGHT,
-    temperature: float = 0.0,
-    sources: Sequence[AsyncIterable[RouterInput]] = (),
-    rng: random.Random | None = None,
-    busy: BusyThresholds | None = None,
-    prediction: CachePrediction | None = None,
-) -> KvRouter:
-    """A `KvRouter` for the model of `card` (its block size; the card's worker is known
-    at once). Must run inside an event loop when `sources` are given."""
-    if card.kv_block_size <= 0:
-        raise ValueError(f"model card of {card.name!r} has no kv_block_size")
-    scheduler = KvScheduler(
-        card.kv_block_size,
-        overlap_score_weight=overlap_score_weight,
-        temperature=temperature,
-        rng=rng,
-        busy=busy,
-        prediction=prediction,
-    )
-    router = KvRouter(scheduler)
-    router.update_card(card)
-    for source in sources:
-        router.feed(source)
-    return router
