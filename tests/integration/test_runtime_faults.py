@@ -50,9 +50,9 @@ from dynamo.runtime import (
     ServedEndpoint,
     WorkerOverloadedError,
     naming,
+    response_stream,
     wire,
 )
-from dynamo.runtime import client as runtime_client
 from dynamo.runtime.server import PUBLISH_FLUSH_TIMEOUT_S, EndpointServer
 from dynamo.testing.waiting import wait_until_async
 
@@ -240,7 +240,7 @@ async def test_a_request_over_the_carried_bound_is_refused_before_anything_is_se
         yield "ok"
 
     bound = 2 * client_rt.nc.max_payload
-    monkeypatch.setattr(runtime_client, "MAX_CARRIED_REQUEST_BYTES", bound)
+    monkeypatch.setattr(response_stream, "MAX_CARRIED_REQUEST_BYTES", bound)
     await serve(worker_rt, namespace, handler)
     client = await client_of(client_rt, namespace)
     with pytest.raises(RequestTooLargeError) as info:

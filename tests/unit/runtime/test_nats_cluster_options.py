@@ -16,6 +16,12 @@ from dynamo.nats_server import NatsCluster
 from dynamo.nats_server.cli import build_parser
 from dynamo.runtime.cli import ConfigError
 from dynamo.runtime.kv import registry_config
+from dynamo.runtime.lease_ttl import (
+    CLUSTER_LEASE_TTL_S,
+    DEFAULT_LEASE_TTL_S,
+    ENV_LEASE_TTL,
+    default_lease_ttl,
+)
 from dynamo.runtime.leases import LeaseKeeper
 from dynamo.runtime.nats_address import is_reachable
 from dynamo.runtime.nats_options import (
@@ -24,12 +30,6 @@ from dynamo.runtime.nats_options import (
     add_nats_arguments,
     nats_options_from_args,
     split_urls,
-)
-from dynamo.runtime.runtime import (
-    CLUSTER_LEASE_TTL_S,
-    DEFAULT_LEASE_TTL_S,
-    ENV_LEASE_TTL,
-    default_lease_ttl,
 )
 
 

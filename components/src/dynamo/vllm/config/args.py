@@ -34,9 +34,9 @@ from dynamo.llm.worker import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MIGRATION_LIMIT
 from dynamo.llm.worker.addresses import advertise_host_or_env
 from dynamo.llm.worker.inflight import max_inflight_or_env
 from dynamo.runtime.cli import ConfigError
+from dynamo.runtime.lease_ttl import default_lease_ttl
 from dynamo.runtime.nats_address import DEFAULT_NATS_URL, ENV_NATS_SERVER
 from dynamo.runtime.nats_options import NatsConnectOptions, nats_options_from_args
-from dynamo.runtime.runtime import default_lease_ttl
 from dynamo.vllm.config.kv_defaults import (
     check_block_size,
     configure_kv_events,

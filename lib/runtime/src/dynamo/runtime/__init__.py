@@ -8,7 +8,7 @@ async for item in client.round_robin(request):   # or .random(), .direct(req, id
     ...
 """
 
-from dynamo.runtime.client import Client, ResponseStream
+from dynamo.runtime.client import Client
 from dynamo.runtime.errors import (
     ClientClosedError,
     ConnectionLostError,
@@ -28,13 +28,9 @@ from dynamo.runtime.errors import (
     StreamTimeoutError,
     WorkerOverloadedError,
 )
-from dynamo.runtime.runtime import (
-    Component,
-    DistributedRuntime,
-    Endpoint,
-    Namespace,
-    ServedEndpoint,
-)
+from dynamo.runtime.response_stream import ResponseStream
+from dynamo.runtime.runtime import Component, DistributedRuntime, Endpoint, Namespace
+from dynamo.runtime.served_endpoint import ServedEndpoint
 from dynamo.runtime.server import Context
 from dynamo.runtime.wire import ErrorKind, InstanceInfo, InstanceStatus
 

@@ -9,6 +9,10 @@ nats-py itself, leased keys by `LeaseKeeper.restore`, watches by `BucketWatcher.
 and whatever else lived on the broker (tokenizer files, event streams, consumers) by the
 reconnect listeners of their owners. A restarted broker may have lost everything (the
 launch scripts give it a temporary store), so the restore assumes nothing survived.
+
+Beside it: the connection's own settings and its bounded close (`runtime_connection.py`),
+the lease TTL policy (`lease_ttl.py`), and a handler's registration on an endpoint
+(`ServedEndpoint`, `served_endpoint.py`).
 """
 
 from __future__ import annotations
@@ -16,11 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
-import socket
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.client import Client as NatsClient
@@ -33,7 +35,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 from nats.nuid import NUID
 
-from dynamo.runtime import naming, wire
+from dynamo.runtime import naming
 from dynamo.runtime.client import Client
 from dynamo.runtime.errors import RuntimeClosedError
 from dynamo.runtime.inbox import Inbox
@@ -44,58 +46,22 @@ from dynamo.runtime.kv import (
     retry_transient,
     wait_for_stream_leader,
 )
+from dynamo.runtime.lease_ttl import default_lease_ttl, warn_short_cluster_lease
 from dynamo.runtime.leases import LeaseKeeper
-from dynamo.runtime.nats_address import is_reachable, nats_url_from_env
-from dynamo.runtime.nats_connect import open_nats_connection
+from dynamo.runtime.nats_address import nats_url_from_env
 from dynamo.runtime.nats_options import NatsConnectOptions, redact_url
-from dynamo.runtime.server import (
-    PUBLISH_FLUSH_TIMEOUT_S,
-    EndpointServer,
-    Handler,
-    InflightRegistry,
+from dynamo.runtime.runtime_connection import (
+    close_connection_bounded,
+    open_reconnecting_connection,
 )
+from dynamo.runtime.served_endpoint import ServedEndpoint
+from dynamo.runtime.server import Handler, InflightRegistry
 from dynamo.runtime.tasks import cancel_and_wait
 from dynamo.runtime.watch import BucketWatcher
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LEASE_TTL_S = 5.0
-CLUSTER_LEASE_TTL_S = 18.0
-"""The default lease on a NATS cluster. A replicated stream whose leader's node is lost
-takes nats-server 4 to 9 s (its Raft election timeout, not configurable) to elect
-another; no key can be re-put meanwhile, and a key whose last put is older than its TTL
-when the new leader takes over expires. The last heartbeat is at most TTL/3 old at the
-loss and a failed heartbeat is retried every 0.5 s, so 2/3 of the TTL must exceed the
-9 s election plus a retry and a put: 18 s leaves 12 s."""
-ENV_LEASE_TTL = "DYN_LEASE_TTL"
-CLOSE_TIMEOUT_S = 2.0
-"""The longest closing the NATS connection may take once the runtime is done with it
-(nats-py first flushes what it buffered, which waits on a broker that may be gone)."""
-
 ReconnectListener = Callable[[], Awaitable[None] | None]
-
-
-def default_lease_ttl(replicas: int = 1) -> float:
-    """`$DYN_LEASE_TTL` seconds, else 5 on a single server and 18 when buckets are
-    replicated over a cluster (`replicas` > 1): see `CLUSTER_LEASE_TTL_S`."""
-    value = os.environ.get(ENV_LEASE_TTL, "").strip()
-    if value:
-        return float(value)
-    return DEFAULT_LEASE_TTL_S if replicas <= 1 else CLUSTER_LEASE_TTL_S
-
-
-def warn_short_cluster_lease(lease_ttl: float, replicas: int) -> None:
-    """Say so when a lease could expire during a JetStream failover (see
-    `CLUSTER_LEASE_TTL_S`)."""
-    if replicas > 1 and lease_ttl < CLUSTER_LEASE_TTL_S:
-        log.warning(
-            "lease TTL %.1fs with replicated buckets: losing the NATS node that leads the "
-            "registry stops its writes for the 4-9 s JetStream takes to elect another, "
-            "and a lease shorter than %.0fs may expire meanwhile (the worker briefly "
-            "leaves routing); raise --lease-ttl / $DYN_LEASE_TTL",
-            lease_ttl,
-            CLUSTER_LEASE_TTL_S,
-        )
 
 
 class DistributedRuntime:
@@ -147,7 +113,6 @@ class DistributedRuntime:
         server = url or nats_url_from_env()
         nats_options = NatsConnectOptions.from_env() if options is None else options
         nats_options.check_url(server)
-        await _wait_reachable(server, max(wait_for_server, connect_timeout))
         holder: dict[str, DistributedRuntime] = {}
 
         async def on_reconnected() -> None:
@@ -158,24 +123,14 @@ class DistributedRuntime:
             if "rt" in holder:
                 holder["rt"]._on_disconnected()
 
-        async def on_error(exc: Exception) -> None:
-            log.debug("NATS error: %s", exc)
-
-        nc = await open_nats_connection(
+        nc = await open_reconnecting_connection(
             server,
             nats_options,
-            timeout=max(wait_for_server, 2 * connect_timeout),
-            name=f"{name}-{os.getpid()}",
+            name=name,
             connect_timeout=connect_timeout,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.25,
-            ping_interval=2.0,
-            max_outstanding_pings=2,  # a silent partition: 4-6 s, not 4 min
-            allow_reconnect=True,
+            wait_for_server=wait_for_server,
             reconnected_cb=on_reconnected,
             disconnected_cb=on_disconnected,
-            error_cb=on_error,
-            flush_timeout=PUBLISH_FLUSH_TIMEOUT_S,
         )
         ttl = lease_ttl or default_lease_ttl(nats_options.replicas)
         warn_short_cluster_lease(ttl, nats_options.replicas)
@@ -225,7 +180,7 @@ class DistributedRuntime:
         try:
             await self.nc.drain()
         except Exception:  # reconnecting, or the flush after draining failed: not closed
-            await self._close_connection()
+            await close_connection_bounded(self.nc)
         log.info("runtime %s shut down", self.name)
 
     async def abandon(self) -> None:
@@ -238,7 +193,7 @@ class DistributedRuntime:
         for served in list(self._served):
             await served.abandon()
         await self._stop_background(delete_keys=False)
-        await self._close_connection()
+        await close_connection_bounded(self.nc)
         log.info(
             "runtime %s abandoned its connection (its keys expire with their leases)", self.name
         )
@@ -252,12 +207,6 @@ class DistributedRuntime:
             await watcher.close()
         self._closed = True
         self.inbox.close_all()
-
-    async def _close_connection(self) -> None:
-        """Close the NATS connection (stopping nats-py's reconnect loop), bounded: nats-py
-        flushes what it buffered first, and the broker may be gone."""
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.nc.close(), CLOSE_TIMEOUT_S)
 
     def add_reconnect_listener(self, listener: ReconnectListener) -> None:
         """Run `listener()` after every reconnect (after leases and watches are restored).
@@ -326,6 +275,15 @@ class DistributedRuntime:
 
     def namespace(self, name: str) -> Namespace:
         return Namespace(self, naming.check_name("namespace", name))
+
+    def add_served(self, served: ServedEndpoint) -> None:
+        """Track `served` (it started), so that `shutdown` drains it and `abandon` stops it."""
+        self._served.append(served)
+
+    def remove_served(self, served: ServedEndpoint) -> None:
+        """Forget `served` (it stopped). Unknown endpoints are ignored."""
+        with contextlib.suppress(ValueError):
+            self._served.remove(served)
 
     # ------------------------------------------------------------------ KV and leases
 
@@ -420,36 +378,11 @@ class DistributedRuntime:
         if self._closed:
             raise RuntimeClosedError("the runtime is shut down")
 
-    def _add_served(self, served: ServedEndpoint) -> None:
-        self._served.append(served)
-
-    def _remove_served(self, served: ServedEndpoint) -> None:
-        with contextlib.suppress(ValueError):
-            self._served.remove(served)
-
 
 async def _call_listener(listener: ReconnectListener) -> None:
     result = listener()
     if result is not None:
         await result
-
-
-async def _wait_reachable(url: str, timeout: float) -> None:
-    """Poll the server's TCP port: nats-py itself would retry an absent server forever."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    logged = False
-    shown = redact_url(url)
-    while not await asyncio.to_thread(is_reachable, url, 0.5):
-        if loop.time() >= deadline:
-            raise ConnectionError(
-                f"no NATS server at {shown} (start one with `python -m dynamo.nats_server` "
-                f"or set $NATS_SERVER)"
-            )
-        if not logged:
-            log.info("waiting for NATS at %s", shown)
-            logged = True
-        await asyncio.sleep(0.25)
 
 
 @dataclass(frozen=True)
@@ -513,114 +446,3 @@ class Endpoint:
         if wait_for_instances is not None:
             await client.wait_for_instances(wait_for_instances)
         return client
-
-
-@dataclass
-class ServedEndpoint:
-    """A live registration of a handler on an endpoint."""
-
-    endpoint: Endpoint
-    handler: Handler
-    request_type: type | None
-    metadata: dict[str, Any]
-    max_inflight: int | None = None
-    address: str = ""
-    server: EndpointServer | None = field(default=None, init=False)
-    _stopped: bool = field(default=False, init=False)
-
-    @property
-    def instance_id(self) -> int:
-        return self.endpoint.runtime.instance_id
-
-    @property
-    def key(self) -> str:
-        ep = self.endpoint
-        return naming.instance_key(ep.namespace, ep.component, ep.name, self.instance_id)
-
-    def _info(self, status: wire.InstanceStatus) -> wire.InstanceInfo:
-        ep = self.endpoint
-        return wire.InstanceInfo(
-            namespace=ep.namespace,
-            component=ep.component,
-            endpoint=ep.name,
-            instance_id=self.instance_id,
-            subject=naming.request_subject(ep.namespace, ep.component, ep.name, self.instance_id),
-            status=status,
-            hostname=socket.gethostname(),
-            address=self.address,
-            pid=os.getpid(),
-            metadata=self.metadata,
-        )
-
-    async def start(self) -> None:
-        runtime = self.endpoint.runtime
-        info = self._info(wire.InstanceStatus.READY)
-        self.server = EndpointServer(
-            runtime.nc,
-            info.subject,
-            self.instance_id,
-            self.handler,
-            self.request_type,
-            runtime.inflight,
-            max_inflight=self.max_inflight,
-        )
-        await self.server.start()
-        runtime.add_reconnect_listener(self._probe_recent_ends)
-        await runtime.put_leased(naming.INSTANCES_BUCKET, self.key, wire.encode_instance(info))
-        runtime._add_served(self)
-        log.info(
-            "serving %s as instance %s", self.endpoint.path, naming.instance_hex(self.instance_id)
-        )
-
-    def _probe_recent_ends(self) -> None:
-        """After a reconnect: a stream whose END was lost with the old connection learns
-        it from a late END (`ReplyCoalescer.probe_recent_ends`)."""
-        if self.server is not None:
-            sent = self.server.coalescer.probe_recent_ends()
-            if sent:
-                log.info("%s: reconnected; re-ended %d recent streams", self.endpoint.path, sent)
-
-    async def mark_draining(self) -> None:
-        """Stay alive but leave every client's routing set; new requests see no responder."""
-        if self._stopped or self.server is None:
-            return
-        runtime = self.endpoint.runtime
-        await self.server.stop_accepting()
-        with contextlib.suppress(Exception):
-            await runtime.put_leased(
-                naming.INSTANCES_BUCKET,
-                self.key,
-                wire.encode_instance(self._info(wire.InstanceStatus.DRAINING)),
-            )
-
-    async def abandon(self) -> None:
-        """Stop serving without a NATS call (the broker is gone): requests in flight are
-        cancelled and the key expires with its lease."""
-        if self._stopped:
-            return
-        self._stopped = True
-        runtime = self.endpoint.runtime
-        if self.server is not None:
-            await self.server.drain(0)
-        runtime.remove_reconnect_listener(self._probe_recent_ends)
-        runtime._remove_served(self)
-
-    async def stop(self, drain_timeout: float = 10.0) -> None:
-        """Deregister at once, finish in-flight requests (bounded), then forget the key."""
-        if self._stopped:
-            return
-        await self.mark_draining()
-        self._stopped = True
-        runtime = self.endpoint.runtime
-        assert self.server is not None
-        cancelled = await self.server.drain(drain_timeout)
-        if cancelled:
-            log.warning(
-                "%s: cancelled %d requests still running after %.1fs",
-                self.endpoint.path,
-                cancelled,
-                drain_timeout,
-            )
-        runtime.remove_reconnect_listener(self._probe_recent_ends)
-        await runtime.delete_leased(naming.INSTANCES_BUCKET, self.key)
-        runtime._remove_served(self)

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dynamo.llm.worker.backend import DEFAULT_DRAIN_TIMEOUT_S
 from dynamo.llm.worker.inflight import MAX_INFLIGHT_HELP
 from dynamo.runtime.cli import TakesArguments, non_negative_float, non_negative_int, positive_float
+from dynamo.runtime.lease_ttl import CLUSTER_LEASE_TTL_S, DEFAULT_LEASE_TTL_S
 from dynamo.runtime.nats_address import DEFAULT_NATS_URL
-from dynamo.runtime.runtime import CLUSTER_LEASE_TTL_S, DEFAULT_LEASE_TTL_S
 
 DEFAULT_NAMESPACE = "dynamo"
 DEFAULT_ENDPOINT = "generate"
