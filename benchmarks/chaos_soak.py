@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 
 from dynamo.llm.models import DEFAULT_MODEL, prepare_model
-from dynamo.testing.chaos import FAULT_KINDS, SoakConfig, run_soak
+from dynamo.testing.chaos import run_soak
+from dynamo.testing.chaos_records import FAULT_KINDS, SoakConfig
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -43,17 +43,19 @@ import psutil
 from dynamo.llm.models import DEFAULT_MODEL, resolve_model
 from dynamo.nats_server import NatsServer
 from dynamo.runtime.ports import free_port
+from dynamo.testing.command_lines import (
+    cpu_engine_flags,
+    vllm_bench_serve_argv,
+    vllm_server_argv,
+    worker_argv,
+)
 from dynamo.testing.processes import (
     FrontendProcess,
     ManagedProcess,
     ProcessExited,
     child_env,
-    cpu_engine_flags,
     running,
-    vllm_bench_serve_argv,
-    vllm_server_argv,
     wait_serving,
-    worker_argv,
 )
 from dynamo.testing.waiting import WaitTimeout
 

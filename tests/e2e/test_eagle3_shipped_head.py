@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 
 from dynamo.llm.models import DEFAULT_MODEL, model_dir
+from dynamo.testing.command_lines import cpu_engine_flags
 from dynamo.testing.greedy import (
     ReferenceToken,
     assert_same_greedy,
@@ -42,7 +43,7 @@ from dynamo.testing.greedy import (
     reference_text,
 )
 from dynamo.testing.http import http_post_json
-from dynamo.testing.processes import FrontendProcess, WorkerProcess, cpu_engine_flags, stop_all
+from dynamo.testing.processes import FrontendProcess, WorkerProcess, stop_all
 from dynamo.testing.spec_counters import SpecCounters
 from dynamo.vllm.training.eagle3.prompts import held_out
 

@@ -35,14 +35,9 @@ from e2e_prompts import chat_ids, greedy_request
 
 from dynamo.llm.protocols import LLMEngineOutput
 from dynamo.runtime import DistributedRuntime
+from dynamo.testing.command_lines import cpu_engine_flags
 from dynamo.testing.http import http_get, kv_router_view, metric_values
-from dynamo.testing.processes import (
-    FrontendProcess,
-    WorkerProcess,
-    child_env,
-    cpu_engine_flags,
-    stop_all,
-)
+from dynamo.testing.processes import FrontendProcess, WorkerProcess, child_env, stop_all
 from dynamo.vllm.speculative.profile import (
     SpeculationProfile,
     choose_schedule,

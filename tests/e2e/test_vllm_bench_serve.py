@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from dynamo.llm.models import DEFAULT_MODEL
-from dynamo.testing.processes import FrontendProcess, child_env, vllm_bench_serve_argv
+from dynamo.testing.command_lines import vllm_bench_serve_argv
+from dynamo.testing.processes import FrontendProcess, child_env
 
 NUM_PROMPTS = 16
 INPUT_LEN = 64

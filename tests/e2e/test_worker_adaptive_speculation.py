@@ -32,13 +32,14 @@ from pathlib import Path
 import pytest
 from e2e_engines import NGRAM_SPEC, REPO
 
+from dynamo.testing.command_lines import cpu_engine_flags
 from dynamo.testing.greedy import (
     ReferenceToken,
     assert_same_greedy,
     reference_from_chat_logprobs,
 )
 from dynamo.testing.http import http_get, http_post_json, kv_router_view, metric_values
-from dynamo.testing.processes import FrontendProcess, WorkerProcess, cpu_engine_flags
+from dynamo.testing.processes import FrontendProcess, WorkerProcess
 
 NAMESPACE = "e2e-adaptive"
 COMPONENT = "adaptive"

@@ -25,7 +25,8 @@ from dynamo.llm.protocols import (
     ModelCard,
 )
 from dynamo.runtime import DistributedRuntime, RemoteError
-from dynamo.testing.processes import WorkerProcess, cpu_engine_flags
+from dynamo.testing.command_lines import cpu_engine_flags
+from dynamo.testing.processes import WorkerProcess
 
 NAMESPACE = "e2e-eagle3"  # apart from the shared workers, so no frontend test sees it
 COMPONENT = "eagle3"

@@ -41,11 +41,11 @@ from dynamo.llm.protocols import (
     PreprocessedRequest,
 )
 from dynamo.runtime import Client, DistributedRuntime, InstanceGoneError
+from dynamo.testing.command_lines import cpu_engine_flags
 from dynamo.testing.http import http_get
 from dynamo.testing.processes import (
     ENGINE_START_TIMEOUT_S,
     WorkerProcess,
-    cpu_engine_flags,
     stop_all,
     wait_while_alive,
 )

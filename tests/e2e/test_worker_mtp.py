@@ -41,8 +41,9 @@ from tiny_mtp import build_tiny_mtp
 from dynamo.frontend.engine.disagg import prefill_leg
 from dynamo.llm.protocols import LLMEngineOutput, PrefillResult
 from dynamo.runtime import DistributedRuntime
+from dynamo.testing.command_lines import cpu_engine_flags
 from dynamo.testing.http import http_post_json, kv_router_view
-from dynamo.testing.processes import FrontendProcess, WorkerProcess, cpu_engine_flags, stop_all
+from dynamo.testing.processes import FrontendProcess, WorkerProcess, stop_all
 from dynamo.testing.spec_counters import SpecCounters
 from dynamo.vllm.kv_transfer.janitor import entry_name, transferred_tokens
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dynamo.testing.chaos import FAULT_KINDS, SoakConfig, run_soak
+from dynamo.testing.chaos import run_soak
+from dynamo.testing.chaos_records import FAULT_KINDS, SoakConfig
 
 
 def test_a_round_of_faults_hangs_nothing_and_loses_no_token(

@@ -44,16 +44,11 @@ import pytest
 from dynamo.llm.kv_router.subjects import KV_EVENTS_STREAM
 from dynamo.nats_server import ClusterMembership, NatsServer
 from dynamo.testing import netns
+from dynamo.testing.command_lines import frontend_argv
 from dynamo.testing.http import http_post_json, kv_router_views, routed_totals
 from dynamo.testing.jetstream import node_holding, prefer_stream_leaders
 from dynamo.testing.netns import HostNetwork
-from dynamo.testing.processes import (
-    ManagedProcess,
-    frontend_argv,
-    serving_pids,
-    wait_serving,
-    wait_while_alive,
-)
+from dynamo.testing.processes import ManagedProcess, serving_pids, wait_serving, wait_while_alive
 from dynamo.testing.waiting import wait_until
 
 pytestmark = pytest.mark.integration

