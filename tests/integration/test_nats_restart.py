@@ -45,7 +45,7 @@ import msgspec
 import pytest
 from nats.js.errors import NotFoundError
 
-from dynamo.frontend.engine.routing import RouterMode, make_router_factory
+from dynamo.frontend.engine.routing import RouterSettings, make_router_factory
 from dynamo.frontend.models.card_sync import ModelCardSync
 from dynamo.frontend.models.manager import ModelManager
 from dynamo.llm.kv_router import create_kv_router
@@ -495,7 +495,7 @@ async def test_a_card_whose_files_are_missing_is_retried_until_they_come(
     # broker restarted empty and the worker's card was re-put before its files.
     await worker_rt.put_leased(MODELS_BUCKET, card_key(card), msgspec.msgpack.encode(card))
     manager = ModelManager()
-    factory = make_router_factory(RouterMode.ROUND_ROBIN, frontend_rt)
+    factory = make_router_factory(RouterSettings(), frontend_rt)
     sync = ModelCardSync(frontend_rt, manager, factory, tmp_path / "tokenizers")
     task = asyncio.create_task(sync.run(namespace))
     caplog.set_level(logging.WARNING)

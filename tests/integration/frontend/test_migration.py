@@ -18,6 +18,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from dynamo.frontend.http.settings import HttpSettings
 from dynamo.frontend.service import FrontendConfig, run_frontend
 from dynamo.runtime import DistributedRuntime
 from dynamo.runtime.ports import free_port
@@ -61,9 +62,11 @@ async def test_stream_survives_a_killed_worker(
     await watcher.subscribe(f"test.{NAMESPACE}.serving", on_serving)
     port = free_port()
     config = FrontendConfig(
-        http_host="127.0.0.1", http_port=port, namespace=NAMESPACE,
-        nats_server=nats_url, tokenizer_cache=tmp_path / "tok",
-    )  # fmt: skip
+        http=HttpSettings(host="127.0.0.1", port=port),
+        namespace=NAMESPACE,
+        nats_server=nats_url,
+        tokenizer_cache=tmp_path / "tok",
+    )
     stop = asyncio.Event()
     frontend = asyncio.create_task(run_frontend(config, stop))
     client = openai.AsyncOpenAI(

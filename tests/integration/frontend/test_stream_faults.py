@@ -32,6 +32,7 @@ from pathlib import Path
 
 import aiohttp
 
+from dynamo.frontend.http.settings import HttpSettings
 from dynamo.frontend.service import FrontendConfig
 from dynamo.mocker.args import EngineFlags, WorkerSettings
 from dynamo.mocker.backend import mocker_worker
@@ -143,10 +144,13 @@ async def cluster(
         await observer.subscribe(f"test.{namespace}.serving", on_serving)
         await observer.subscribe(f"test.{namespace}.cancelled", on_cancelled)
         config = FrontendConfig(
-            http_host="127.0.0.1", http_port=free_port(), namespace=namespace,
-            nats_server=nats_url, tokenizer_cache=tmp_path / "tok",
-            first_token_timeout_s=first_token_s, inter_token_timeout_s=inter_token_s,
-        )  # fmt: skip
+            http=HttpSettings(host="127.0.0.1", port=free_port()),
+            namespace=namespace,
+            nats_server=nats_url,
+            tokenizer_cache=tmp_path / "tok",
+            first_token_timeout_s=first_token_s,
+            inter_token_timeout_s=inter_token_s,
+        )
         frontend = InLoopFrontend(config)
         result.base_url = frontend.base_url
         await wait_for_instances_async(frontend.base_url, MODEL, len(workers), timeout=60)
@@ -309,10 +313,13 @@ async def test_the_last_worker_draining_finishes_its_streams(
     worker = mocker_worker(settings, engine, model_path=embedded_model, served_model_name=MODEL)
     await worker.start()
     config = FrontendConfig(
-        http_host="127.0.0.1", http_port=free_port(), namespace=namespace,
-        nats_server=nats_url, tokenizer_cache=tmp_path / "tok",
-        first_token_timeout_s=0, inter_token_timeout_s=0,
-    )  # fmt: skip
+        http=HttpSettings(host="127.0.0.1", port=free_port()),
+        namespace=namespace,
+        nats_server=nats_url,
+        tokenizer_cache=tmp_path / "tok",
+        first_token_timeout_s=0,
+        inter_token_timeout_s=0,
+    )
     frontend = InLoopFrontend(config)
     stopping: list[asyncio.Future[None]] = []
     try:

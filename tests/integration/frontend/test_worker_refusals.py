@@ -29,7 +29,8 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from dynamo.frontend.engine.routing import RouterMode
+from dynamo.frontend.engine.routing import RouterMode, RouterSettings
+from dynamo.frontend.http.settings import HttpSettings
 from dynamo.frontend.service import FrontendConfig
 from dynamo.llm.worker import ServedWorker
 from dynamo.mocker.args import WorkerSettings
@@ -211,13 +212,11 @@ async def test_a_kv_router_refuses_when_every_worker_is_busy(cluster: Cluster) -
     await settled(cluster)
     kv = InLoopFrontend(
         FrontendConfig(
-            http_host="127.0.0.1",
-            http_port=free_port(),
+            http=HttpSettings(host="127.0.0.1", port=free_port()),
+            router=RouterSettings(mode=RouterMode.KV, busy_kv_usage=0.1),
             namespace=cluster.namespace,
             nats_server=cluster.nats_url,
-            router_mode=RouterMode.KV,
             tokenizer_cache=cluster.tokenizer_cache,
-            busy_kv_usage=0.1,
         )
     )
     endpoint = f"{cluster.namespace}/backend/generate"

@@ -22,7 +22,8 @@ from typing import Any
 
 import openai
 
-from dynamo.frontend.engine.routing import RouterMode
+from dynamo.frontend.engine.routing import RouterMode, RouterSettings
+from dynamo.frontend.http.settings import HttpSettings
 from dynamo.frontend.service import FrontendConfig
 from dynamo.mocker.args import WorkerSettings
 from dynamo.mocker.backend import mocker_worker
@@ -58,13 +59,11 @@ async def kv_stack(
     ]
     frontend = InLoopFrontend(
         FrontendConfig(
-            http_host="127.0.0.1",
-            http_port=free_port(),
+            http=HttpSettings(host="127.0.0.1", port=free_port()),
+            router=RouterSettings(mode=RouterMode.KV, kv_events=kv_events),
             namespace=namespace,
             nats_server=nats_url,
-            router_mode=RouterMode.KV,
             tokenizer_cache=tokenizer_cache,
-            kv_events=kv_events,
         )
     )
     async with AsyncExitStack() as stack:

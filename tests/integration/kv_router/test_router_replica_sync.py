@@ -34,7 +34,8 @@ from typing import Any
 
 import openai
 
-from dynamo.frontend.engine.routing import RouterMode
+from dynamo.frontend.engine.routing import RouterMode, RouterSettings
+from dynamo.frontend.http.settings import HttpSettings
 from dynamo.frontend.service import FrontendConfig
 from dynamo.llm.protocols import LoadMetrics
 from dynamo.mocker.args import WorkerSettings
@@ -117,13 +118,11 @@ async def replica_stack(
         for _ in range(frontends):
             frontend = InLoopFrontend(
                 FrontendConfig(
-                    http_host="127.0.0.1",
-                    http_port=free_port(),
+                    http=HttpSettings(host="127.0.0.1", port=free_port()),
+                    router=RouterSettings(mode=RouterMode.KV, replica_sync=replica_sync),
                     namespace=namespace,
                     nats_server=nats_url,
-                    router_mode=RouterMode.KV,
                     tokenizer_cache=tokenizer_cache,
-                    router_replica_sync=replica_sync,
                 )
             )
             stack.push_async_callback(frontend.stop)

@@ -16,9 +16,11 @@ import pytest
 
 from dynamo.frontend.http.metrics import FrontendMetrics
 from dynamo.frontend.http.server import HttpService
+from dynamo.frontend.http.settings import HttpSettings
 from dynamo.frontend.models.manager import ModelManager
 from dynamo.frontend.openai.errors import OpenAIError
 from dynamo.frontend.openai.protocol import ChatCompletionRequest, CompletionRequest
+from dynamo.frontend.parsing.chat_parsers import ChatParsingOptions
 from dynamo.frontend.preprocess.preprocessor import Preprocessor
 from dynamo.llm.protocols import (
     CompletionUsage,
@@ -321,8 +323,12 @@ WORKER_WAIT_S = 0.3
 
 
 async def start_frontend(
-    tokenizer: Any, card: ModelCard | None = None, **service_kwargs: Any
+    tokenizer: Any,
+    card: ModelCard | None = None,
+    chat_parsing: ChatParsingOptions | None = None,
+    **settings_kwargs: Any,
 ) -> Frontend:
+    """A frontend over one scripted model; `settings_kwargs` are `HttpSettings` fields."""
     card = card or make_card()
     engine = ScriptedEngine(tokenizer)
     client = InMemoryEngineClient(engine)
@@ -333,9 +339,12 @@ async def start_frontend(
 
     await manager.add_instance(card, "/unused", factory)
     # A short wait for workers, so the tests that take the worker away get their 503 soon.
-    service_kwargs.setdefault("worker_wait_s", WORKER_WAIT_S)
+    settings_kwargs.setdefault("worker_wait_s", WORKER_WAIT_S)
     service = HttpService(
-        manager, metrics=FrontendMetrics(), host="127.0.0.1", port=0, **service_kwargs
+        manager,
+        metrics=FrontendMetrics(),
+        settings=HttpSettings(host="127.0.0.1", port=0, **settings_kwargs),
+        chat_parsing=chat_parsing,
     )
     await service.start()
     return Frontend(service=service, manager=manager, engine=engine, client=client)

@@ -122,10 +122,10 @@ def test_the_key_comes_from_the_environment_and_stays_out_of_help_and_repr(
 ) -> None:
     monkeypatch.setenv("DYN_API_KEY", KEY)
     config = config_from_args(build_parser().parse_args([]))
-    assert config.api_key == KEY
+    assert config.http.api_key == KEY
     assert KEY not in repr(config)
     assert KEY not in build_parser().format_help()
     flag = config_from_args(build_parser().parse_args(["--api-key", "other"]))
-    assert flag.api_key == "other", "the flag wins over the variable"
+    assert flag.http.api_key == "other", "the flag wins over the variable"
     monkeypatch.setenv("DYN_API_KEY", "")
-    assert config_from_args(build_parser().parse_args([])).api_key is None
+    assert config_from_args(build_parser().parse_args([])).http.api_key is None

@@ -6,17 +6,17 @@ import pytest
 from frontend_support import make_card
 
 from dynamo.frontend.__main__ import build_parser, config_from_args
-from dynamo.frontend.engine.routing import RouterMode, make_router_factory
+from dynamo.frontend.engine.routing import RouterMode, RouterSettings, make_router_factory
 from dynamo.llm.router import RandomRouter, RoundRobinRouter
 
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NATS_SERVER", raising=False)
     config = config_from_args(build_parser().parse_args([]))
-    assert (config.http_host, config.http_port, config.namespace) == ("0.0.0.0", 8000, "dynamo")
+    assert (config.http.host, config.http.port, config.namespace) == ("0.0.0.0", 8000, "dynamo")
     assert config.nats_server == "nats://127.0.0.1:4222"
-    assert config.router_mode is RouterMode.ROUND_ROBIN
-    assert (config.kv_overlap_score_weight, config.router_temperature) == (2.0, 0.0)
+    assert config.router.mode is RouterMode.ROUND_ROBIN
+    assert (config.router.kv_overlap_score_weight, config.router.temperature) == (2.0, 0.0)
 
 
 def test_nats_server_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -31,11 +31,11 @@ def test_flags_are_parsed() -> None:
         "--prefill-timeout 7.5 --worker-wait-timeout 0 --log-level DEBUG".split()
     )
     config = config_from_args(args)
-    assert (config.http_host, config.http_port, config.namespace) == ("127.0.0.1", 9000, "ns")
+    assert (config.http.host, config.http.port, config.namespace) == ("127.0.0.1", 9000, "ns")
     assert config.nats_server == "nats://h:1"
-    assert config.router_mode is RouterMode.KV
-    assert (config.kv_overlap_score_weight, config.router_temperature) == (0.5, 0.2)
-    assert (config.prefill_timeout_s, config.worker_wait_s) == (7.5, 0.0)
+    assert config.router.mode is RouterMode.KV
+    assert (config.router.kv_overlap_score_weight, config.router.temperature) == (0.5, 0.2)
+    assert (config.prefill_timeout_s, config.http.worker_wait_s) == (7.5, 0.0)
     assert args.log_level == "DEBUG"
 
 
@@ -76,6 +76,6 @@ async def test_router_factories(mode: RouterMode, router_type: type) -> None:
     """The stateless routers need neither the runtime nor the client (the KV router,
     built over a real runtime, is tested in tests/integration/kv_router)."""
     unused = object()
-    router = await make_router_factory(mode, unused)(make_card(), unused)
+    router = await make_router_factory(RouterSettings(mode=mode), unused)(make_card(), unused)
     assert isinstance(router, router_type)
     assert await router.select(None, [7, 9]) in (7, 9)

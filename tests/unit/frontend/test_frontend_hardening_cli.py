@@ -8,7 +8,7 @@ import pytest
 from dynamo.frontend.__main__ import build_parser, config_from_args
 from dynamo.frontend.http.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_WAITING
 from dynamo.frontend.http.listener import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S
-from dynamo.frontend.http.server import DEFAULT_WRITE_TIMEOUT_S
+from dynamo.frontend.http.settings import DEFAULT_WRITE_TIMEOUT_S
 
 VARIABLES = (
     "DYN_API_KEY",
@@ -28,12 +28,16 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_defaults() -> None:
     config = config_from_args(build_parser().parse_args([]))
-    assert config.api_key is None
-    assert (config.max_inflight_requests, config.max_waiting_requests) == (
+    assert config.http.api_key is None
+    assert (config.http.admission.max_inflight, config.http.admission.max_waiting) == (
         DEFAULT_MAX_INFLIGHT,
         DEFAULT_MAX_WAITING,
     )
-    assert (config.keep_alive_timeout_s, config.header_timeout_s, config.write_timeout_s) == (
+    assert (
+        config.http.timeouts.keep_alive_s,
+        config.http.timeouts.header_s,
+        config.http.write_timeout_s,
+    ) == (
         DEFAULT_KEEP_ALIVE_TIMEOUT_S,
         DEFAULT_HEADER_TIMEOUT_S,
         DEFAULT_WRITE_TIMEOUT_S,
@@ -47,13 +51,13 @@ def test_variables_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DYN_HTTP_HEADER_TIMEOUT", "2.5")
     monkeypatch.setenv("DYN_HTTP_WRITE_TIMEOUT", "0")
     config = config_from_args(build_parser().parse_args([]))
-    assert (config.max_inflight_requests, config.max_waiting_requests) == (64, 0)
-    assert (config.keep_alive_timeout_s, config.header_timeout_s) == (5.0, 2.5)
-    assert config.write_timeout_s == 0.0
+    assert (config.http.admission.max_inflight, config.http.admission.max_waiting) == (64, 0)
+    assert (config.http.timeouts.keep_alive_s, config.http.timeouts.header_s) == (5.0, 2.5)
+    assert config.http.write_timeout_s == 0.0
     flags = "--max-inflight-requests 8 --header-timeout 1 --write-timeout 3".split()
     config = config_from_args(build_parser().parse_args(flags))
-    assert (config.max_inflight_requests, config.header_timeout_s) == (8, 1.0)
-    assert config.write_timeout_s == 3.0
+    assert (config.http.admission.max_inflight, config.http.timeouts.header_s) == (8, 1.0)
+    assert config.http.write_timeout_s == 3.0
 
 
 @pytest.mark.parametrize(

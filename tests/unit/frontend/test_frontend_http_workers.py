@@ -45,7 +45,7 @@ def test_one_process_and_replica_sync_by_default(monkeypatch: pytest.MonkeyPatch
     args = build_parser().parse_args([])
     config = config_from_args(args)
     assert args.http_workers == 1 and args.http_worker_index is None
-    assert config.router_replica_sync is True
+    assert config.router.replica_sync is True
     assert (config.shared_port, config.metrics_dir) == (False, None)
 
 
@@ -54,15 +54,15 @@ def test_the_environment_sets_the_defaults(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("DYN_ROUTER_REPLICA_SYNC", "0")
     args = build_parser().parse_args([])
     assert args.http_workers == 3
-    assert config_from_args(args).router_replica_sync is False
+    assert config_from_args(args).router.replica_sync is False
     args = build_parser().parse_args(["--http-workers", "1", "--router-replica-sync"])
-    assert args.http_workers == 1 and config_from_args(args).router_replica_sync is True
+    assert args.http_workers == 1 and config_from_args(args).router.replica_sync is True
 
 
 def test_replica_sync_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DYN_ROUTER_REPLICA_SYNC", raising=False)
     args = build_parser().parse_args(["--no-router-replica-sync"])
-    assert config_from_args(args).router_replica_sync is False
+    assert config_from_args(args).router.replica_sync is False
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "two"])

@@ -22,6 +22,7 @@ from dynamo.frontend.engine.client import EngineFailedError, RequestLegs
 from dynamo.frontend.engine.disagg import DisaggregatedEngineClient
 from dynamo.frontend.http.metrics import FrontendMetrics
 from dynamo.frontend.http.server import HttpService
+from dynamo.frontend.http.settings import HttpSettings
 from dynamo.frontend.models.manager import ModelManager
 from dynamo.frontend.openai.protocol import Usage
 from dynamo.frontend.parsing.chat_output import ChatPieces, PlainText
@@ -107,7 +108,9 @@ async def start(tokenizer: Any, handler: Handler) -> Running:
         return client
 
     await manager.add_instance(make_card(), "/unused", factory)
-    service = HttpService(manager, metrics=FrontendMetrics(), host="127.0.0.1", port=0)
+    service = HttpService(
+        manager, metrics=FrontendMetrics(), settings=HttpSettings(host="127.0.0.1", port=0)
+    )
     await service.start()
     return Running(service, client)
 

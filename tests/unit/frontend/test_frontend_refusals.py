@@ -112,14 +112,14 @@ def test_busy_flags_and_their_variables_reach_the_config(monkeypatch: pytest.Mon
     monkeypatch.delenv("DYN_BUSY_KV_USAGE", raising=False)
     monkeypatch.delenv("DYN_BUSY_WAITING_REQUESTS", raising=False)
     config = config_from_args(build_parser().parse_args([]))
-    assert (config.busy_kv_usage, config.busy_waiting_requests) == (None, None)  # off
+    assert (config.router.busy_kv_usage, config.router.busy_waiting_requests) == (None, None)  # off
     argv = ["--busy-kv-usage", "0.9", "--busy-waiting-requests", "4"]
     config = config_from_args(build_parser().parse_args(argv))
-    assert (config.busy_kv_usage, config.busy_waiting_requests) == (0.9, 4)
+    assert (config.router.busy_kv_usage, config.router.busy_waiting_requests) == (0.9, 4)
     monkeypatch.setenv("DYN_BUSY_KV_USAGE", "0.75")
     monkeypatch.setenv("DYN_BUSY_WAITING_REQUESTS", "16")
     config = config_from_args(build_parser().parse_args([]))
-    assert (config.busy_kv_usage, config.busy_waiting_requests) == (0.75, 16)
+    assert (config.router.busy_kv_usage, config.router.busy_waiting_requests) == (0.75, 16)
     for bad in (
         ["--busy-kv-usage", "1.5"],
         ["--busy-kv-usage", "0"],

@@ -21,6 +21,7 @@ from frontend_support import MODEL, Frontend, ScriptedEngine, make_card, parse_s
 
 from dynamo.frontend.__main__ import build_parser, config_from_args
 from dynamo.frontend.http.server import HttpService
+from dynamo.frontend.http.settings import HttpSettings
 from dynamo.frontend.models.manager import ModelManager
 from dynamo.frontend.postprocess.postprocessor import speculative_decoding_metrics
 from dynamo.frontend.preprocess.preprocessor import Preprocessor
@@ -70,7 +71,9 @@ async def _start(tokenizer: Any, **service_kwargs: Any) -> tuple[Frontend, Specu
         return client
 
     await manager.add_instance(make_card(), "/unused", factory)
-    service = HttpService(manager, host="127.0.0.1", port=0, **service_kwargs)
+    service = HttpService(
+        manager, settings=HttpSettings(host="127.0.0.1", port=0, **service_kwargs)
+    )
     await service.start()
     return Frontend(service, manager, engine.inner, client), engine
 
@@ -174,9 +177,9 @@ async def test_the_frontend_flag_returns_stats_for_every_request(tokenizer: Any)
 def test_the_cli_flag_and_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     parser = build_parser()
     monkeypatch.delenv("DYN_RETURN_SPEC_STATS", raising=False)
-    assert config_from_args(build_parser().parse_args([])).return_spec_stats is False
-    assert config_from_args(parser.parse_args(["--return-spec-stats"])).return_spec_stats
+    assert config_from_args(build_parser().parse_args([])).http.return_spec_stats is False
+    assert config_from_args(parser.parse_args(["--return-spec-stats"])).http.return_spec_stats
     monkeypatch.setenv("DYN_RETURN_SPEC_STATS", "1")
-    assert config_from_args(build_parser().parse_args([])).return_spec_stats is True
+    assert config_from_args(build_parser().parse_args([])).http.return_spec_stats is True
     off = build_parser().parse_args(["--no-return-spec-stats"])
-    assert config_from_args(off).return_spec_stats is False
+    assert config_from_args(off).http.return_spec_stats is False

@@ -22,36 +22,21 @@ from dynamo.frontend.engine.client import (
     StreamDeadlines,
 )
 from dynamo.frontend.engine.disagg import DEFAULT_PREFILL_TIMEOUT_S
-from dynamo.frontend.engine.routing import RouterMode, make_router_factory
-from dynamo.frontend.http.admission import (
-    DEFAULT_MAX_INFLIGHT,
-    DEFAULT_MAX_WAITING,
-    AdmissionLimits,
-)
-from dynamo.frontend.http.listener import (
-    DEFAULT_HEADER_TIMEOUT_S,
-    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
-    ConnectionTimeouts,
-    share_port_across_processes,
-)
+from dynamo.frontend.engine.routing import RouterSettings, make_router_factory
+from dynamo.frontend.http.listener import share_port_across_processes
 from dynamo.frontend.http.metrics import FrontendMetrics
-from dynamo.frontend.http.server import (
-    DEFAULT_MAX_REQUEST_BYTES,
-    DEFAULT_WORKER_WAIT_S,
-    DEFAULT_WRITE_TIMEOUT_S,
-    HttpService,
-)
+from dynamo.frontend.http.server import HttpService
+from dynamo.frontend.http.settings import HttpSettings
 from dynamo.frontend.http.workers import HttpWorkerSlot
 from dynamo.frontend.models.card_sync import ModelCardSync
 from dynamo.frontend.models.manager import ModelManager
 from dynamo.frontend.parsing.chat_parsers import ChatParsingOptions
 from dynamo.frontend.preprocess.preprocessor import Preprocessor
-from dynamo.llm.kv_router.anticipation import CachePrediction
-from dynamo.llm.kv_router.busy import BusyThresholds
-from dynamo.llm.kv_router.replica_sync import ReplicaSyncSettings
-from dynamo.llm.kv_router.scheduler import DEFAULT_OVERLAP_SCORE_WEIGHT
 from dynamo.runtime import DistributedRuntime
+from dynamo.runtime.cli import non_negative_float, positive_float
+from dynamo.runtime.nats_address import DEFAULT_NATS_URL
 from dynamo.runtime.nats_options import NatsConnectOptions
+from dynamo.runtime.settings import Flag, nested, setting
 
 log = logging.getLogger(__name__)
 
@@ -60,41 +45,85 @@ def default_tokenizer_cache() -> Path:
     return Path.home() / ".cache" / "dynamo" / "frontend-tokenizers"
 
 
+DEADLINES_GROUP = "Request deadlines"
+
+
 @dataclass(frozen=True)
 class FrontendConfig:
-    """Settings of one frontend process (the CLI flags)."""
+    """Settings of one frontend process. The fields with a flag (`setting`, and those of
+    the nested `HttpSettings` and `RouterSettings`) make `python -m dynamo.frontend`'s
+    command line (`__main__.build_parser`); the others are filled from flags that need
+    more than a type (a file read, several flags combined)."""
 
-    http_host: str = "0.0.0.0"
-    http_port: int = 8000
-    namespace: str = "dynamo"
-    nats_server: str = "nats://127.0.0.1:4222"
+    http: HttpSettings = nested(HttpSettings)
+    router: RouterSettings = nested(RouterSettings)
+    namespace: str = setting(
+        "dynamo",
+        Flag("--namespace", "Dynamo namespace whose model cards (workers) this frontend serves."),
+    )
+    nats_server: str = DEFAULT_NATS_URL
     nats_options: NatsConnectOptions | None = None  # None: the NATS_* variables
-    router_mode: RouterMode = RouterMode.ROUND_ROBIN
-    kv_overlap_score_weight: float = DEFAULT_OVERLAP_SCORE_WEIGHT
-    router_temperature: float = 0.0
-    busy_kv_usage: float | None = None  # kv mode: a worker this full is skipped (None: off)
-    busy_waiting_requests: int | None = None  # kv mode: a worker with this queue is skipped
-    kv_events: bool = True  # kv mode: False routes without KV events (approximate mode)
-    router_ttl_s: float | None = None  # kv mode: how long routed blocks count unconfirmed
-    router_replica_sync: bool = True  # kv mode: share bookings with other frontend replicas
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    tokenizer_cache: Path | None = None
-    prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT_S
-    worker_wait_s: float = DEFAULT_WORKER_WAIT_S
-    first_token_timeout_s: float = DEFAULT_FIRST_TOKEN_TIMEOUT_S  # 0: no deadline
-    inter_token_timeout_s: float = DEFAULT_INTER_TOKEN_TIMEOUT_S  # 0: no deadline
-    accept_timeout_s: float = DEFAULT_ACCEPT_TIMEOUT_S  # 0: no deadline
-    # None or "": no authentication. Kept out of repr so that no log of the config shows it.
-    api_key: str | None = field(default=None, repr=False)
-    max_inflight_requests: int = DEFAULT_MAX_INFLIGHT  # per model
-    max_waiting_requests: int = DEFAULT_MAX_WAITING  # per model, waiting for a worker
-    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S
-    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
-    write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S  # 0: a stream waits for its client
-    return_spec_stats: bool = False  # speculation statistics in every response
+    tokenizer_cache: Path = setting(
+        default_tokenizer_cache(),
+        Flag(
+            "--tokenizer-cache",
+            "Directory where tokenizer files fetched from the model cards are kept.",
+            type=Path,
+        ),
+    )
+    prefill_timeout_s: float = setting(
+        DEFAULT_PREFILL_TIMEOUT_S,
+        Flag(
+            "--prefill-timeout",
+            "Seconds a disaggregated request waits for its prefill worker before the decode "
+            "worker prefills it itself (counted in dynamo_frontend_prefill_fallbacks_total).",
+            type=positive_float,
+            group=DEADLINES_GROUP,
+        ),
+    )
+    first_token_timeout_s: float = setting(
+        DEFAULT_FIRST_TOKEN_TIMEOUT_S,
+        Flag(
+            "--first-token-timeout",
+            "Seconds a worker may take to send a request's first output (a long prefill "
+            "under load) before it counts as lost: the request is cancelled there and "
+            "placed on another worker, or fails. 0 disables; $DYN_FIRST_TOKEN_TIMEOUT "
+            "overrides the default.",
+            type=non_negative_float,
+            env="DYN_FIRST_TOKEN_TIMEOUT",
+            group=DEADLINES_GROUP,
+        ),
+    )
+    inter_token_timeout_s: float = setting(
+        DEFAULT_INTER_TOKEN_TIMEOUT_S,
+        Flag(
+            "--inter-token-timeout",
+            "Seconds a worker may go between two outputs of a request before it counts as "
+            "lost (it holds its lease but stopped producing): the request is cancelled "
+            "there and migrated (the workers' --migration-limit) or fails with an error "
+            "event. 0 disables; $DYN_INTER_TOKEN_TIMEOUT overrides the default.",
+            type=non_negative_float,
+            env="DYN_INTER_TOKEN_TIMEOUT",
+            group=DEADLINES_GROUP,
+        ),
+    )
+    accept_timeout_s: float = setting(
+        DEFAULT_ACCEPT_TIMEOUT_S,
+        Flag(
+            "--accept-timeout",
+            "Seconds a worker may take to confirm that a request reached it (it does so "
+            "at once, before any compute) before the request counts as lost on its way (a "
+            "NATS node failing while routing it) or the worker as frozen: the request is "
+            "cancelled there and placed on another worker. 0 disables; $DYN_ACCEPT_TIMEOUT "
+            "overrides the default.",
+            type=non_negative_float,
+            env="DYN_ACCEPT_TIMEOUT",
+            group=DEADLINES_GROUP,
+        ),
+    )
     chat_template: str | None = None  # --chat-template: Jinja source replacing the model's
     chat_parsing: ChatParsingOptions = field(default_factory=ChatParsingOptions)
-    # One of `--http-workers` processes (`http_workers.py`): the port is shared
+    # One of `--http-workers` processes (`http/workers.py`): the port is shared
     # (SO_REUSEPORT) and /metrics sums every process's files in `metrics_dir`.
     http_worker: HttpWorkerSlot | None = None
     metrics_dir: Path | None = None
@@ -136,34 +165,18 @@ async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None
     service = HttpService(
         manager,
         metrics=metrics,
-        host=config.http_host,
-        port=config.http_port,
-        max_request_bytes=config.max_request_bytes,
-        worker_wait_s=config.worker_wait_s,
-        api_key=config.api_key,
-        admission=AdmissionLimits(config.max_inflight_requests, config.max_waiting_requests),
-        timeouts=ConnectionTimeouts(config.keep_alive_timeout_s, config.header_timeout_s),
-        write_timeout_s=config.write_timeout_s or None,
-        return_spec_stats=config.return_spec_stats,
+        settings=config.http,
         chat_parsing=config.chat_parsing,
         http_worker=config.http_worker,
     )
     watcher: asyncio.Task[None] | None = None
     try:
-        router_factory = make_router_factory(
-            config.router_mode,
-            runtime,
-            kv_overlap_score_weight=config.kv_overlap_score_weight,
-            router_temperature=config.router_temperature,
-            busy=BusyThresholds(config.busy_kv_usage, config.busy_waiting_requests),
-            prediction=CachePrediction(config.kv_events, config.router_ttl_s),
-            replica_sync=ReplicaSyncSettings(enabled=config.router_replica_sync),
-        )
+        router_factory = make_router_factory(config.router, runtime)
         sync = ModelCardSync(
             runtime,
             manager,
             router_factory,
-            config.tokenizer_cache or default_tokenizer_cache(),
+            config.tokenizer_cache,
             deadlines=config.stream_deadlines,
             on_migration=metrics.migration,
             on_routed=metrics.routed,

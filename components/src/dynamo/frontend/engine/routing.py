@@ -17,15 +17,18 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from dynamo.llm.kv_router.anticipation import CachePrediction
 from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.nats_feed import create_kv_router
 from dynamo.llm.kv_router.replica_sync import ReplicaSyncSettings
-from dynamo.llm.kv_router.scheduler import DEFAULT_OVERLAP_SCORE_WEIGHT
+from dynamo.llm.kv_router.scheduler_defaults import DEFAULT_OVERLAP_SCORE_WEIGHT
 from dynamo.llm.protocols import ModelCard
 from dynamo.llm.router import RandomRouter, RoundRobinRouter, Router
 from dynamo.runtime import Client, DistributedRuntime
+from dynamo.runtime.cli import fraction, non_negative_float, positive_float, positive_int
+from dynamo.runtime.settings import Flag, setting
 
 log = logging.getLogger(__name__)
 
@@ -36,29 +39,134 @@ class RouterMode(str, enum.Enum):
     KV = "kv"
 
 
+ROUTING_GROUP = "Routing"
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """How a worker is chosen per request (`--router-mode` and the kv router's knobs)."""
+
+    mode: RouterMode = setting(
+        RouterMode.ROUND_ROBIN,
+        Flag(
+            "--router-mode",
+            "How a worker is chosen per request: round-robin, random, or kv (KV-cache aware: "
+            "prefers workers that already hold the prompt's prefix, weighted by load).",
+            type=RouterMode,
+            choices=tuple(m.value for m in RouterMode),
+            group=ROUTING_GROUP,
+        ),
+    )
+    kv_overlap_score_weight: float = setting(
+        DEFAULT_OVERLAP_SCORE_WEIGHT,
+        Flag(
+            "--kv-overlap-score-weight",
+            "kv mode: weight of the prompt blocks a worker would still have to prefill, "
+            "against its active blocks, in the routing cost (higher favours cache hits, "
+            "lower favours balance).",
+            type=non_negative_float,
+            group=ROUTING_GROUP,
+        ),
+    )
+    temperature: float = setting(
+        0.0,
+        Flag(
+            "--router-temperature",
+            "kv mode: softmax temperature over worker costs; 0 always picks the cheapest.",
+            type=non_negative_float,
+            group=ROUTING_GROUP,
+        ),
+    )
+    kv_events: bool = setting(
+        True,
+        Flag(
+            "--kv-events",
+            "kv mode: read the workers' KV events. --no-kv-events reads none (for engines "
+            "or deployments that publish none): the router assumes a worker caches the "
+            "prompts it sent there for --router-ttl seconds (approximate mode). With "
+            "events, a prompt routed to a worker also counts as cached there until its "
+            "events confirm it.",
+            negatable=True,
+            group=ROUTING_GROUP,
+        ),
+    )
+    ttl_s: float | None = setting(
+        None,
+        Flag(
+            "--router-ttl",
+            "kv mode: seconds a routed prompt's blocks count as cached on the worker "
+            "without an event confirming them (default: 10 with events, 120 with "
+            "--no-kv-events).",
+            type=positive_float,
+            group=ROUTING_GROUP,
+        ),
+    )
+    replica_sync: bool = setting(
+        True,
+        Flag(
+            "--router-replica-sync",
+            "kv mode: share this router's bookings of requests in flight with the other "
+            "frontends' routers of the same endpoint (--http-workers processes, replicas "
+            "on other hosts) over core NATS, so that replicas behind one load balancer see "
+            "every worker's whole load and do not all send a burst to the same idle "
+            "worker. Cheap: a lone replica only sends a heartbeat a second. "
+            "--no-router-replica-sync keeps each router's books to itself; "
+            "$DYN_ROUTER_REPLICA_SYNC=0 sets that default.",
+            env="DYN_ROUTER_REPLICA_SYNC",
+            negatable=True,
+            group=ROUTING_GROUP,
+        ),
+    )
+    busy_kv_usage: float | None = setting(
+        None,
+        Flag(
+            "--busy-kv-usage",
+            "kv mode: a worker whose KV cache is at least this full (0-1, from its load "
+            "reports and this router's bookings) gets no new requests; when every worker "
+            "is busy the request gets 503 with Retry-After. Default: $DYN_BUSY_KV_USAGE, "
+            "else off.",
+            type=fraction,
+            env="DYN_BUSY_KV_USAGE",
+            group=ROUTING_GROUP,
+        ),
+    )
+    busy_waiting_requests: int | None = setting(
+        None,
+        Flag(
+            "--busy-waiting-requests",
+            "kv mode: a worker reporting at least this many waiting requests gets no new "
+            "requests (503 with Retry-After when all are busy). "
+            "Default: $DYN_BUSY_WAITING_REQUESTS, else off.",
+            type=positive_int,
+            env="DYN_BUSY_WAITING_REQUESTS",
+            group=ROUTING_GROUP,
+        ),
+    )
+
+    @property
+    def busy(self) -> BusyThresholds:
+        return BusyThresholds(self.busy_kv_usage, self.busy_waiting_requests)
+
+    @property
+    def prediction(self) -> CachePrediction:
+        return CachePrediction(self.kv_events, self.ttl_s)
+
+
 RouterFactory = Callable[[ModelCard, Client], Awaitable[Router]]
 """Builds the router of one worker endpoint: (card of its first worker, its client)."""
 
 
-def make_router_factory(
-    mode: RouterMode,
-    runtime: DistributedRuntime,
-    *,
-    kv_overlap_score_weight: float = DEFAULT_OVERLAP_SCORE_WEIGHT,
-    router_temperature: float = 0.0,
-    busy: BusyThresholds | None = None,
-    prediction: CachePrediction | None = None,
-    replica_sync: ReplicaSyncSettings | None = None,
-) -> RouterFactory:
+def make_router_factory(settings: RouterSettings, runtime: DistributedRuntime) -> RouterFactory:
     """The factory for `--router-mode`. The KV router is fed by the workers' KV-event
     stream and load reports over `runtime`, and predicts caches from its own decisions
-    until events confirm them; with `prediction.kv_events` False (`--no-kv-events`) it
-    reads no events and its own decisions are the whole index, kept for the TTL.
-    `busy`: when a worker is skipped as busy (kv mode). `replica_sync`: whether (and how
-    often) kv routers share their bookings with other replicas (None: on, defaults)."""
-    if busy is not None and busy.enabled and mode is not RouterMode.KV:
+    until events confirm them; with `kv_events` False (`--no-kv-events`) it reads no
+    events and its own decisions are the whole index, kept for the TTL. `busy_*`: when a
+    worker is skipped as busy (kv mode). `replica_sync`: whether kv routers share their
+    bookings with other replicas."""
+    mode, busy, prediction = settings.mode, settings.busy, settings.prediction
+    if busy.enabled and mode is not RouterMode.KV:
         log.warning("busy thresholds need --router-mode kv (worker load reports); ignored")
-    if prediction is not None and prediction != CachePrediction() and mode is not RouterMode.KV:
+    if prediction != CachePrediction() and mode is not RouterMode.KV:
         log.warning("--no-kv-events and --router-ttl apply to --router-mode kv; ignored")
 
     async def round_robin(card: ModelCard, client: Client) -> Router:
@@ -72,11 +180,11 @@ def make_router_factory(
             runtime,
             card,
             client,
-            overlap_score_weight=kv_overlap_score_weight,
-            temperature=router_temperature,
+            overlap_score_weight=settings.kv_overlap_score_weight,
+            temperature=settings.temperature,
             busy=busy,
             prediction=prediction,
-            replica_sync=replica_sync,
+            replica_sync=ReplicaSyncSettings(enabled=settings.replica_sync),
         )
 
     factories: dict[RouterMode, RouterFactory] = {

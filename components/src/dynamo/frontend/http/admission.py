@@ -23,6 +23,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 
+from dynamo.runtime.cli import non_negative_int, positive_int
+from dynamo.runtime.settings import Flag, setting
+
 # One frontend process streams at most a few hundred requests at full speed before its
 # event loop is the bottleneck; beyond ~1000 per model, admitting more only adds latency
 # for every stream. A deployment with more worker capacity per model raises it.
@@ -46,8 +49,27 @@ class RejectReason(StrEnum):
 class AdmissionLimits:
     """The per-model bounds (`--max-inflight-requests`, `--max-waiting-requests`)."""
 
-    max_inflight: int = DEFAULT_MAX_INFLIGHT
-    max_waiting: int = DEFAULT_MAX_WAITING
+    max_inflight: int = setting(
+        DEFAULT_MAX_INFLIGHT,
+        Flag(
+            "--max-inflight-requests",
+            "Per model, the most requests admitted at once (streams included); more get "
+            "503 with Retry-After at once. $DYN_MAX_INFLIGHT_REQUESTS overrides the default.",
+            type=positive_int,
+            env="DYN_MAX_INFLIGHT_REQUESTS",
+        ),
+    )
+    max_waiting: int = setting(
+        DEFAULT_MAX_WAITING,
+        Flag(
+            "--max-waiting-requests",
+            "Per model, the most requests waiting for a ready worker (see "
+            "--worker-wait-timeout); more get 503 with Retry-After at once. "
+            "$DYN_MAX_WAITING_REQUESTS overrides the default.",
+            type=non_negative_int,
+            env="DYN_MAX_WAITING_REQUESTS",
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.max_inflight < 1 or self.max_waiting < 0:

@@ -40,6 +40,9 @@ from typing import Any
 
 from aiohttp import web
 
+from dynamo.runtime.cli import positive_float
+from dynamo.runtime.settings import Flag, setting
+
 log = logging.getLogger(__name__)
 SHUTDOWN_DRAIN_S = 60.0
 """On SIGTERM, how long responses in flight may go on before the server closes them."""
@@ -75,8 +78,28 @@ def share_port_across_processes() -> None:
 class ConnectionTimeouts:
     """How long a connection may idle and how long a request head may take (seconds)."""
 
-    keep_alive_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S
-    header_s: float = DEFAULT_HEADER_TIMEOUT_S
+    keep_alive_s: float = setting(
+        DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+        Flag(
+            "--keep-alive-timeout",
+            "Seconds an idle client connection is kept open (from its opening or its last "
+            "response until a complete request head). $DYN_HTTP_KEEP_ALIVE_TIMEOUT overrides "
+            "the default.",
+            type=positive_float,
+            env="DYN_HTTP_KEEP_ALIVE_TIMEOUT",
+        ),
+    )
+    header_s: float = setting(
+        DEFAULT_HEADER_TIMEOUT_S,
+        Flag(
+            "--header-timeout",
+            "Seconds a client has, from the first byte of a request, to send the complete "
+            "request head; the connection is closed otherwise (slow-header clients). "
+            "$DYN_HTTP_HEADER_TIMEOUT overrides the default.",
+            type=positive_float,
+            env="DYN_HTTP_HEADER_TIMEOUT",
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.keep_alive_s <= 0 or self.header_s <= 0:

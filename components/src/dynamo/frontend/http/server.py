@@ -40,7 +40,6 @@ from dynamo.frontend.engine.client import EngineClient
 from dynamo.frontend.http.admission import (
     RETRY_AFTER_S,
     AdmissionControl,
-    AdmissionLimits,
     AdmissionRejected,
     RejectReason,
 )
@@ -48,12 +47,12 @@ from dynamo.frontend.http.auth import api_key_middleware
 from dynamo.frontend.http.generation import Generation, serve
 from dynamo.frontend.http.listener import (
     SHUTDOWN_DRAIN_S,
-    ConnectionTimeouts,
     listen,
     track_request_heads,
 )
 from dynamo.frontend.http.metrics import METRICS_CONTENT_TYPE, FrontendMetrics
 from dynamo.frontend.http.openapi import OPENAPI_PATH, openapi_document
+from dynamo.frontend.http.settings import HttpSettings
 from dynamo.frontend.http.workers import HttpWorkerSlot
 from dynamo.frontend.models.manager import ModelManager, ServedModel
 from dynamo.frontend.openai.decoding import decode_request
@@ -96,20 +95,9 @@ from dynamo.frontend.preprocess.preprocessor import OutputPlan, Prepared, Prepro
 
 log = logging.getLogger(__name__)
 
-# Large enough for a prompt at the full context of any current model; a bigger body is
-# rejected with 413 before it is parsed. (aiohttp then reads and drops the rest of the
-# body for a few seconds, "lingering", so the client gets to read the 413.)
-DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
-# How long a request for a known model waits for a ready worker before it gets 503. A
-# model can be momentarily without one: a worker restarting, a heartbeat that arrived
-# late on a loaded host, the first instance of an endpoint still being discovered.
-DEFAULT_WORKER_WAIT_S = 5.0
 _READ_CHUNK = 256 * 1024
 # Longest wait for a request body to arrive completely.
 BODY_READ_TIMEOUT_S = 30.0
-# Longest a streamed response waits for a client that stopped reading before the
-# connection is dropped and the request cancelled (nginx's `send_timeout` default).
-DEFAULT_WRITE_TIMEOUT_S = 60.0
 
 _REJECTION_WHAT = {
     RejectReason.INFLIGHT_LIMIT: "requests in flight",
@@ -193,35 +181,25 @@ class HttpService:
         manager: ModelManager,
         *,
         metrics: FrontendMetrics | None = None,
-        host: str = "0.0.0.0",
-        port: int = 8000,
-        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-        worker_wait_s: float = DEFAULT_WORKER_WAIT_S,
-        api_key: str | None = None,
-        admission: AdmissionLimits | None = None,
-        timeouts: ConnectionTimeouts | None = None,
-        write_timeout_s: float | None = DEFAULT_WRITE_TIMEOUT_S,
-        return_spec_stats: bool = False,
+        settings: HttpSettings | None = None,
         chat_parsing: ChatParsingOptions | None = None,
         http_worker: HttpWorkerSlot | None = None,
     ) -> None:
-        """`api_key`: None or empty serves without authentication; `write_timeout_s`
-        None lets a stream wait for its client for ever; `return_spec_stats` adds the
-        speculation statistics to every response, as `return_spec_stats: true` does."""
+        """`settings.api_key` None or empty serves without authentication;
+        `settings.write_timeout_s` 0 lets a stream wait for its client for ever."""
+        settings = settings or HttpSettings()
         self.manager = manager
         self.metrics = metrics or FrontendMetrics()
-        self.host = host
-        self.port = port
-        self.max_request_bytes = max_request_bytes
-        self.worker_wait_s = worker_wait_s
-        self.admission = AdmissionControl(admission)
-        self.timeouts = timeouts or ConnectionTimeouts()
-        self.write_timeout_s = write_timeout_s
-        self.return_spec_stats = return_spec_stats
+        self.settings = settings
+        self.host = settings.host
+        self.port = settings.port  # the port listened on once started (0: the system's)
+        self.admission = AdmissionControl(settings.admission)
         self.chat_parsing = chat_parsing or ChatParsingOptions()  # --tool-call-parser, ...
         self.http_worker = http_worker  # which of --http-workers N processes this is
-        self._api_key = api_key or None
-        self._openapi = msgspec.json.encode(openapi_document(api_key_required=bool(api_key)))
+        self._api_key = settings.api_key or None
+        self._openapi = msgspec.json.encode(
+            openapi_document(api_key_required=self._api_key is not None)
+        )
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
 
@@ -233,7 +211,9 @@ class HttpService:
         middlewares = [track_request_heads, openai_errors]
         if self._api_key is not None:
             middlewares.append(api_key_middleware(self._api_key, self._count_unauthorized))
-        app = web.Application(middlewares=middlewares, client_max_size=self.max_request_bytes)
+        app = web.Application(
+            middlewares=middlewares, client_max_size=self.settings.max_request_bytes
+        )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.responses)
@@ -256,7 +236,9 @@ class HttpService:
         )
         await runner.setup()
         try:
-            listener = await listen(runner, self.host, self.port, self.timeouts, access_log=None)
+            listener = await listen(
+                runner, self.host, self.port, self.settings.timeouts, access_log=None
+            )
         except BaseException:
             await runner.cleanup()
             raise
@@ -367,7 +349,7 @@ class HttpService:
             raise request_timeout() from exc
 
     async def _read_limited(self, request: web.Request) -> bytes:
-        limit = self.max_request_bytes
+        limit = self.settings.max_request_bytes
         if request.content_length is not None and request.content_length > limit:
             raise payload_too_large(limit)
         chunks: list[bytes] = []
@@ -431,7 +413,7 @@ class HttpService:
                 kind,
                 prepared,
                 formatter,
-                report_spec_stats=self.return_spec_stats or bool(req.return_spec_stats),
+                report_spec_stats=self.settings.return_spec_stats or bool(req.return_spec_stats),
                 choices=req.n or 1,  # 1..MAX_CHOICES: checked by the preprocessor
             ),
         )
@@ -469,9 +451,11 @@ class HttpService:
     async def _wait_for_workers(self, model: ServedModel) -> ServedModel:
         loop = asyncio.get_running_loop()
         start = loop.time()
-        current = await self.manager.wait_for_workers(model.name, self.worker_wait_s)
+        current = await self.manager.wait_for_workers(model.name, self.settings.worker_wait_s)
         if current is None:
-            log.warning("no worker for %s after %.1fs: 503", model.name, self.worker_wait_s)
+            log.warning(
+                "no worker for %s after %.1fs: 503", model.name, self.settings.worker_wait_s
+            )
             raise no_workers(model.name)
         log.info("a request for %s waited %.2fs for a worker", model.name, loop.time() - start)
         return current
@@ -509,7 +493,7 @@ class HttpService:
             postprocessor,
             formatter,
             metrics,
-            write_timeout_s=self.write_timeout_s,
+            write_timeout_s=self.settings.write_timeout_s or None,
         )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from dynamo.runtime.cli import TakesArguments
 
 FLAG = "dynamo.flag"
 NESTED = "dynamo.nested"
+GROUP = "dynamo.group"
 TRUE_WORDS = ("1", "true", "yes")
 FALSE_WORDS = ("0", "false", "no")
 
@@ -55,9 +57,10 @@ def setting(default: Any, flag: Flag) -> Any:
     return dataclasses.field(default=default, metadata={FLAG: flag})
 
 
-def nested(cls: type[Any]) -> Any:
-    """A dataclass field holding another settings dataclass, whose flags join the parent's."""
-    return dataclasses.field(default_factory=cls, metadata={NESTED: cls})
+def nested(cls: type[Any], *, group: str | None = None) -> Any:
+    """A dataclass field holding another settings dataclass, whose flags join the parent's
+    (in `group`, for those of its flags that name none)."""
+    return dataclasses.field(default_factory=cls, metadata={NESTED: cls, GROUP: group})
 
 
 def add_setting_arguments(
@@ -93,13 +96,21 @@ def settings_from_args(cls: type[S], args: argparse.Namespace, **given: Any) -> 
     return cls(**values)
 
 
-def _flagged_fields(cls: type[Any]) -> list[tuple[dataclasses.Field[Any], Flag]]:
+def _flagged_fields(
+    cls: type[Any], group: str | None = None
+) -> list[tuple[dataclasses.Field[Any], Flag]]:
+    """Every flagged field of `cls`, nested ones included, each flag in its group (its
+    own, else the nearest enclosing `nested(..., group=)`)."""
     found: list[tuple[dataclasses.Field[Any], Flag]] = []
     for field in dataclasses.fields(cls):
         if NESTED in field.metadata:
-            found.extend(_flagged_fields(field.metadata[NESTED]))
+            inner = field.metadata[GROUP] or group
+            found.extend(_flagged_fields(field.metadata[NESTED], inner))
         elif FLAG in field.metadata:
-            found.append((field, field.metadata[FLAG]))
+            flag: Flag = field.metadata[FLAG]
+            if flag.group is None and group is not None:
+                flag = dataclasses.replace(flag, group=group)
+            found.append((field, flag))
     return found
 
 
@@ -122,7 +133,8 @@ def _default(field: dataclasses.Field[Any], flag: Flag) -> Any:
     default = field.default
     text = os.environ.get(flag.env) if flag.env else None
     if not text:
-        return default
+        # An enum as its value: argparse shows it in --help and parses it with `type`.
+        return default.value if isinstance(default, enum.Enum) else default
     if isinstance(default, bool):
         return env_flag(text, default)
     return text

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from dynamo.frontend.engine.routing import RouterMode
+from dynamo.frontend.engine.routing import RouterMode, RouterSettings
+from dynamo.frontend.http.settings import HttpSettings
 from dynamo.frontend.service import FrontendConfig, run_frontend
 from dynamo.runtime.ports import free_port
 
@@ -35,18 +36,17 @@ class InLoopFrontend:
     ) -> InLoopFrontend:
         """A frontend for `namespace` on 127.0.0.1 and a free port."""
         config = FrontendConfig(
-            http_host="127.0.0.1",
-            http_port=free_port(),
+            http=HttpSettings(host="127.0.0.1", port=free_port()),
+            router=RouterSettings(mode=router_mode),
             namespace=namespace,
             nats_server=nats_url,
-            router_mode=router_mode,
             tokenizer_cache=tokenizer_cache,
         )
         return cls(config)
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.config.http_host}:{self.config.http_port}"
+        return f"http://{self.config.http.host}:{self.config.http.port}"
 
     async def stop(self) -> None:
         """Ask the frontend to stop and wait for it (`TimeoutError` after
