@@ -16,6 +16,11 @@ from vllm_config_support import TINY_LLAMA, speculators_config, write_config
 
 from dynamo.vllm.speculative import config_sources as sc
 from dynamo.vllm.speculative.config_sources import ConfigError
+from dynamo.vllm.speculative.speculators_checkpoint import (
+    detect_eagle_method,
+    read_speculators_checkpoint,
+)
+from dynamo.vllm.speculative.trtllm_translation import schedule_from_thresholds
 
 # A stand-in for AsyncEngineArgs' field names: the translation only needs membership.
 ENGINE_FIELDS = {
@@ -197,12 +202,12 @@ def test_eagle_generation_comes_from_the_checkpoint_config(
     tmp_path: Path, config: dict, expected: str
 ) -> None:
     draft = write_config(tmp_path / "some-draft", {**TINY_LLAMA, **config})
-    assert sc.detect_eagle_method(draft)[0] == expected
+    assert detect_eagle_method(draft)[0] == expected
 
 
 def test_eagle_generation_falls_back_to_the_name_without_a_local_config() -> None:
-    assert sc.detect_eagle_method("/models/EAGLE3-LLaMA3.1-Instruct-8B")[0] == "eagle3"
-    method, reason = sc.detect_eagle_method("yuhuili/EAGLE-LLaMA3-Instruct-8B")
+    assert detect_eagle_method("/models/EAGLE3-LLaMA3.1-Instruct-8B")[0] == "eagle3"
+    method, reason = detect_eagle_method("yuhuili/EAGLE-LLaMA3-Instruct-8B")
     assert method == "eagle"
     assert "no local config.json" in reason
 
@@ -383,7 +388,7 @@ def test_max_concurrency_turns_speculation_off_above_it() -> None:
 
 def test_schedule_must_start_at_batch_size_one() -> None:
     with pytest.raises(ConfigError, match="start at batch size 1"):
-        sc.schedule_from_thresholds({2: 3})
+        schedule_from_thresholds({2: 3})
 
 
 def test_k_is_filled_from_the_schedule() -> None:
@@ -399,12 +404,12 @@ def test_k_is_filled_from_the_schedule() -> None:
 
 
 def test_plain_model_is_not_a_speculators_checkpoint(tiny_model: Path) -> None:
-    assert sc.read_speculators_checkpoint(tiny_model) is None
-    assert sc.read_speculators_checkpoint("/nonexistent") is None
+    assert read_speculators_checkpoint(tiny_model) is None
+    assert read_speculators_checkpoint("/nonexistent") is None
 
 
 def test_speculators_checkpoint_yields_verifier_and_proposal(speculators_checkpoint: Path) -> None:
-    ckpt = sc.read_speculators_checkpoint(speculators_checkpoint)
+    ckpt = read_speculators_checkpoint(speculators_checkpoint)
     assert ckpt is not None
     assert ckpt.verifier == "../tiny-llama"
     assert ckpt.speculative == {
@@ -420,12 +425,12 @@ def test_speculators_default_proposal_method_is_honoured(tmp_path: Path) -> None
         {"proposal_type": "tree", "speculative_tokens": 7},
         {"proposal_type": "greedy", "speculative_tokens": 3},
     ]
-    ckpt = sc.read_speculators_checkpoint(write_config(tmp_path / "c", config))
+    ckpt = read_speculators_checkpoint(write_config(tmp_path / "c", config))
     assert ckpt.speculative["num_speculative_tokens"] == 3
 
 
 def test_speculators_peagle_means_parallel_eagle3(tmp_path: Path) -> None:
-    ckpt = sc.read_speculators_checkpoint(
+    ckpt = read_speculators_checkpoint(
         write_config(tmp_path / "p", speculators_config("/v", kind="peagle"))
     )
     assert ckpt.speculative["method"] == "eagle3"
@@ -455,7 +460,7 @@ def test_broken_speculators_checkpoints_are_errors(tmp_path: Path, mutate, messa
     path.mkdir()
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=message):
-        sc.read_speculators_checkpoint(path)
+        read_speculators_checkpoint(path)
 
 
 # --------------------------------------------------------------------------- merging / checks

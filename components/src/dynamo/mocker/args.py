@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from dynamo.llm.worker import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MIGRATION_LIMIT
@@ -32,10 +32,10 @@ from dynamo.runtime.nats_options import (
     add_nats_arguments,
     nats_options_from_args,
 )
+from dynamo.runtime.settings import Flag, add_setting_arguments, nested, setting, settings_from_args
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_SPECULATIVE_METHOD = "mocker"
-_TIMING = TimingModel()
 
 
 @dataclass(frozen=True)
@@ -56,23 +56,111 @@ class WorkerSettings:
     max_inflight_requests: int | None = None  # None: 4 x max_num_seqs; 0: no bound
 
 
+CACHE_GROUP = "engine capacity and scheduling"
+TIMING_GROUP = "timing model"
+SPECULATIVE_GROUP = "speculative decoding"
+GENERATED_GROUP = "generated tokens"
+
+
 @dataclass(frozen=True)
 class EngineFlags:
-    """The engine flags as given; combined with the model's facts by `engine_config`."""
+    """The engine flags as given; combined with the model's facts by `engine_config`.
 
-    block_size: int = 16
-    num_gpu_blocks: int = 16384
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    max_logprobs: int = 20
-    num_speculative_tokens: int = 0
+    A field with a `Flag` is its own command-line flag (`dynamo.runtime.settings`), so the
+    flag, its default and the field are written once. The acceptance flags are a mutually
+    exclusive pair, which a `Flag` cannot say, so `build_parser` adds them by hand.
+    """
+
+    block_size: int = setting(
+        16, Flag("--block-size", "Tokens per KV block.", type=int, group=CACHE_GROUP)
+    )
+    num_gpu_blocks: int = setting(
+        16384,
+        Flag(
+            "--num-gpu-blocks",
+            "KV blocks per worker; cached blocks are evicted least recently used first.",
+            type=int,
+            group=CACHE_GROUP,
+        ),
+    )
+    max_num_seqs: int = setting(
+        256,
+        Flag(
+            "--max-num-seqs",
+            "Most requests running at once per worker.",
+            type=int,
+            group=CACHE_GROUP,
+        ),
+    )
+    max_num_batched_tokens: int = setting(
+        8192,
+        Flag(
+            "--max-num-batched-tokens",
+            "Token budget of one step: decodes take 1+K each, prefill chunks the rest.",
+            type=int,
+            group=CACHE_GROUP,
+        ),
+    )
+    max_model_len: int | None = setting(
+        None,
+        Flag(
+            "--max-model-len",
+            "Context length (default: the model's max_position_embeddings, else 8192).",
+            type=int,
+            group=CACHE_GROUP,
+        ),
+    )
+    enable_prefix_caching: bool = setting(
+        True,
+        Flag(
+            "--enable-prefix-caching",
+            "Reuse cached prompt blocks across requests (off: no hits and no KV events).",
+            negatable=True,
+            group=CACHE_GROUP,
+        ),
+    )
+    max_logprobs: int = setting(
+        20,
+        Flag(
+            "--max-logprobs",
+            "Most log probabilities a request may ask for per token, as vLLM's flag: a "
+            "request asking for more is refused as the client's error (HTTP 400).",
+            type=non_negative_int,
+            group=CACHE_GROUP,
+        ),
+    )
+    num_speculative_tokens: int = setting(
+        0,
+        Flag(
+            "--num-speculative-tokens",
+            "Draft tokens K per step; each step yields 1..K+1 tokens. Advertised in the model "
+            "card so the KV router counts the K speculative slots per request.",
+            type=int,
+            group=SPECULATIVE_GROUP,
+        ),
+    )
     acceptance_rates: tuple[float, ...] = (0.7,)
     acceptance_distribution: tuple[float, ...] | None = None
-    timing: TimingModel = field(default_factory=TimingModel)
-    eos_probability: float = 0.0
-    seed: int = 0
+    timing: TimingModel = nested(TimingModel, group=TIMING_GROUP)
+    eos_probability: float = setting(
+        0.0,
+        Flag(
+            "--eos-probability",
+            "Chance that a generated token is EOS (0: requests run to max_tokens unless a stop "
+            "token is drawn).",
+            type=float,
+            group=GENERATED_GROUP,
+        ),
+    )
+    seed: int = setting(
+        0,
+        Flag(
+            "--seed",
+            "Seed of the generated tokens and acceptance draws (a request's own seed is mixed in).",
+            type=int,
+            group=GENERATED_GROUP,
+        ),
+    )
 
     def engine_config(self, model: ModelInfo) -> MockEngineConfig:
         """The engine configuration for `model`; raises ConfigError on bad combinations."""
@@ -200,97 +288,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_log_level_argument(where)
 
-    cache = parser.add_argument_group("engine capacity and scheduling")
-    cache.add_argument("--block-size", type=int, default=16, help="Tokens per KV block.")
-    cache.add_argument(
-        "--num-gpu-blocks",
-        type=int,
-        default=16384,
-        help="KV blocks per worker; cached blocks are evicted least recently used first.",
-    )
-    cache.add_argument(
-        "--max-num-seqs", type=int, default=256, help="Most requests running at once per worker."
-    )
-    cache.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=8192,
-        help="Token budget of one step: decodes take 1+K each, prefill chunks the rest.",
-    )
-    cache.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="Context length (default: the model's max_position_embeddings, else 8192).",
-    )
-    cache.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="Reuse cached prompt blocks across requests (off: no hits and no KV events).",
-    )
-    cache.add_argument(
-        "--max-logprobs",
-        type=non_negative_int,
-        default=20,
-        help="Most log probabilities a request may ask for per token, as vLLM's flag: a "
-        "request asking for more is refused as the client's error (HTTP 400).",
-    )
-
-    timing = parser.add_argument_group(
-        "timing model",
-        "step_ms = decode-ms-per-step + decode-ms-per-token x decode requests x (1+K) "
-        "+ prefill-ms-per-token x prefill tokens + draft-ms-per-token x K; "
-        "the simulation waits step_ms / speed-up.",
-    )
-    timing.add_argument(
-        "--prefill-ms-per-token",
-        type=float,
-        default=_TIMING.prefill_ms_per_token,
-        help="Step time per prompt token computed (cached tokens cost nothing).",
-    )
-    timing.add_argument(
-        "--decode-ms-per-step",
-        type=float,
-        default=_TIMING.decode_ms_per_step,
-        help="Fixed time of one forward pass: the inter-token latency at batch size 1.",
-    )
-    timing.add_argument(
-        "--decode-ms-per-token",
-        type=float,
-        default=_TIMING.decode_ms_per_token,
-        help="Extra step time per decode token in the batch (1+K per request): ITL grows with load.",
-    )
-    timing.add_argument(
-        "--draft-ms-per-token",
-        type=float,
-        default=_TIMING.draft_ms_per_token,
-        help="Step time per draft position (the drafter runs K times per step); 0 for n-gram.",
-    )
-    timing.add_argument(
-        "--speed-up",
-        type=float,
-        default=1.0,
-        help="Run the simulated clock this many times faster than the modelled engine.",
-    )
-    timing.add_argument(
-        "--step-quantum-ms",
-        type=float,
-        default=_TIMING.quantum_ms,
-        help="Steps shorter than this (after --speed-up) run back to back and are slept "
-        "off together, so simulated time stays right on average where the event loop "
-        "cannot time a microsecond sleep; their outputs then leave together. 0: sleep "
-        "after every step (each step's outputs go out on their own).",
-    )
-
-    spec = parser.add_argument_group("speculative decoding")
-    spec.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=0,
-        help="Draft tokens K per step; each step yields 1..K+1 tokens. Advertised in the model "
-        "card so the KV router counts the K speculative slots per request.",
-    )
+    # The groups in --help order; the flags declared on `EngineFlags` fill them.
+    groups = {
+        CACHE_GROUP: parser.add_argument_group(CACHE_GROUP),
+        TIMING_GROUP: parser.add_argument_group(
+            TIMING_GROUP,
+            "step_ms = decode-ms-per-step + decode-ms-per-token x decode requests x (1+K) "
+            "+ prefill-ms-per-token x prefill tokens + draft-ms-per-token x K; "
+            "the simulation waits step_ms / speed-up.",
+        ),
+        SPECULATIVE_GROUP: parser.add_argument_group(SPECULATIVE_GROUP),
+        GENERATED_GROUP: parser.add_argument_group(GENERATED_GROUP),
+    }
+    add_setting_arguments(parser, EngineFlags, groups=groups)
+    spec = groups[SPECULATIVE_GROUP]
     accept = spec.add_mutually_exclusive_group()
     accept.add_argument(
         "--acceptance-rate",
@@ -307,20 +318,6 @@ def build_parser() -> argparse.ArgumentParser:
         "(e.g. a measured acceptance histogram).",
     )
 
-    gen = parser.add_argument_group("generated tokens")
-    gen.add_argument(
-        "--eos-probability",
-        type=float,
-        default=0.0,
-        help="Chance that a generated token is EOS (0: requests run to max_tokens unless a stop "
-        "token is drawn).",
-    )
-    gen.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="Seed of the generated tokens and acceptance draws (a request's own seed is mixed in).",
-    )
     return parser
 
 
@@ -329,31 +326,14 @@ def parse_args(argv: Sequence[str] | None = None) -> MockerArgs:
     is raised for values that are well-formed but unusable."""
     ns = build_parser().parse_args(argv)
     try:
-        timing = TimingModel(
-            prefill_ms_per_token=ns.prefill_ms_per_token,
-            decode_ms_per_step=ns.decode_ms_per_step,
-            decode_ms_per_token=ns.decode_ms_per_token,
-            draft_ms_per_token=ns.draft_ms_per_token,
-            speed_up=ns.speed_up,
-            quantum_ms=ns.step_quantum_ms,
+        engine = settings_from_args(
+            EngineFlags,
+            ns,
+            acceptance_rates=ns.acceptance_rate,
+            acceptance_distribution=ns.acceptance_distribution,
         )
-    except ValueError as exc:
+    except ValueError as exc:  # the timing model refuses negative times
         raise ConfigError(str(exc)) from exc
-    engine = EngineFlags(
-        block_size=ns.block_size,
-        num_gpu_blocks=ns.num_gpu_blocks,
-        max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens,
-        max_model_len=ns.max_model_len,
-        enable_prefix_caching=ns.enable_prefix_caching,
-        max_logprobs=ns.max_logprobs,
-        num_speculative_tokens=ns.num_speculative_tokens,
-        acceptance_rates=ns.acceptance_rate,
-        acceptance_distribution=ns.acceptance_distribution,
-        timing=timing,
-        eos_probability=ns.eos_probability,
-        seed=ns.seed,
-    )
     worker = WorkerSettings(
         namespace=ns.namespace,
         component=ns.component,

@@ -23,6 +23,8 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from dynamo.runtime.settings import Flag, setting
+
 # The shortest wait the event loop times faithfully: uvloop's timers (libuv's) count whole
 # milliseconds, so a sleep of microseconds is "the next loop iteration", whatever was asked.
 SLEEP_QUANTUM_S = 0.001
@@ -30,17 +32,66 @@ SLEEP_QUANTUM_S = 0.001
 
 @dataclass(frozen=True, slots=True)
 class TimingModel:
-    """Parameters of the step-time model (milliseconds at ``speed_up`` 1)."""
+    """Parameters of the step-time model (milliseconds at ``speed_up`` 1).
 
-    prefill_ms_per_token: float = 0.05
-    decode_ms_per_step: float = 8.0
-    decode_ms_per_token: float = 0.05
-    draft_ms_per_token: float = 0.5
-    speed_up: float = 1.0
+    Each parameter is one `python -m dynamo.mocker` flag, declared here with the field
+    (`dynamo.runtime.settings`) so that the flag, its default and the model cannot drift.
+    """
+
+    prefill_ms_per_token: float = setting(
+        0.05,
+        Flag(
+            "--prefill-ms-per-token",
+            "Step time per prompt token computed (cached tokens cost nothing).",
+            type=float,
+        ),
+    )
+    decode_ms_per_step: float = setting(
+        8.0,
+        Flag(
+            "--decode-ms-per-step",
+            "Fixed time of one forward pass: the inter-token latency at batch size 1.",
+            type=float,
+        ),
+    )
+    decode_ms_per_token: float = setting(
+        0.05,
+        Flag(
+            "--decode-ms-per-token",
+            "Extra step time per decode token in the batch (1+K per request): ITL grows with load.",
+            type=float,
+        ),
+    )
+    draft_ms_per_token: float = setting(
+        0.5,
+        Flag(
+            "--draft-ms-per-token",
+            "Step time per draft position (the drafter runs K times per step); 0 for n-gram.",
+            type=float,
+        ),
+    )
+    speed_up: float = setting(
+        1.0,
+        Flag(
+            "--speed-up",
+            "Run the simulated clock this many times faster than the modelled engine.",
+            type=float,
+        ),
+    )
     # Steps shorter than this (after `speed_up`) are run back to back and slept off
     # together (`StepPacer`); 0 sleeps after every step, so that whoever reads the
     # outputs sees the engine between steps (lockstep, for unit tests).
-    quantum_ms: float = SLEEP_QUANTUM_S * 1000
+    quantum_ms: float = setting(
+        SLEEP_QUANTUM_S * 1000,
+        Flag(
+            "--step-quantum-ms",
+            "Steps shorter than this (after --speed-up) run back to back and are slept "
+            "off together, so simulated time stays right on average where the event loop "
+            "cannot time a microsecond sleep; their outputs then leave together. 0: sleep "
+            "after every step (each step's outputs go out on their own).",
+            type=float,
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name in (

@@ -21,6 +21,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from dynamo.runtime.cli import ConfigError
 from dynamo.vllm.config.parser import explicit_values, worker_dests
 from dynamo.vllm.speculative import config_sources as sc
+from dynamo.vllm.speculative.config_keys import check_draft_length, normalize_keys
 
 log = logging.getLogger("dynamo.vllm")
 
@@ -128,7 +129,7 @@ def _typed_file_values(
         if value is None:
             continue
         if spec_key == "num_speculative_tokens":
-            sc.check_draft_length(value, f"--extra-engine-args {path}: {flag_key}")
+            check_draft_length(value, f"--extra-engine-args {path}: {flag_key}")
         spec = spec or {}
         if spec.get(spec_key, value) != value:
             raise ConfigError(
@@ -171,9 +172,9 @@ def _cli_speculative_json(value: Any) -> dict[str, Any] | None:
         return None
     if not isinstance(value, dict):
         raise ConfigError(f"--speculative-config must be a JSON object, got {value!r}")
-    value = sc.normalize_keys(value)
+    value = normalize_keys(value)
     if "num_speculative_tokens" in value:
-        sc.check_draft_length(
+        check_draft_length(
             value["num_speculative_tokens"], "--speculative-config: num_speculative_tokens"
         )
     return value
@@ -187,7 +188,7 @@ def _pop_spec_flags(cli_values: dict[str, Any]) -> dict[str, Any] | None:
     }
     layer = {k: v for k, v in layer.items() if v is not None}
     if "num_speculative_tokens" in layer:
-        sc.check_draft_length(layer["num_speculative_tokens"], "--spec-tokens")
+        check_draft_length(layer["num_speculative_tokens"], "--spec-tokens")
     return layer or None
 
 

@@ -22,7 +22,10 @@ from dynamo.llm.models import model_dir as cached_model_dir
 from dynamo.llm.models.prepare import served_name_for
 from dynamo.runtime.cli import ConfigError
 from dynamo.vllm.config.layers import SRC_SPECULATORS, SRC_VLLM, SRC_WORKER
-from dynamo.vllm.speculative import config_sources as sc
+from dynamo.vllm.speculative.speculators_checkpoint import (
+    SpeculatorsCheckpoint,
+    read_speculators_checkpoint,
+)
 
 log = logging.getLogger("dynamo.vllm")
 
@@ -42,11 +45,11 @@ def resolve_model_dir(name: str, *, dry_run: bool, what: str = "--model") -> Pat
 
 def resolve_target(
     values: dict[str, Any], sources: dict[str, str], *, dry_run: bool
-) -> tuple[Path, sc.SpeculatorsCheckpoint | None]:
+) -> tuple[Path, SpeculatorsCheckpoint | None]:
     """The target model directory. A speculators checkpoint given as the model stays the
     draft; its verifier becomes the target (so every engine flag applies to the verifier)."""
     model_dir = resolve_model_dir(str(values["model"]), dry_run=dry_run)
-    checkpoint = sc.read_speculators_checkpoint(model_dir)
+    checkpoint = read_speculators_checkpoint(model_dir)
     target = model_dir
     if sources.get("model") == SRC_VLLM:
         sources["model"] = SRC_WORKER  # the embedded model, not vLLM's own default
@@ -63,7 +66,7 @@ def resolve_target(
     return target, checkpoint
 
 
-def _resolve_verifier(checkpoint: sc.SpeculatorsCheckpoint, *, dry_run: bool) -> Path:
+def _resolve_verifier(checkpoint: SpeculatorsCheckpoint, *, dry_run: bool) -> Path:
     """The verifier as a local directory: an embedded model name, a path, or a path
     relative to the checkpoint. Hub ids cannot be fetched here, so they are an error."""
     name = checkpoint.verifier

@@ -30,6 +30,7 @@ from dynamo.vllm.config.layers import (
 from dynamo.vllm.config.model_resolution import resolve_model_dir
 from dynamo.vllm.speculative import config_sources as sc
 from dynamo.vllm.speculative.adaptive_k import SCHEDULER_CLS, AdaptationSettings, engine_config
+from dynamo.vllm.speculative.config_keys import check_draft_length
 from dynamo.vllm.speculative.free_k0 import SKIPPED_METHODS
 from dynamo.vllm.speculative.k_in_force import new_state_path
 from dynamo.vllm.speculative.opt_out import SCHEDULER_CLS as OPT_OUT_SCHEDULER_CLS
@@ -40,6 +41,7 @@ from dynamo.vllm.speculative.profile import (
     load_profile,
     never_speculates,
 )
+from dynamo.vllm.speculative.speculators_checkpoint import SpeculatorsCheckpoint
 
 log = logging.getLogger("dynamo.vllm")
 
@@ -73,7 +75,7 @@ def resolve_speculative(
     values: dict[str, Any],
     sources: dict[str, str],
     layers: ConfigLayers,
-    checkpoint: sc.SpeculatorsCheckpoint | None,
+    checkpoint: SpeculatorsCheckpoint | None,
     *,
     dry_run: bool,
     profile: SpeculationProfile | None = None,
@@ -212,7 +214,7 @@ def _finish_speculative(
         log.info("speculative config: %s", note)
     if spec.get("num_speculative_tokens") is not None:
         source = merged.sources.get("num_speculative_tokens", "dynamic schedule")
-        sc.check_draft_length(
+        check_draft_length(
             spec["num_speculative_tokens"],
             f"speculative_config.num_speculative_tokens (from {source})",
         )

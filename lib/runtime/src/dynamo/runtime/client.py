@@ -33,27 +33,12 @@ from dynamo.runtime.errors import (
     NoInstancesError,
 )
 from dynamo.runtime.inbox import Inbox
+from dynamo.runtime.naming import EndpointAddress
 from dynamo.runtime.response_stream import ResponseStream
 from dynamo.runtime.selection import RandomChoice, RoundRobin
 from dynamo.runtime.watch import BucketWatcher
 
 log = logging.getLogger(__name__)
-
-
-class EndpointAddress(Protocol):
-    """The endpoint a client talks to (`runtime.Endpoint`)."""
-
-    @property
-    def namespace(self) -> str: ...
-
-    @property
-    def component(self) -> str: ...
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def path(self) -> str: ...
 
 
 class ClientConnection(Protocol):

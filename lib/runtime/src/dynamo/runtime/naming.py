@@ -8,6 +8,7 @@ subject tokens and KV key segments, where `.`, `*`, `>` and spaces have meaning.
 from __future__ import annotations
 
 import re
+from typing import Protocol
 
 INSTANCES_BUCKET = "dyn_instances"
 """KV bucket of live endpoint instances, one leased key per (endpoint, instance)."""
@@ -16,6 +17,24 @@ SUBJECT_ROOT = "dyn"
 INBOX_ROOT = "_INBOX.dyn"
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+class EndpointAddress(Protocol):
+    """An endpoint's name parts and path (`runtime.Endpoint`). Here, next to the names it
+    is built from, so that the client and the serving side describe an endpoint alike
+    without importing each other."""
+
+    @property
+    def namespace(self) -> str: ...
+
+    @property
+    def component(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def path(self) -> str: ...
 
 
 def check_name(kind: str, value: str) -> str:

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from nats.aio.client import Client as NatsClient
 
 from dynamo.runtime import naming, wire
+from dynamo.runtime.naming import EndpointAddress
 from dynamo.runtime.server import EndpointServer, Handler, InflightRegistry
 
 log = logging.getLogger(__name__)
@@ -48,24 +49,12 @@ class ServingRuntime(Protocol):
     def remove_served(self, served: ServedEndpoint) -> None: ...
 
 
-class EndpointHandle(Protocol):
+class EndpointHandle(EndpointAddress, Protocol):
     """The endpoint a handler is served on (`runtime.Endpoint`): its address, and the
     runtime it belongs to."""
 
     @property
     def runtime(self) -> ServingRuntime: ...
-
-    @property
-    def namespace(self) -> str: ...
-
-    @property
-    def component(self) -> str: ...
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def path(self) -> str: ...
 
 
 @dataclass
