@@ -17,13 +17,11 @@ from dynamo.frontend.__main__ import build_parser, config_from_args
 from dynamo.frontend.engine.client import (
     DEFAULT_FIRST_TOKEN_TIMEOUT_S,
     DEFAULT_INTER_TOKEN_TIMEOUT_S,
-    MAX_PLACEMENT_ATTEMPTS,
-    EngineFailedError,
-    EngineUnavailableError,
     RuntimeEngineClient,
     StreamDeadlines,
-    continuation,
 )
+from dynamo.frontend.engine.errors import EngineFailedError, EngineUnavailableError
+from dynamo.frontend.engine.request_legs import MAX_PLACEMENT_ATTEMPTS, continuation
 from dynamo.llm.kv_router.hashing import compute_block_hashes
 from dynamo.llm.kv_router.router import KvRouter, build_kv_router
 from dynamo.llm.protocols import (

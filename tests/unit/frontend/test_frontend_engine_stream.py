@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from dynamo.frontend.engine.client import EngineFailedError
+from dynamo.frontend.engine.errors import EngineFailedError
 from dynamo.frontend.engine.stream import EngineStream
 from dynamo.llm.protocols import FinishReason, LLMEngineOutput, PreprocessedRequest
 from dynamo.testing.engines import InMemoryEngineClient

@@ -11,8 +11,8 @@ import msgspec
 import pytest
 from frontend_support import MODEL, make_card
 
-from dynamo.frontend.engine.client import EngineFailedError
 from dynamo.frontend.engine.disagg import DisaggregatedEngineClient, prefill_leg
+from dynamo.frontend.engine.errors import EngineFailedError
 from dynamo.frontend.models.manager import ModelManager
 from dynamo.frontend.preprocess.preprocessor import Preprocessor
 from dynamo.llm.protocols import (

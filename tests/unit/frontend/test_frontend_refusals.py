@@ -18,11 +18,11 @@ import pytest
 from frontend_support import FakeClient
 
 from dynamo.frontend.__main__ import build_parser, config_from_args
-from dynamo.frontend.engine.client import (
+from dynamo.frontend.engine.client import RuntimeEngineClient
+from dynamo.frontend.engine.errors import (
     EngineFailedError,
     EngineOverloadedError,
     EngineRejectedError,
-    RuntimeEngineClient,
 )
 from dynamo.llm.protocols import FinishReason, LLMEngineOutput, PreprocessedRequest
 from dynamo.llm.router import AllWorkersBusyError, RoundRobinRouter

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import prometheus_client
 import uvloop
@@ -43,7 +44,7 @@ from dynamo.runtime.cli import (
 from dynamo.runtime.gc_tuning import tune_for_serving
 from dynamo.runtime.nats_address import nats_url_from_env
 from dynamo.runtime.nats_options import add_nats_arguments, nats_options_from_args
-from dynamo.runtime.settings import add_setting_arguments, settings_from_args
+from dynamo.runtime.settings import Flag, add_setting_arguments, setting, settings_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         "/metrics (401 otherwise). Default: $DYN_API_KEY; unset or empty serves without "
         "authentication. Prefer the variable: a flag is visible in the process list.",
     )
-    add_chat_arguments(parser.add_argument_group("Chat templates and output parsers"))
+    add_setting_arguments(parser, ChatFlags)
     add_log_level_argument(parser)
     return parser
 
@@ -97,31 +98,49 @@ def add_http_workers_arguments(group: TakesArguments) -> None:
         group.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
 
 
-def add_chat_arguments(group: TakesArguments) -> None:
-    """`--chat-template` and the output parsers, checked when the config is built."""
-    group.add_argument(
-        "--chat-template",
-        metavar="FILE",
-        default=os.environ.get("DYN_CHAT_TEMPLATE") or None,
-        help="Jinja chat template used instead of the model's own, e.g. one with a tools "
-        "section (examples/chat_templates/smollm2_tools.jinja); checked at start-up. "
-        "$DYN_CHAT_TEMPLATE sets the default.",
+CHAT_GROUP = "Chat templates and output parsers"
+
+
+@dataclass(frozen=True)
+class ChatFlags:
+    """The chat flags as given: a file and parser names, which `config_from_args` checks
+    (the template read and parsed, the names looked up in vLLM's registries)."""
+
+    chat_template: str | None = setting(
+        None,
+        Flag(
+            "--chat-template",
+            "Jinja chat template used instead of the model's own, e.g. one with a tools "
+            "section (examples/chat_templates/smollm2_tools.jinja); checked at start-up. "
+            "$DYN_CHAT_TEMPLATE sets the default.",
+            env="DYN_CHAT_TEMPLATE",
+            metavar="FILE",
+            group=CHAT_GROUP,
+        ),
     )
-    group.add_argument(
-        "--tool-call-parser",
-        metavar="NAME",
-        default=os.environ.get("DYN_TOOL_CALL_PARSER") or None,
-        help="vLLM tool parser (e.g. `hermes`) that reads tool calls from the model's text "
-        "when `tool_choice` is `auto` (the default with `tools`); without it such requests "
-        "are refused. $DYN_TOOL_CALL_PARSER sets the default.",
+    tool_call_parser: str | None = setting(
+        None,
+        Flag(
+            "--tool-call-parser",
+            "vLLM tool parser (e.g. `hermes`) that reads tool calls from the model's text "
+            "when `tool_choice` is `auto` (the default with `tools`); without it such "
+            "requests are refused. $DYN_TOOL_CALL_PARSER sets the default.",
+            env="DYN_TOOL_CALL_PARSER",
+            metavar="NAME",
+            group=CHAT_GROUP,
+        ),
     )
-    group.add_argument(
-        "--reasoning-parser",
-        metavar="NAME",
-        default=os.environ.get("DYN_REASONING_PARSER") or None,
-        help="vLLM reasoning parser (e.g. `deepseek_r1`, `qwen3`) that moves a reasoning "
-        "model's thinking out of `content` into `reasoning_content`; unknown names are a "
-        "start-up error listing the valid ones. $DYN_REASONING_PARSER sets the default.",
+    reasoning_parser: str | None = setting(
+        None,
+        Flag(
+            "--reasoning-parser",
+            "vLLM reasoning parser (e.g. `deepseek_r1`, `qwen3`) that moves a reasoning "
+            "model's thinking out of `content` into `reasoning_content`; unknown names are "
+            "a start-up error listing the valid ones. $DYN_REASONING_PARSER sets the default.",
+            env="DYN_REASONING_PARSER",
+            metavar="NAME",
+            group=CHAT_GROUP,
+        ),
     )
 
 
@@ -130,16 +149,17 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
     template or an unknown parser."""
     nats_server = vars(args).get("nats_server") or nats_url_from_env()
     api_key = vars(args).get("api_key") or os.environ.get("DYN_API_KEY") or None
+    chat = settings_from_args(ChatFlags, args)
     return settings_from_args(
         FrontendConfig,
         args,
         http=settings_from_args(HttpSettings, args, api_key=api_key),
         nats_server=nats_server,
         nats_options=nats_options_from_args(args, url=nats_server),
-        chat_template=_chat_template(args.chat_template),
+        chat_template=_chat_template(chat.chat_template),
         chat_parsing=ChatParsingOptions(
-            tool_call_parser=_tool_call_parser(args.tool_call_parser),
-            reasoning_parser=_reasoning_parser(args.reasoning_parser),
+            tool_call_parser=_tool_call_parser(chat.tool_call_parser),
+            reasoning_parser=_reasoning_parser(chat.reasoning_parser),
         ),
         http_worker=_http_worker_slot(args),
         metrics_dir=metrics_dir_of_child() if args.http_worker_index is not None else None,

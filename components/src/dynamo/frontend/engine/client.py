@@ -3,14 +3,15 @@ implementation over the runtime.
 
 `generate(request)` is an async generator of `LLMEngineOutput`s; closing it early (or
 cancelling the task iterating it) cancels the request on the worker. The HTTP layer only
-sees this interface and the two exceptions below, never the transport's own errors.
+sees this interface and the exceptions of `errors.py`, never the transport's own errors.
 
 `RuntimeEngineClient` serves one worker endpoint over `dynamo.runtime.Client` (NATS). It
 is the one layer that decides where a request goes *again*: every placement, the first
 one, a re-placement after a worker vanished before its first output, and a migration
 mid-stream, asks the endpoint's `Router` and sends with `Client.direct`. The runtime
 itself never retries. (`dynamo.testing.engines.InMemoryEngineClient` is the in-process
-stand-in the HTTP tests use.)
+stand-in the HTTP tests use.) What a lost or refusing worker means for the request
+(place it again, migrate it, fail it) is `request_legs.py`'s `RequestLegs`.
 
 No request waits forever: a worker that dies is noticed through its lease, and one that
 holds its lease but stops answering a request is caught by the `StreamDeadlines` (first
@@ -21,27 +22,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import msgspec
-
+from dynamo.frontend.engine.errors import (
+    EngineFailedError,
+    EngineOverloadedError,
+    EngineUnavailableError,
+    engine_error,
+    lost_message,
+)
+from dynamo.frontend.engine.request_legs import RequestLegs
 from dynamo.llm.protocols import LLMEngineOutput, PreprocessedRequest
 from dynamo.llm.router import AllWorkersBusyError, Router
 from dynamo.runtime import (
     Client,
-    ClientClosedError,
-    ConnectionLostError,
     DynamoRuntimeError,
-    ErrorKind,
     InstanceGoneError,
     InstanceOverloadedError,
-    NoInstancesError,
-    NoResponderError,
-    RemoteError,
-    RequestTooLargeError,
     ResponseStream,
     StreamTimeoutError,
 )
@@ -113,25 +112,6 @@ def _check_deadline(name: str, value: float | None) -> None:
         raise ValueError(f"{name} must be > 0 or None (no deadline), got {value}")
 
 
-class EngineUnavailableError(Exception):
-    """No worker can take the request right now (HTTP 503)."""
-
-
-class EngineOverloadedError(EngineUnavailableError):
-    """Workers exist but none takes more work now: every one tried refused the request
-    (its bound of requests in flight), or the router judged them all busy (HTTP 503 with
-    `Retry-After`)."""
-
-
-class EngineFailedError(Exception):
-    """The worker failed the request (HTTP 500, or an error event mid-stream)."""
-
-
-class EngineRejectedError(Exception):
-    """The worker refused the request's parameters: the client's error (HTTP 400), with
-    the engine's one-line reason."""
-
-
 class EngineClient(Protocol):
     """Where a model's requests go: one worker endpoint, or a composition of several
     (prefill in front of decode)."""
@@ -156,10 +136,6 @@ class EndpointClient(EngineClient, Protocol):
     def on_instances_changed(self, listener: InstancesChanged) -> None:
         """Call `listener()` whenever the endpoint's ready instances change."""
         ...
-
-
-# Attempts to place a request when its worker vanishes before producing any output.
-MAX_PLACEMENT_ATTEMPTS = 3
 
 
 class RuntimeEngineClient:
@@ -291,7 +267,7 @@ class RuntimeEngineClient:
                     + (f" ({lost})" if lost is not None else "")
                 )
             if isinstance(lost, StreamTimeoutError):  # instances exist, none answered
-                raise EngineFailedError(_lost_message(lost))
+                raise EngineFailedError(lost_message(lost))
             if isinstance(lost, InstanceOverloadedError):  # instances exist, all refused
                 raise EngineOverloadedError(f"every instance of {request.model} refused: {lost}")
             raise EngineUnavailableError(f"no instances serve model {request.model}")
@@ -360,197 +336,3 @@ class RuntimeEngineClient:
             await self._router.close()
         finally:
             await self._client.close()
-
-
-class RequestLegs:
-    """Where one request stands across its legs: the tokens streamed so far, the instances
-    it was lost on, and the placements and migrations used. It decides what a lost or
-    refusing worker means: place the request again (nothing streamed yet), migrate it
-    (tokens streamed, migrations left), or fail it."""
-
-    def __init__(
-        self,
-        request: PreprocessedRequest,
-        migration_limit: int,
-        *,
-        unreachable_patience_s: float = 0.0,
-    ) -> None:
-        self.request = request
-        self.leg = request  # what the next placement sends
-        self.migration_limit = migration_limit
-        self.generated: list[int] = []  # streamed to the caller, over all legs
-        self.failed: set[int] = set()  # instances this request was lost on or refused by
-        self.placements = 0
-        self.migrations = 0
-        self.lost: DynamoRuntimeError | None = None  # why the last placement failed
-        self._first_of_leg = True
-        # How long "no responders" is waited out (see RuntimeEngineClient), from the first.
-        self.unreachable_patience_s = unreachable_patience_s
-        self._unreachable_since: float | None = None
-
-    @property
-    def resuming(self) -> bool:
-        return bool(self.generated)
-
-    def record(self, output: LLMEngineOutput, already: int) -> bool:
-        """Note `output` of the current leg (restating a continuation's usage); True for
-        the leg's first output."""
-        first, self._first_of_leg = self._first_of_leg, False
-        self.generated.extend(output.token_ids)
-        if already:
-            _account_for_migration(output, len(self.request.token_ids), already)
-        return first
-
-    def lost_on(self, target: int, exc: InstanceGoneError | StreamTimeoutError) -> bool:
-        """The worker `target` was lost (or went silent): prepare the next leg, or raise.
-        True when the next leg is a migration."""
-        migrating = self._next_leg(target, exc)
-        if isinstance(exc, ConnectionLostError):
-            # The worker may still run the old leg until our STOP reaches it; under its
-            # own id the new leg would be refused there as a duplicate.
-            attempt = self.placements + self.migrations
-            self.leg = msgspec.structs.replace(
-                self.leg, request_id=f"{self.request.request_id}-r{attempt}"
-            )
-        return migrating
-
-    def _next_leg(self, target: int, exc: InstanceGoneError | StreamTimeoutError) -> bool:
-        if isinstance(exc, NoResponderError) and self._waits_out(exc):
-            return False
-        self._exclude(target, exc)
-        request_id = self.request.request_id
-        if not self.generated and self.placements + 1 < MAX_PLACEMENT_ATTEMPTS:
-            self.placements += 1
-            log.warning(
-                "request %s: worker lost before first output (%s), placing it again",
-                request_id, exc,
-            )  # fmt: skip
-            return False
-        unresumable = unresumable_reason(self.request)
-        if self.generated and unresumable is not None:
-            raise EngineFailedError(f"{_lost_message(exc)}; not migrated: {unresumable}") from exc
-        if self.generated and self.migrations < self.migration_limit:
-            self.migrations += 1
-            self.leg = continuation(self.request, self.generated)
-            log.warning(
-                "request %s: worker lost after %d tokens (%s); migrating (%d of %d)",
-                request_id, len(self.generated), exc, self.migrations, self.migration_limit,
-            )  # fmt: skip
-            return True
-        raise EngineFailedError(_lost_message(exc)) from exc
-
-    def _waits_out(self, exc: NoResponderError) -> bool:
-        """Whether this "no responders" is sent again as it is (same leg, no placement
-        charged, the instance not excluded): until `unreachable_patience_s` has passed
-        since the first one."""
-        now = time.monotonic()
-        if self._unreachable_since is None:
-            self._unreachable_since = now
-        if now - self._unreachable_since >= self.unreachable_patience_s:
-            return False
-        self._note_lost(exc)
-        log.debug("request %s: %s; sending it again", self.request.request_id, exc)
-        return True
-
-    def refused_by(self, target: int, exc: InstanceOverloadedError) -> None:
-        """`target` refused before running anything (full): safe to send elsewhere, up to
-        the placement limit."""
-        self._exclude(target, exc)
-        if self.placements + 1 >= MAX_PLACEMENT_ATTEMPTS:
-            if self.generated:
-                raise EngineFailedError(_lost_message(exc)) from exc
-            raise EngineOverloadedError(str(exc)) from exc
-        self.placements += 1
-        log.debug("request %s: %s; placing it again", self.request.request_id, exc)
-
-    def _exclude(self, target: int, exc: DynamoRuntimeError) -> None:
-        if not isinstance(exc, ConnectionLostError):  # our connection failed, not the worker
-            self.failed.add(target)
-        self._note_lost(exc)
-
-    def _note_lost(self, exc: DynamoRuntimeError) -> None:
-        """The placement failed with `exc`: the next output starts a new leg."""
-        self.lost = exc
-        self._first_of_leg = True
-
-
-def unresumable_reason(request: PreprocessedRequest) -> str | None:
-    """Why `request` cannot continue on another worker once tokens were streamed (None: it
-    can). A continuation is one prompt extended by the tokens so far, so:
-
-    * n > 1: the tokens streamed belong to n interleaved sequences, which one prompt
-      cannot carry on;
-    * structured output: the engine applies the grammar to the new leg's output only, so
-      the continuation would start a second document after the first one's prefix.
-    """
-    if (request.sampling_options.n or 1) > 1:
-        return "the request generates n > 1 sequences"
-    if request.structured_output is not None:
-        return "its output is constrained (structured output), which cannot resume mid-document"
-    return None
-
-
-def engine_error(exc: DynamoRuntimeError, *, resuming: bool) -> Exception:
-    """The engine-client error a stream failure that cannot be retried becomes (its HTTP
-    status follows from the type)."""
-    if isinstance(exc, ClientClosedError):
-        return (
-            EngineFailedError(f"worker lost: {exc}")
-            if resuming
-            else EngineUnavailableError(str(exc))
-        )
-    if isinstance(exc, NoInstancesError):
-        if resuming:
-            return EngineFailedError(f"worker lost and no instance to continue on: {exc}")
-        return EngineUnavailableError(str(exc))
-    if isinstance(exc, RequestTooLargeError):
-        if resuming:  # the prompt plus the tokens so far outgrew one message
-            return EngineFailedError(f"worker lost and the request cannot continue: {exc}")
-        return EngineRejectedError(
-            f"{exc}; shorten the prompt or the request's lists (stop_token_ids, choices)"
-        )
-    if isinstance(exc, RemoteError):
-        if exc.kind is ErrorKind.INVALID_REQUEST:
-            return EngineRejectedError(exc.message)
-        return EngineFailedError(exc.message)
-    return EngineFailedError(f"{type(exc).__name__}: {exc}")  # protocol errors, shutdown
-
-
-def _lost_message(exc: DynamoRuntimeError) -> str:
-    if isinstance(exc, StreamTimeoutError):
-        return f"worker stopped responding: {exc}"
-    return f"worker lost during the request: {exc}"
-
-
-def continuation(request: PreprocessedRequest, generated: list[int]) -> PreprocessedRequest:
-    """The request that resumes `request` on another worker after `generated` tokens.
-    The prompt's logprobs came with the first leg's first output: not asked again (the
-    continuation's prompt is longer, its logprobs would not be the client's)."""
-    stop = request.stop_conditions
-    done = len(generated)
-    new_stop = msgspec.structs.replace(
-        stop,
-        max_tokens=None if stop.max_tokens is None else max(1, stop.max_tokens - done),
-        min_tokens=None if stop.min_tokens is None else max(0, stop.min_tokens - done),
-    )
-    return msgspec.structs.replace(
-        request,
-        token_ids=[*request.token_ids, *generated],
-        stop_conditions=new_stop,
-        prefill_result=None,
-        output_options=msgspec.structs.replace(request.output_options, prompt_logprobs=None),
-    )
-
-
-def _account_for_migration(output: LLMEngineOutput, prompt_len: int, carried: int) -> None:
-    """A continuation leg reports usage against its extended prompt; restate it against
-    the client's request (the carried tokens were generated, not prompted)."""
-    usage = output.completion_usage
-    if usage is None:
-        return
-    usage.prompt_tokens = prompt_len
-    usage.completion_tokens += carried
-    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-    details = usage.prompt_tokens_details
-    if details is not None:
-        details.cached_tokens = min(details.cached_tokens, prompt_len)

@@ -20,7 +20,8 @@ from collections.abc import AsyncGenerator, Callable
 
 import msgspec
 
-from dynamo.frontend.engine.client import EngineClient, EngineFailedError, EngineUnavailableError
+from dynamo.frontend.engine.client import EngineClient
+from dynamo.frontend.engine.errors import EngineFailedError, EngineUnavailableError
 from dynamo.llm.protocols import (
     FinishReason,
     LLMEngineOutput,

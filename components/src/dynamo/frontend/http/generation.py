@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from dynamo.frontend.engine.client import (
-    EngineClient,
+from dynamo.frontend.engine.client import EngineClient
+from dynamo.frontend.engine.errors import (
     EngineFailedError,
     EngineOverloadedError,
     EngineRejectedError,

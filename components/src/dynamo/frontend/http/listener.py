@@ -13,7 +13,7 @@ and a task) for an hour, and thousands of them at once. Two settings bound that 
   the request is handed to the application; otherwise the connection is closed. It can
   be shorter than the keep-alive timeout, which has to outlast a proxy's idle timeout.
 
-The body has its own deadline (`http_server.BODY_READ_TIMEOUT_S`, 408), and a streamed
+The body has its own deadline (`request_body.BODY_READ_TIMEOUT_S`, 408), and a streamed
 response one for a client that stops reading (`generation.py`, `--write-timeout`).
 
 aiohttp offers no option for a head deadline, so `listen` builds the listening socket

@@ -51,107 +51,89 @@ class FrontendMetrics:
     ) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self.multiprocess_dir = multiprocess_dir
-        r = self.registry
-        self.requests = Counter(
-            f"{PREFIX}_requests",
+        self.requests = self._counter(
+            "requests",
             "Requests by model, endpoint, request type (stream/unary) and HTTP status",
             ["model", "endpoint", "request_type", "status"],
-            registry=r,
         )
         self.inflight = Gauge(
             f"{PREFIX}_inflight_requests",
             "Requests being served",
             ["model"],
-            registry=r,
+            registry=self.registry,
             multiprocess_mode="livesum",
         )
-        self.ttft = Histogram(
-            f"{PREFIX}_time_to_first_token_seconds",
+        self.ttft = self._histogram(
+            "time_to_first_token_seconds",
             "From request arrival to the first generated token",
-            ["model"],
-            buckets=_TTFT_BUCKETS,
-            registry=r,
+            _TTFT_BUCKETS,
         )
-        self.itl = Histogram(
-            f"{PREFIX}_inter_token_latency_seconds",
+        self.itl = self._histogram(
+            "inter_token_latency_seconds",
             "Time between generated tokens, per token",
-            ["model"],
-            buckets=_ITL_BUCKETS,
-            registry=r,
+            _ITL_BUCKETS,
         )
-        self.duration = Histogram(
-            f"{PREFIX}_request_duration_seconds",
+        self.duration = self._histogram(
+            "request_duration_seconds",
             "From request arrival to the end of the response",
-            ["model"],
-            buckets=_DURATION_BUCKETS,
-            registry=r,
+            _DURATION_BUCKETS,
         )
-        self.input_tokens = Histogram(
-            f"{PREFIX}_input_sequence_tokens",
+        self.input_tokens = self._histogram(
+            "input_sequence_tokens",
             "Prompt length in tokens",
-            ["model"],
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
+            _TOKEN_BUCKETS,
         )
-        self.output_tokens = Counter(
-            f"{PREFIX}_output_tokens", "Generated tokens", ["model"], registry=r
-        )
-        self.disconnects = Counter(
-            f"{PREFIX}_client_disconnects",
+        self.output_tokens = self._counter("output_tokens", "Generated tokens")
+        self.disconnects = self._counter(
+            "client_disconnects",
             "Requests whose client went away before the response ended",
-            ["model"],
-            registry=r,
         )
-        self.rejected = Counter(
-            f"{PREFIX}_rejected_requests",
+        self.rejected = self._counter(
+            "rejected_requests",
             "Requests turned away before any work by the frontend's own bounds, by reason: "
             "inflight_limit and worker_wait_limit (503 with Retry-After), unauthorized (401)",
             ["model", "reason"],
-            registry=r,
         )
-        self.prefill_fallbacks = Counter(
-            f"{PREFIX}_prefill_fallbacks",
+        self.prefill_fallbacks = self._counter(
+            "prefill_fallbacks",
             "Disaggregated requests the decode worker had to prefill itself",
-            ["model"],
-            registry=r,
         )
-        self.migrations = Counter(
-            f"{PREFIX}_migrations",
+        self.migrations = self._counter(
+            "migrations",
             "Streams moved to another worker mid-stream after theirs was lost (per move)",
-            ["model"],
-            registry=r,
         )
-        self.router_decisions = Counter(
-            f"{PREFIX}_router_decisions",
+        self.router_decisions = self._counter(
+            "router_decisions",
             "Placements made by the router, per worker instance (hex id) and kind: new, "
             "retry (lost or refused before output), migration (after tokens streamed)",
             ["model", "component", "worker", "placement"],
-            registry=r,
         )
-        self.router_overlap_blocks = Counter(
-            f"{PREFIX}_router_overlap_blocks",
+        self.router_overlap_blocks = self._counter(
+            "router_overlap_blocks",
             "Prompt blocks the KV router expected cached on the worker it chose, summed "
             "over its placements (divide by router_decisions_total for blocks per decision)",
             ["model", "component", "worker"],
-            registry=r,
         )
-        self.spec_drafts = Counter(
-            f"{PREFIX}_spec_decode_drafts",
+        self.spec_drafts = self._counter(
+            "spec_decode_drafts",
             "Speculative verification steps reported by workers",
-            ["model"],
-            registry=r,
         )
-        self.spec_draft_tokens = Counter(
-            f"{PREFIX}_spec_decode_draft_tokens",
-            "Draft tokens proposed",
-            ["model"],
-            registry=r,
-        )
-        self.spec_accepted_tokens = Counter(
-            f"{PREFIX}_spec_decode_accepted_tokens",
+        self.spec_draft_tokens = self._counter("spec_decode_draft_tokens", "Draft tokens proposed")
+        self.spec_accepted_tokens = self._counter(
+            "spec_decode_accepted_tokens",
             "Draft tokens accepted",
-            ["model"],
-            registry=r,
+        )
+
+    def _counter(self, name: str, documentation: str, labels: list[str] | None = None) -> Counter:
+        """A counter of this frontend's registry, by model unless `labels` says otherwise."""
+        return Counter(
+            f"{PREFIX}_{name}", documentation, labels or ["model"], registry=self.registry
+        )
+
+    def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+        """A histogram by model in this frontend's registry."""
+        return Histogram(
+            f"{PREFIX}_{name}", documentation, ["model"], buckets=buckets, registry=self.registry
         )
 
     def prefill_fallback(self, model: str, reason: str) -> None:

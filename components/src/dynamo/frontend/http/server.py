@@ -4,13 +4,14 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses
 (`responses_api.py`: a thin layer over chat completions), `GET /v1/models`
 (and `/v1/models/{model}`), `GET /health`, `GET /live`, `GET /metrics`,
 `GET /debug/kv` (what each KV router believes: cached blocks, load, hit rates), and
-`GET /openapi.json` (`openapi.py`).
+`GET /openapi.json` (`openapi.py`). The three generation routes share one code path,
+their differences a table (`endpoints.py`).
 
 The front door is hardened against hostile and overwhelming clients: an optional API key
-(`auth.py`); decoding that turns every malformed body into a 400 (`request_decoding.py`);
+(`auth.py`); decoding that turns every malformed body into a 400 (`openai/decoding.py`);
 per-model bounds on requests in flight and waiting for a worker (`admission.py`, 503 with
 `Retry-After` beyond them); deadlines on idle connections, request heads
-(`http_listener.py`), bodies (408) and on clients that stop reading a stream
+(`listener.py`), bodies (408, `request_body.py`) and on clients that stop reading a stream
 (`generation.py`).
 
 Every failure leaves as OpenAI's error shape `{"error": {message, type, param, code}}`,
@@ -29,7 +30,6 @@ import functools
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -44,6 +44,12 @@ from dynamo.frontend.http.admission import (
     RejectReason,
 )
 from dynamo.frontend.http.auth import api_key_middleware
+from dynamo.frontend.http.endpoints import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    RESPONSES,
+    OpenAIEndpoint,
+)
 from dynamo.frontend.http.generation import Generation, serve
 from dynamo.frontend.http.listener import (
     SHUTDOWN_DRAIN_S,
@@ -52,6 +58,7 @@ from dynamo.frontend.http.listener import (
 )
 from dynamo.frontend.http.metrics import METRICS_CONTENT_TYPE, FrontendMetrics
 from dynamo.frontend.http.openapi import OPENAPI_PATH, openapi_document
+from dynamo.frontend.http.request_body import read_body
 from dynamo.frontend.http.settings import HttpSettings
 from dynamo.frontend.http.workers import HttpWorkerSlot
 from dynamo.frontend.models.manager import ModelManager, ServedModel
@@ -63,84 +70,29 @@ from dynamo.frontend.openai.errors import (
     model_not_found,
     no_workers,
     overloaded,
-    payload_too_large,
-    request_timeout,
 )
 from dynamo.frontend.openai.protocol import (
     ChatCompletionRequest,
-    CompletionRequest,
     ModelInfo,
     ModelList,
     SamplingFields,
 )
-from dynamo.frontend.openai.responses_protocol import ResponsesRequest
 from dynamo.frontend.openai.unsupported_fields import check_request
 from dynamo.frontend.parsing.chat_output import ChatOutputParser
 from dynamo.frontend.parsing.chat_parsers import ChatParsingOptions, chat_output_parser
+from dynamo.frontend.postprocess.chat_formatter import ChatFormatter
 from dynamo.frontend.postprocess.choices import ChoicePostprocessors
-from dynamo.frontend.postprocess.formatters import (
-    ChatFormatter,
-    CompletionFormatter,
-    ResponseFormatter,
-    encode_json,
-)
+from dynamo.frontend.postprocess.formatters import ResponseFormatter, encode_json
 from dynamo.frontend.postprocess.postprocessor import Postprocessor
-from dynamo.frontend.postprocess.responses_api import (
-    ResponsesChatRequest,
-    prepare_response,
-    responses_formatter,
-    to_chat_request,
-)
-from dynamo.frontend.preprocess.preprocessor import OutputPlan, Prepared, Preprocessor
+from dynamo.frontend.postprocess.responses_api import ResponsesChatRequest
+from dynamo.frontend.preprocess.preprocessor import Prepared
 
 log = logging.getLogger(__name__)
-
-_READ_CHUNK = 256 * 1024
-# Longest wait for a request body to arrive completely.
-BODY_READ_TIMEOUT_S = 30.0
 
 _REJECTION_WHAT = {
     RejectReason.INFLIGHT_LIMIT: "requests in flight",
     RejectReason.WORKER_WAIT_LIMIT: "requests waiting for a worker",
 }
-
-
-@dataclass(frozen=True)
-class OpenAIEndpoint:
-    """What differs between /v1/completions and /v1/chat/completions."""
-
-    name: str  # the `endpoint` metrics label
-    decoder: msgspec.json.Decoder
-    id_prefix: str
-    prepare: Callable[[Preprocessor, Any, str], Awaitable[Prepared]]
-    formatter: Callable[[str, str, OutputPlan], ResponseFormatter]
-    # The decoded request into the one served (/v1/responses: the chat request it means).
-    convert: Callable[[Any], Any] | None = None
-
-
-COMPLETIONS = OpenAIEndpoint(
-    name="completions",
-    decoder=msgspec.json.Decoder(CompletionRequest),
-    id_prefix="cmpl",
-    prepare=Preprocessor.prepare_completion,
-    formatter=CompletionFormatter,
-)
-CHAT_COMPLETIONS = OpenAIEndpoint(
-    name="chat_completions",
-    decoder=msgspec.json.Decoder(ChatCompletionRequest),
-    id_prefix="chatcmpl",
-    prepare=Preprocessor.prepare_chat,
-    formatter=ChatFormatter,
-)
-# A thin layer over chat completions (`responses_api.py`): same path, other shape.
-RESPONSES = OpenAIEndpoint(
-    name="responses",
-    decoder=msgspec.json.Decoder(ResponsesRequest),
-    id_prefix="resp",
-    prepare=prepare_response,
-    formatter=responses_formatter,
-    convert=to_chat_request,
-)
 
 
 def json_response(body: bytes, status: int = 200) -> web.Response:
@@ -340,32 +292,11 @@ class HttpService:
 
     # ------------------------------------------------------------------ internals
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        """The request body, at most `max_request_bytes` (413 beyond). A client that
-        stops sending mid-body gets a 408 instead of holding the handler forever."""
-        try:
-            return await asyncio.wait_for(self._read_limited(request), BODY_READ_TIMEOUT_S)
-        except TimeoutError as exc:
-            raise request_timeout() from exc
-
-    async def _read_limited(self, request: web.Request) -> bytes:
-        limit = self.settings.max_request_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise payload_too_large(limit)
-        chunks: list[bytes] = []
-        size = 0
-        while True:  # also bounds chunked bodies, which declare no length
-            chunk = await request.content.read(_READ_CHUNK)
-            if not chunk:
-                return b"".join(chunks)
-            size += len(chunk)
-            if size > limit:
-                raise payload_too_large(limit)
-            chunks.append(chunk)
-
     async def _generate(self, request: web.Request, kind: OpenAIEndpoint) -> web.StreamResponse:
         """Decode → look up the model → admit → preprocess → run on its engine."""
-        req = decode_request(kind.decoder, await self._read_body(request))
+        req = decode_request(
+            kind.decoder, await read_body(request, self.settings.max_request_bytes)
+        )
         stream = bool(req.stream)
         model = self.manager.get(req.model)
         if model is None:

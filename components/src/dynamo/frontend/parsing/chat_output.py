@@ -7,7 +7,7 @@ the split is done by parsers chosen per model (`--reasoning-parser`,
 `--tool-call-parser`) and per request (`tools`, `tool_choice`).
 
 This module is the seam between those parsers and the response formatter
-(`responses.ChatFormatter`): the formatter feeds every text delta, with the token ids it
+(`postprocess/chat_formatter.py`): the formatter feeds every text delta, with the token ids it
 came from, to one `ChatOutputParser` and writes what comes back. The same path serves
 streaming and non-streaming responses, so the two cannot disagree: the non-streaming
 body is the merge of what the stream would have carried.

@@ -66,6 +66,7 @@ from dynamo.frontend.openai.responses_protocol import (
 )
 from dynamo.frontend.openai.unsupported_fields import Endpoint, unsupported
 from dynamo.frontend.openai.unsupported_fields import refuse_unserved as refuse_unserved_fields
+from dynamo.frontend.postprocess.formatters import encode_json
 from dynamo.frontend.postprocess.postprocessor import TextDelta
 from dynamo.frontend.preprocess.preprocessor import OutputPlan, Prepared, Preprocessor
 
@@ -273,12 +274,9 @@ def _with_echo(plan: OutputPlan, echo: ResponseEcho) -> ResponsesPlan:
     return ResponsesPlan(**values, echo=echo)
 
 
-_encoder = msgspec.json.Encoder()
-
-
 def _sse(event: StreamEvent, event_type: str) -> bytes:
     """A typed Server-Sent Event: `event:` names the type, as OpenAI sends them."""
-    return b"event: " + event_type.encode() + b"\ndata: " + _encoder.encode(event) + b"\n\n"
+    return b"event: " + event_type.encode() + b"\ndata: " + encode_json(event) + b"\n\n"
 
 
 # --------------------------------------------------------------------------- formatter
@@ -379,7 +377,7 @@ class ResponsesFormatter:
             self._finish_reason = delta.finish_reason
 
     def body(self, usage: Usage, metrics: PerRequestMetrics | None = None) -> bytes:
-        return _encoder.encode(self._response(usage, metrics))
+        return encode_json(self._response(usage, metrics))
 
     # ------------------------------------------------------------------ internals
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
 
-from dynamo.frontend.engine.client import EngineUnavailableError, InstancesChanged
+from dynamo.frontend.engine.client import InstancesChanged
+from dynamo.frontend.engine.errors import EngineUnavailableError
 from dynamo.llm.protocols import LLMEngineOutput, PreprocessedRequest
 from dynamo.llm.router import RoundRobinRouter, Router
 
