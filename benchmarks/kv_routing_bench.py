@@ -103,6 +103,7 @@ from dynamo.runtime import DistributedRuntime
 from dynamo.runtime.ports import free_port
 from dynamo.testing.command_lines import worker_argv
 from dynamo.testing.http import fetch_json, http_get, metric_values
+from dynamo.testing.mocker_command_line import mocker_argv
 from dynamo.testing.processes import FrontendProcess, ManagedProcess, running, wait_for_instances
 from dynamo_reference import (
     DEFAULT_VENV,
@@ -867,11 +868,8 @@ def our_stack(
     frontend_flags += [*args.frontend_arg, *config.flags]
     mocker_flags += args.mocker_arg
     metrics_port = free_port()
-    argv = [
-        sys.executable, "-m", "dynamo.mocker",
-        "--model", MODEL,
-        "--namespace", namespace,
-        "--nats-server", nats_url,
+    argv = mocker_argv(
+        MODEL, nats_url, namespace,
         "--num-workers", str(shape.workers),
         "--block-size", str(shape.block_size),
         "--num-gpu-blocks", str(shape.kv_blocks),
@@ -879,7 +877,7 @@ def our_stack(
         "--speed-up", str(shape.speed_up),
         "--system-port", str(metrics_port),
         *mocker_flags,
-    ]  # fmt: skip
+    )  # fmt: skip
     with running([]) as procs:
         procs.append(ManagedProcess(f"{namespace}-mocker", argv, logs, cwd=ROOT))
         frontend = FrontendProcess(

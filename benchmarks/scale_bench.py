@@ -47,6 +47,7 @@ from typing import Any
 
 from dynamo.llm.models import DEFAULT_MODEL, resolve_model
 from dynamo.runtime.ports import free_port
+from dynamo.testing.mocker_command_line import mocker_argv
 from dynamo.testing.processes import FrontendProcess, ManagedProcess, running, wait_serving
 from dynamo_reference import (
     DEFAULT_VENV,
@@ -118,19 +119,16 @@ def our_stack(
     (the whole process tree with `--http-workers`), `mocker`, `nats`."""
     namespace = "scale"
     with nats_server(logs) as nats, running([]) as procs:
-        mocker = [
-            sys.executable, "-m", "dynamo.mocker",
-            "--model", str(model_dir),
-            "--served-model-name", served,
-            "--namespace", namespace,
-            "--nats-server", nats.url,
+        mocker = mocker_argv(
+            model_dir, nats.url, namespace,
             "--num-workers", str(shape.workers),
             "--block-size", str(shape.block_size),
             "--num-gpu-blocks", str(shape.kv_blocks),
             "--max-model-len", str(shape.max_model_len),
             "--speed-up", str(shape.speed_up),
             "--system-port", str(free_port()),
-        ]  # fmt: skip
+            served_model_name=served,
+        )  # fmt: skip
         procs.append(ManagedProcess("ours-mocker", mocker, logs, cwd=ROOT))
         extra = ["--router-mode", router_mode]
         if http_workers > 1:

@@ -52,6 +52,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -307,6 +308,26 @@ def report(points: list[Point]) -> str:
     return format_table(headers, rows)
 
 
+def concurrency_axis(
+    axis: Any, levels: list[int], ylabel: str, title: str, **title_style: Any
+) -> None:
+    """A panel over the measured concurrency levels (log 2 scale, a tick at each), with its
+    labels, title and legend."""
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(levels, [str(c) for c in levels])
+    axis.set_xlabel("concurrency")
+    axis.set_ylabel(ylabel)
+    axis.set_title(title, **title_style)
+    axis.legend(fontsize=8)
+
+
+def save_plot(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
+
+
 def plot(points: list[Point], path: Path) -> None:
     import matplotlib
 
@@ -322,13 +343,10 @@ def plot(points: list[Point], path: Path) -> None:
         xs = [c for c in levels if c in mine]
         left.plot(xs, [mine[c].output_tokens_per_s / base[c] for c in xs], marker="o",
                   label=setup, linestyle="--" if setup in ("none", "ngram-k3") else "-")  # fmt: skip
-    left.set_xscale("log", base=2)
-    left.set_xticks(levels, [str(c) for c in levels])
     left.axhline(1.0, color="grey", linewidth=0.8)
-    left.set_xlabel("concurrency")
-    left.set_ylabel("output tokens/s vs no speculation")
-    left.set_title("Throughput relative to no speculation")
-    left.legend(fontsize=8)
+    concurrency_axis(
+        left, levels, "output tokens/s vs no speculation", "Throughput relative to no speculation"
+    )
     eagle = [p for p in points if p.setup.startswith("eagle3-k")]
     for c in levels:
         mine = sorted(
@@ -342,10 +360,7 @@ def plot(points: list[Point], path: Path) -> None:
     right.set_ylabel("mean acceptance length (tokens/step)")
     right.set_title("Eagle3 head: acceptance by K")
     right.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    print(f"plot written to {path}")
+    save_plot(fig, path)
 
 
 # --------------------------------------------------------------------------- --dynamic
@@ -520,16 +535,14 @@ def plot_dynamic(
         (left, "output tokens/s", "Throughput"),
         (right, "median TPOT (ms)", "Time per output token"),
     ):
-        axis.set_xscale("log", base=2)
-        axis.set_xticks(levels, [str(c) for c in levels])
-        axis.set_xlabel("concurrency")
-        axis.set_ylabel(ylabel)
-        axis.set_title(f"{title}: none vs {static_label} vs profiled schedule", fontsize=10)
-        axis.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    print(f"plot written to {path}")
+        concurrency_axis(
+            axis,
+            levels,
+            ylabel,
+            f"{title}: none vs {static_label} vs profiled schedule",
+            fontsize=10,
+        )
+    save_plot(fig, path)
 
 
 def dynamic_body(args: argparse.Namespace, model_dir: Path, served: str) -> int:
@@ -751,16 +764,14 @@ def plot_adaptive(groups: dict[str, list[Point]], path: Path) -> None:
                       linestyle=style, label=setup)  # fmt: skip
         axis.axhline(1.0, color="grey", linewidth=0.8, label="no speculation")
         axis.axhline(ADAPTIVE_FLOOR, color="grey", linewidth=0.6, linestyle=":")
-        axis.set_xscale("log", base=2)
-        axis.set_xticks(levels, [str(c) for c in levels])
-        axis.set_xlabel("concurrency")
-        axis.set_ylabel("output tokens/s vs no speculation")
-        axis.set_title(f"{drafter}: static, profiled and adaptive K", fontsize=10)
-        axis.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    print(f"plot written to {path}")
+        concurrency_axis(
+            axis,
+            levels,
+            "output tokens/s vs no speculation",
+            f"{drafter}: static, profiled and adaptive K",
+            fontsize=10,
+        )
+    save_plot(fig, path)
 
 
 ADAPTIVE_ROUNDS = 2

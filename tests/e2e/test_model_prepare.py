@@ -3,24 +3,18 @@ no-op. (Slow: the rebuild converts the GGUF again, about half a minute.)"""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from dynamo.llm.models import DEFAULT_MODEL
+from dynamo.testing.module_runs import run_module
 
 
 def prepare(root: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dynamo.llm.models", "prepare", DEFAULT_MODEL],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "DYN_MODEL_DIR": str(root)},
-        check=False,
+    return run_module(
+        "dynamo.llm.models", "prepare", DEFAULT_MODEL, env={"DYN_MODEL_DIR": str(root)}, timeout=600
     )
 
 

@@ -29,6 +29,7 @@ from dynamo.llm.model_card import (
 )
 from dynamo.llm.protocols import ModelCard
 from dynamo.runtime import DistributedRuntime
+from dynamo.testing.runtimes import connected_runtime
 from dynamo.testing.tokenizers import build_tiny_tokenizer
 
 GOOD_DIGEST = "0123456789abcdef0123456789abcdef"
@@ -53,11 +54,8 @@ def tree(root: Path) -> set[str]:
 
 @pytest.fixture
 async def runtime(nats_url: str) -> AsyncIterator[DistributedRuntime]:
-    rt = await DistributedRuntime.connect(nats_url, lease_ttl=2.0)
-    try:
+    async with connected_runtime(nats_url, lease_ttl=2.0) as rt:
         yield rt
-    finally:
-        await rt.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ from dynamo.runtime.nats_address import is_reachable
 from dynamo.runtime.nats_connect import NatsRefusedError
 from dynamo.runtime.nats_options import NatsConnectOptions
 from dynamo.testing.http import http_post_json
+from dynamo.testing.mocker_command_line import mocker_argv
 from dynamo.testing.processes import FrontendProcess, ManagedProcess, running
 from dynamo.testing.tls import TestPki, make_test_pki
 
@@ -289,17 +290,14 @@ def test_mocker_and_frontend_with_credentials_serve_and_never_log_the_password(
     namespace = "auth" + uuid.uuid4().hex[:8]
     credentials = {"NATS_USER": USER, "NATS_PASSWORD": PASSWORD}
     url_with_password = secured_server.url.replace("nats://", f"nats://{USER}:{PASSWORD}@")
-    mocker_argv = [
-        sys.executable, "-m", "dynamo.mocker",
-        "--model", str(embedded_model),
-        "--served-model-name", "auth-model",
-        "--namespace", namespace,
-        "--nats-server", secured_server.url,
+    mocker_command = mocker_argv(
+        embedded_model, secured_server.url, namespace,
         "--speed-up", "50",
         "--log-level", "DEBUG",
-    ]  # fmt: skip
+        served_model_name="auth-model",
+    )  # fmt: skip
     with running([]) as procs:
-        procs.append(ManagedProcess("mocker", mocker_argv, tmp_path, env=credentials))
+        procs.append(ManagedProcess("mocker", mocker_command, tmp_path, env=credentials))
         frontend = FrontendProcess(
             "frontend",
             url_with_password,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import threading
 import time
 import uuid
@@ -39,6 +38,7 @@ from dynamo.llm.kv_router.subjects import KV_EVENTS_STREAM
 from dynamo.nats_server import NatsCluster, NatsServer
 from dynamo.testing.http import http_post_json, kv_router_views
 from dynamo.testing.jetstream import node_holding, prefer_stream_leaders
+from dynamo.testing.mocker_command_line import mocker_argv
 from dynamo.testing.processes import FrontendProcess, ManagedProcess, running, wait_serving
 from dynamo.testing.waiting import wait_until
 
@@ -78,16 +78,13 @@ def stack(embedded_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     logs = tmp_path_factory.mktemp("cluster")
     namespace = "clu" + uuid.uuid4().hex[:8]
     with NatsCluster(3, store_root=logs / "nats") as cluster, running([]) as procs:
-        argv = [
-            sys.executable, "-m", "dynamo.mocker",
-            "--model", str(embedded_model),
-            "--served-model-name", MODEL,
-            "--namespace", namespace,
-            "--nats-server", cluster.url,
+        argv = mocker_argv(
+            embedded_model, cluster.url, namespace,
             "--nats-replicas", "3",
             "--num-workers", "2",
             "--speed-up", "20",
-        ]  # fmt: skip
+            served_model_name=MODEL,
+        )  # fmt: skip
         mocker = ManagedProcess("mocker", argv, logs)
         procs.append(mocker)
         frontend = FrontendProcess(
@@ -289,13 +286,10 @@ def test_losing_the_frontends_nats_node_under_load_loses_nothing(stack: Stack) -
 def test_asking_a_single_server_for_three_replicas_is_a_clear_error(
     nats_url: str, embedded_model: Path, tmp_path: Path
 ) -> None:
-    argv = [
-        sys.executable, "-m", "dynamo.mocker",
-        "--model", str(embedded_model),
-        "--namespace", "rep" + uuid.uuid4().hex[:8],
-        "--nats-server", nats_url,
+    argv = mocker_argv(
+        embedded_model, nats_url, "rep" + uuid.uuid4().hex[:8],
         "--nats-replicas", "3",
-    ]  # fmt: skip
+    )  # fmt: skip
     mocker = ManagedProcess("mocker", argv, tmp_path)
     assert mocker.popen.wait(60) == 2
     last = mocker.log_tail().strip().splitlines()[-1]

@@ -76,6 +76,7 @@ from dynamo.runtime import DistributedRuntime, naming
 from dynamo.runtime.backoff import Backoff, retry_until_done
 from dynamo.runtime.events import EventStream, StreamSubscription
 from dynamo.testing.http import kv_router_views
+from dynamo.testing.mocker_command_line import mocker_argv
 from dynamo.testing.processes import FrontendProcess, ManagedProcess
 from dynamo.testing.waiting import wait_until_async
 
@@ -654,16 +655,13 @@ async def test_kv_mode_recovers_from_a_broker_restart_without_its_store(
 ) -> None:
     namespace = "restart" + uuid.uuid4().hex[:6]
     env = {"DYN_LEASE_TTL": str(LEASE_TTL)}
-    argv = [
-        sys.executable, "-m", "dynamo.mocker",
-        "--model", str(embedded_model),
-        "--served-model-name", MODEL,
+    argv = mocker_argv(
+        embedded_model, broker.url, namespace,
         "--num-workers", "2",
-        "--namespace", namespace,
-        "--nats-server", broker.url,
         "--block-size", str(BLOCK),
         "--decode-ms-per-step", "10",
-    ]  # fmt: skip
+        served_model_name=MODEL,
+    )  # fmt: skip
     workers = ManagedProcess("mocker", argv, tmp_path, env=env)
     frontend = FrontendProcess(
         "frontend",

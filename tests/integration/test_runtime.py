@@ -31,6 +31,7 @@ from dynamo.runtime import (
     NoInstancesError,
     RemoteError,
 )
+from dynamo.testing.runtimes import connected_runtime
 
 LEASE_TTL = 2.0
 WORKER_SCRIPT = Path(__file__).with_name("runtime_worker.py")
@@ -85,9 +86,8 @@ def workers(nats_url: str, namespace: str) -> Iterator[list[WorkerProc]]:
 
 @pytest.fixture
 async def runtime(nats_url: str) -> AsyncIterator[DistributedRuntime]:
-    rt = await DistributedRuntime.connect(nats_url, lease_ttl=LEASE_TTL, name="test-client")
-    yield rt
-    await rt.shutdown()
+    async with connected_runtime(nats_url, lease_ttl=LEASE_TTL, name="test-client") as rt:
+        yield rt
 
 
 async def make_client(runtime: DistributedRuntime, namespace: str, count: int) -> Client:

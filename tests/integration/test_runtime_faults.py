@@ -54,6 +54,7 @@ from dynamo.runtime import (
     wire,
 )
 from dynamo.runtime.server import PUBLISH_FLUSH_TIMEOUT_S, EndpointServer
+from dynamo.testing.runtimes import connected_runtime
 from dynamo.testing.waiting import wait_until_async
 
 LEASE_TTL = 5.0
@@ -93,18 +94,22 @@ def namespace() -> str:
     return "faults" + uuid.uuid4().hex[:8]
 
 
+def fault_runtime(
+    nats_url: str, name: str
+) -> contextlib.AbstractAsyncContextManager[DistributedRuntime]:
+    return connected_runtime(nats_url, lease_ttl=LEASE_TTL, name=name, drain_timeout=0.5)
+
+
 @pytest.fixture
 async def worker_rt(nats_url: str) -> AsyncIterator[DistributedRuntime]:
-    rt = await DistributedRuntime.connect(nats_url, lease_ttl=LEASE_TTL, name="fault-worker")
-    yield rt
-    await rt.shutdown(drain_timeout=0.5)
+    async with fault_runtime(nats_url, "fault-worker") as rt:
+        yield rt
 
 
 @pytest.fixture
 async def client_rt(nats_url: str) -> AsyncIterator[DistributedRuntime]:
-    rt = await DistributedRuntime.connect(nats_url, lease_ttl=LEASE_TTL, name="fault-client")
-    yield rt
-    await rt.shutdown(drain_timeout=0.5)
+    async with fault_runtime(nats_url, "fault-client") as rt:
+        yield rt
 
 
 async def first_item(stream: Any) -> Any:

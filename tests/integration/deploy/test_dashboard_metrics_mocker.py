@@ -8,7 +8,6 @@ tests/e2e/test_worker_speculative.py."""
 from __future__ import annotations
 
 import json
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 from dynamo.runtime.ports import free_port
 from dynamo.testing.dashboard import FRONTEND, MOCKER, exported_names, names_from
 from dynamo.testing.http import http_get, http_post_json
+from dynamo.testing.mocker_command_line import mocker_argv
 from dynamo.testing.processes import FrontendProcess, ManagedProcess, stop_all, wait_healthy
 
 MODEL = "dash-mock"
@@ -34,17 +34,14 @@ def stack(
     port = free_port()
     mocker = ManagedProcess(
         "mocker",
-        [
-            sys.executable, "-m", "dynamo.mocker",
-            "--model", str(embedded_model),
-            "--served-model-name", MODEL,
-            "--namespace", namespace,
-            "--nats-server", nats_url,
+        mocker_argv(
+            embedded_model, nats_url, namespace,
             "--num-workers", "2",
             "--num-speculative-tokens", "2",
             "--speed-up", "50",
             "--system-port", str(port),
-        ],
+            served_model_name=MODEL,
+        ),
         logs,
     )  # fmt: skip
     frontend = FrontendProcess(

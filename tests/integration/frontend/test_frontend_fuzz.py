@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from schemathesis import GenerationMode
 from schemathesis import checks as st_checks
 
 from dynamo.testing.http import debug_kv_views, http_get, http_post_json, metric_total
+from dynamo.testing.mocker_command_line import mocker_argv
 from dynamo.testing.processes import FrontendProcess, ManagedProcess, running, wait_while_alive
 from dynamo.testing.raw_http import connect, trickle
 from dynamo.testing.waiting import wait_until, wait_until_async
@@ -82,17 +82,14 @@ def stack(
 ) -> Iterator[Stack]:
     namespace = "fuzz" + uuid.uuid4().hex[:8]
     logs = tmp_path_factory.mktemp("fuzz-logs")
-    mocker_argv = [
-        sys.executable, "-m", "dynamo.mocker",
-        "--model", str(embedded_model),
-        "--served-model-name", MODEL,
-        "--namespace", namespace,
-        "--nats-server", nats_url,
+    mocker_command = mocker_argv(
+        embedded_model, nats_url, namespace,
         "--lease-ttl", "10",
         "--speed-up", "40",
         "--max-model-len", "65536",
         "--eos-probability", "0.05",  # fuzzed requests end after ~20 tokens on average
-    ]  # fmt: skip
+        served_model_name=MODEL,
+    )  # fmt: skip
     frontend_flags = [
         "--router-mode", "kv",
         "--tokenizer-cache", str(tmp_path_factory.mktemp("fuzz-tokenizers")),
@@ -102,7 +99,7 @@ def stack(
         "--write-timeout", str(WRITE_TIMEOUT_S),
     ]  # fmt: skip
     with running([]) as procs:
-        mocker = ManagedProcess("mocker", mocker_argv, logs)
+        mocker = ManagedProcess("mocker", mocker_command, logs)
         procs.append(mocker)
         frontend = FrontendProcess(
             "frontend", nats_url, logs, namespace=namespace, extra=frontend_flags

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ import psutil
 import pytest
 
 from dynamo.testing.http import http_get, http_post_json, metric_values
+from dynamo.testing.mocker_command_line import mocker_argv
 from dynamo.testing.processes import FrontendProcess, ManagedProcess, running
 from dynamo.testing.waiting import wait_until
 
@@ -73,14 +73,11 @@ def stack(
 ) -> Iterator[Stack]:
     logs = tmp_path_factory.mktemp("http-workers")
     namespace = "hw" + uuid.uuid4().hex[:8]
-    argv = [
-        sys.executable, "-m", "dynamo.mocker",
-        "--model", str(embedded_model),
-        "--served-model-name", MODEL,
-        "--namespace", namespace,
-        "--nats-server", nats_url,
+    argv = mocker_argv(
+        embedded_model, nats_url, namespace,
         "--speed-up", "1000",
-    ]  # fmt: skip
+        served_model_name=MODEL,
+    )  # fmt: skip
     with running([ManagedProcess("mocker", argv, logs)]):
         yield Stack(nats_url, logs, namespace)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import aiohttp
 
 from dynamo.testing.http import metric_values
+from dynamo.testing.mocker_command_line import mocker_argv
 from dynamo.testing.mocker_tokens import ExpectedTokens
 from dynamo.testing.processes import FrontendProcess, ManagedProcess, running, wait_for_instances
 from dynamo.testing.sse import StreamOutcome, stream_completion
@@ -44,15 +44,17 @@ LEASE_TTL = 2.0
 STEP_MS = 100.0  # every request gets one token per 100 ms, whatever the batch size
 
 
-def mocker_argv(nats_url: str, namespace: str, model_dir: Path, workers: int) -> list[str]:
-    return [
-        sys.executable, "-m", "dynamo.mocker",
-        "--model", str(model_dir), "--served-model-name", MODEL,
-        "--namespace", namespace, "--nats-server", nats_url,
-        "--num-workers", str(workers), "--lease-ttl", str(LEASE_TTL),
-        "--decode-ms-per-step", str(STEP_MS), "--decode-ms-per-token", "0",
-        "--prefill-ms-per-token", "0", "--no-kv-events",
-    ]  # fmt: skip
+def mocker_command(nats_url: str, namespace: str, model_dir: Path, workers: int) -> list[str]:
+    return mocker_argv(
+        model_dir, nats_url, namespace,
+        "--num-workers", str(workers),
+        "--lease-ttl", str(LEASE_TTL),
+        "--decode-ms-per-step", str(STEP_MS),
+        "--decode-ms-per-token", "0",
+        "--prefill-ms-per-token", "0",
+        "--no-kv-events",
+        served_model_name=MODEL,
+    )  # fmt: skip
 
 
 def prompts() -> list[list[int]]:
@@ -77,11 +79,11 @@ async def test_sigkill_under_load_loses_no_stream(
     procs: list[ManagedProcess] = []
     with running(procs):
         survivors = ManagedProcess(
-            "mocker-survivors", mocker_argv(nats_url, namespace, embedded_model, 2), tmp_path
+            "mocker-survivors", mocker_command(nats_url, namespace, embedded_model, 2), tmp_path
         )
         procs.append(survivors)
         victim = ManagedProcess(
-            "mocker-victim", mocker_argv(nats_url, namespace, embedded_model, 1), tmp_path
+            "mocker-victim", mocker_command(nats_url, namespace, embedded_model, 1), tmp_path
         )
         procs.append(victim)
         frontend = FrontendProcess("frontend", nats_url, tmp_path, namespace=namespace)

@@ -13,46 +13,22 @@ Claims:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
-import pytest
-import pytest_asyncio
 
 from dynamo.frontend.engine.routing import RouterMode
 from dynamo.llm.worker import ServedWorker
 from dynamo.mocker.backend import MockerBackend
-from dynamo.testing.mocker_stacks import mock_engine_config, mocker_behind_frontend
+from dynamo.testing.mocker_clusters import openai_client_fixture, served_mocker_fixture
 
 MODEL = "mock-n"
 MAX_TOKENS = 8
 
-
-@pytest_asyncio.fixture(scope="module")
-async def served(
-    nats_url: str, embedded_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[tuple[str, ServedWorker[MockerBackend]]]:
-    async with mocker_behind_frontend(
-        nats_url,
-        embedded_model,
-        tmp_path_factory.mktemp("tok"),
-        model=MODEL,
-        engine_config=mock_engine_config(
-            embedded_model,
-            eos_probability=0.0,  # every sequence runs to max_tokens
-        ),
-        router_mode=RouterMode.KV,
-    ) as served:
-        yield served
-
-
-@pytest_asyncio.fixture
-async def client(served: tuple[str, Any]) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=served[0] + "/v1", api_key="unused", max_retries=0) as c:
-        yield c
+# Every sequence runs to max_tokens.
+served = served_mocker_fixture(MODEL, router_mode=RouterMode.KV, eos_probability=0.0)
+client = openai_client_fixture()
 
 
 REQUEST: dict[str, Any] = {

@@ -23,20 +23,21 @@ gives the same text (and the same EOS) on every run.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
 import pydantic
 import pytest
-import pytest_asyncio
 from openai.types.responses import Response, ResponseStreamEvent
 
 from dynamo.llm.worker import ServedWorker
 from dynamo.mocker.backend import MockerBackend
-from dynamo.testing.mocker_stacks import mock_engine_config, mocker_behind_frontend
+from dynamo.testing.mocker_clusters import (
+    bad_request_of,
+    openai_client_fixture,
+    served_mocker_fixture,
+)
 
 MODEL = "mock-responses"
 PROMPT = "Name three colours."
@@ -50,28 +51,9 @@ OPENING = [
 ]
 CLOSING = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
 
-
-@pytest_asyncio.fixture(scope="module")
-async def served(
-    nats_url: str, embedded_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[tuple[str, ServedWorker[MockerBackend]]]:
-    async with mocker_behind_frontend(
-        nats_url,
-        embedded_model,
-        tmp_path_factory.mktemp("tok"),
-        model=MODEL,
-        engine_config=mock_engine_config(
-            embedded_model,
-            eos_probability=0.1,  # responses end on their own (`completed`) within ~10 tokens
-        ),
-    ) as served:
-        yield served
-
-
-@pytest_asyncio.fixture
-async def client(served: tuple[str, Any]) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=served[0] + "/v1", api_key="unused", max_retries=0) as c:
-        yield c
+# Responses end on their own (`completed`) within ~10 tokens.
+served = served_mocker_fixture(MODEL, eos_probability=0.1)
+client = openai_client_fixture()
 
 
 async def create_validated(client: openai.AsyncOpenAI, **kwargs: Any) -> Response:
@@ -238,14 +220,11 @@ async def test_a_json_schema_format_reaches_the_worker_as_a_constraint(
     client: openai.AsyncOpenAI, stream: bool
 ) -> None:
     fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
-    with pytest.raises(openai.BadRequestError) as info:
-        result = await client.responses.create(
-            model=MODEL, input=PROMPT, text={"format": fmt}, stream=stream
-        )
-        if stream:
-            async for _ in result:  # type: ignore[union-attr]
-                pass
-    assert "not supported by the mocker" in str(info.value)
+    error = await bad_request_of(
+        client.responses.create(model=MODEL, input=PROMPT, text={"format": fmt}, stream=stream),
+        stream=stream,
+    )
+    assert "not supported by the mocker" in str(error)
 
 
 async def test_an_invalid_schema_is_refused_naming_text_format(

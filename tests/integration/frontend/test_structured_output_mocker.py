@@ -15,40 +15,25 @@ Claims:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-import pytest_asyncio
 
 from dynamo.llm.worker import ServedWorker
 from dynamo.mocker.backend import MockerBackend
-from dynamo.testing.mocker_stacks import mocker_behind_frontend
+from dynamo.testing.mocker_clusters import (
+    bad_request_of,
+    openai_client_fixture,
+    served_mocker_fixture,
+)
 
 MODEL = "mock-structured"
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
 MESSAGES: Any = [{"role": "user", "content": "Who are you?"}]
 
-
-@pytest_asyncio.fixture(scope="module")
-async def served(
-    nats_url: str, embedded_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[tuple[str, ServedWorker[MockerBackend]]]:
-    async with mocker_behind_frontend(
-        nats_url,
-        embedded_model,
-        tmp_path_factory.mktemp("tok"),
-        model=MODEL,
-    ) as served:
-        yield served
-
-
-@pytest_asyncio.fixture
-async def client(served: tuple[str, Any]) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=served[0] + "/v1", api_key="unused", max_retries=0) as c:
-        yield c
+served = served_mocker_fixture(MODEL)
+client = openai_client_fixture()
 
 
 CONSTRAINTS: dict[str, dict[str, Any]] = {
@@ -66,14 +51,13 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
 async def test_the_mocker_refuses_structured_output_with_a_400(
     client: openai.AsyncOpenAI, kind: str, stream: bool
 ) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
-        result = await client.chat.completions.create(
+    error = await bad_request_of(
+        client.chat.completions.create(
             model=MODEL, messages=MESSAGES, max_tokens=4, stream=stream, **CONSTRAINTS[kind]
-        )
-        if stream:
-            async for _ in result:  # type: ignore[union-attr]
-                pass
-    assert "not supported by the mocker" in str(info.value)
+        ),
+        stream=stream,
+    )
+    assert "not supported by the mocker" in str(error)
 
 
 async def test_invalid_schema_is_refused_before_the_worker(

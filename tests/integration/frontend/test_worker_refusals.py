@@ -17,9 +17,7 @@ Claims:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,15 +30,11 @@ import pytest_asyncio
 from dynamo.frontend.engine.routing import RouterMode, RouterSettings
 from dynamo.frontend.http.settings import HttpSettings
 from dynamo.frontend.service import FrontendConfig
-from dynamo.llm.worker import ServedWorker
-from dynamo.mocker.args import WorkerSettings
-from dynamo.mocker.backend import MockerBackend, mocker_worker
-from dynamo.mocker.config import MockEngineConfig
-from dynamo.mocker.model_info import ModelInfo
 from dynamo.mocker.timing import TimingModel
 from dynamo.runtime.ports import free_port
 from dynamo.testing.frontends import InLoopFrontend
-from dynamo.testing.http import wait_for_instances_async
+from dynamo.testing.mocker_clusters import MockerCluster, mockers_behind_frontend
+from dynamo.testing.mocker_stacks import mock_engine_config
 from dynamo.testing.waiting import wait_until_async
 
 MODEL = "mock-refusals"
@@ -49,16 +43,9 @@ TIMEOUT_S = 20.0
 
 
 @dataclass
-class Cluster:
-    base: str
-    workers: list[ServedWorker[MockerBackend]]
-    namespace: str
+class Cluster(MockerCluster):
     nats_url: str
     tokenizer_cache: Path
-
-    def engine_requests(self) -> list[int]:
-        """Requests each worker's engine was handed (a refused one never is)."""
-        return [w.backend.engine.counters.requests for w in self.workers]
 
     def running(self) -> list[int]:
         return [w.backend.engine.num_running + w.backend.engine.num_waiting for w in self.workers]
@@ -68,44 +55,26 @@ class Cluster:
 async def cluster(
     nats_url: str, embedded_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Cluster]:
-    namespace = "refuse" + uuid.uuid4().hex[:8]
-    info = ModelInfo.load(embedded_model)
-    engine_config = MockEngineConfig(
-        block_size=16,
+    engine_config = mock_engine_config(
+        embedded_model,
         num_gpu_blocks=1024,
         max_model_len=4096,
         max_logprobs=MAX_LOGPROBS,
         # ~20 ms per token: a long request stays in flight while the test works.
         timing=TimingModel(prefill_ms_per_token=0.001, decode_ms_per_step=20.0),
-        vocab_size=info.vocab_size,
-        eos_token_ids=info.eos_token_ids,
-        special_token_ids=info.special_token_ids,
     )
-    settings = WorkerSettings(
-        namespace=namespace, nats_server=nats_url, lease_ttl=10.0, max_inflight_requests=1
-    )
-    workers = [
-        mocker_worker(
-            settings,
-            engine_config,
-            model_path=embedded_model,
-            served_model_name=MODEL,
-            name=f"m{i}",
-        )
-        for i in range(2)
-    ]
-    frontend = InLoopFrontend.start(
-        nats_url, namespace, tmp_path_factory.mktemp("tok"), router_mode=RouterMode.ROUND_ROBIN
-    )
-    try:
-        await asyncio.gather(*(w.start() for w in workers))
-        await wait_for_instances_async(frontend.base_url, MODEL, 2, timeout=60, interval=0.05)
+    async with mockers_behind_frontend(
+        nats_url,
+        embedded_model,
+        tmp_path_factory.mktemp("tok"),
+        model=MODEL,
+        engine_config=engine_config,
+        namespace_prefix="refuse",
+        max_inflight_requests=1,
+    ) as stack:
         yield Cluster(
-            frontend.base_url, workers, namespace, nats_url, tmp_path_factory.mktemp("tok-kv")
+            stack.base, stack.workers, stack.namespace, nats_url, tmp_path_factory.mktemp("tok-kv")
         )
-    finally:
-        await frontend.stop()
-        await asyncio.gather(*(w.stop(drain_timeout=1.0) for w in workers))
 
 
 def chat(content: str, **fields: Any) -> dict[str, Any]:
@@ -219,7 +188,7 @@ async def test_a_kv_router_refuses_when_every_worker_is_busy(cluster: Cluster) -
             tokenizer_cache=cluster.tokenizer_cache,
         )
     )
-    endpoint = f"{cluster.namespace}/backend/generate"
+    endpoint = cluster.endpoint_key
 
     async def router_view() -> dict[str, Any]:
         async with aiohttp.ClientSession() as session:

@@ -14,23 +14,17 @@ together.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import openai
 
 from dynamo.frontend.engine.routing import RouterMode, RouterSettings
-from dynamo.frontend.http.settings import HttpSettings
-from dynamo.frontend.service import FrontendConfig
-from dynamo.mocker.args import WorkerSettings
-from dynamo.mocker.backend import mocker_worker
 from dynamo.mocker.timing import TimingModel
-from dynamo.runtime.ports import free_port
-from dynamo.testing.frontends import InLoopFrontend
-from dynamo.testing.http import fetch_json, wait_for_instances_async
+from dynamo.testing.http import fetch_json
+from dynamo.testing.mocker_clusters import mockers_behind_frontend
 from dynamo.testing.mocker_stacks import mock_engine_config
 
 MODEL = "smollm2-anticipation"
@@ -39,40 +33,24 @@ MODEL = "smollm2-anticipation"
 @asynccontextmanager
 async def kv_stack(
     nats_url: str, model_path: Path, tokenizer_cache: Path, *, kv_events: bool
-) -> AsyncIterator[tuple[str, str]]:
+) -> AsyncIterator[tuple[str, str, openai.AsyncOpenAI]]:
     """Two mocker workers (publishing KV events only when `kv_events`) and a kv-mode
-    frontend reading them or not; yields the frontend's base URL and the debug key of
-    the workers' endpoint."""
-    namespace = "antic" + uuid.uuid4().hex[:8]
-    settings = WorkerSettings(
-        namespace=namespace, nats_server=nats_url, lease_ttl=10.0, publish_kv_events=kv_events
-    )
-    workers = [
-        mocker_worker(
-            settings,
-            mock_engine_config(model_path, timing=TimingModel()),
-            model_path=model_path,
-            served_model_name=MODEL,
-            name=f"m{i}",
-        )
-        for i in range(2)
-    ]
-    frontend = InLoopFrontend(
-        FrontendConfig(
-            http=HttpSettings(host="127.0.0.1", port=free_port()),
-            router=RouterSettings(mode=RouterMode.KV, kv_events=kv_events),
-            namespace=namespace,
-            nats_server=nats_url,
-            tokenizer_cache=tokenizer_cache,
-        )
-    )
-    async with AsyncExitStack() as stack:
-        stack.push_async_callback(frontend.stop)
-        for worker in workers:
-            await worker.start()
-            stack.push_async_callback(worker.stop, drain_timeout=1.0)
-        await wait_for_instances_async(frontend.base_url, MODEL, 2, timeout=60, interval=0.05)
-        yield frontend.base_url, f"{namespace}/backend/generate"
+    frontend reading them or not; yields the frontend's base URL, the debug key of the
+    workers' endpoint and an official client of the frontend."""
+    async with mockers_behind_frontend(
+        nats_url,
+        model_path,
+        tokenizer_cache,
+        model=MODEL,
+        engine_config=mock_engine_config(model_path, timing=TimingModel()),
+        router=RouterSettings(mode=RouterMode.KV, kv_events=kv_events),
+        namespace_prefix="antic",
+        publish_kv_events=kv_events,
+    ) as stack:
+        async with openai.AsyncOpenAI(
+            base_url=f"{stack.base}/v1", api_key="x", max_retries=0
+        ) as client:
+            yield stack.base, stack.endpoint_key, client
 
 
 def tenant_prompt(tenant: str, question: str) -> str:
@@ -110,17 +88,17 @@ async def test_two_requests_of_a_new_prefix_sent_at_once_share_a_worker(
     async with kv_stack(nats_url, embedded_model, tmp_path / "tok", kv_events=True) as (
         base,
         key,
+        client,
     ):
-        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0) as client:
-            for tenant in ("acme", "globex", "initech"):
-                before = await routed(base, key)
-                await asyncio.gather(
-                    complete(client, tenant_prompt(tenant, "What is fact 3?")),
-                    complete(client, tenant_prompt(tenant, "Which fact comes last?")),
-                )
-                after = await routed(base, key)
-                counts = sorted(after[w] - before.get(w, 0) for w in after)
-                assert counts[-1] == 2, f"{tenant}: split over workers {before} -> {after}"
+        for tenant in ("acme", "globex", "initech"):
+            before = await routed(base, key)
+            await asyncio.gather(
+                complete(client, tenant_prompt(tenant, "What is fact 3?")),
+                complete(client, tenant_prompt(tenant, "Which fact comes last?")),
+            )
+            after = await routed(base, key)
+            counts = sorted(after[w] - before.get(w, 0) for w in after)
+            assert counts[-1] == 2, f"{tenant}: split over workers {before} -> {after}"
         state = await debug_state(base, key)
         assert state["kv_events"] is True
         assert state["anticipated"]["added"] > 0
@@ -132,22 +110,22 @@ async def test_without_events_a_tenant_returns_to_the_worker_that_served_it(
     async with kv_stack(nats_url, embedded_model, tmp_path / "tok", kv_events=False) as (
         base,
         key,
+        client,
     ):
-        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0) as client:
-            tenants = ("acme", "globex", "initech", "umbrella")
-            # All at once: the bookings of the first ones make their workers look fuller.
-            await asyncio.gather(*(complete(client, tenant_prompt(t, "Hello?")) for t in tenants))
-            homes: dict[str, str] = {}
-            for round_ in range(2):
-                for tenant in tenants:
-                    before = await debug_state(base, key)
-                    await complete(client, tenant_prompt(tenant, f"What is fact {round_}?"))
-                    after = await debug_state(base, key)
-                    worker = worker_that_got_one_more(requests_of(before), requests_of(after))
-                    assert homes.setdefault(tenant, worker) == worker, (tenant, round_)
-                    found = after["routing"]["overlap_blocks"] - before["routing"]["overlap_blocks"]
-                    assert found >= 10, f"{tenant}: {found} blocks of its prefix found"
-            assert len(set(homes.values())) == 2, homes  # the tenants spread over both
+        tenants = ("acme", "globex", "initech", "umbrella")
+        # All at once: the bookings of the first ones make their workers look fuller.
+        await asyncio.gather(*(complete(client, tenant_prompt(t, "Hello?")) for t in tenants))
+        homes: dict[str, str] = {}
+        for round_ in range(2):
+            for tenant in tenants:
+                before = await debug_state(base, key)
+                await complete(client, tenant_prompt(tenant, f"What is fact {round_}?"))
+                after = await debug_state(base, key)
+                worker = worker_that_got_one_more(requests_of(before), requests_of(after))
+                assert homes.setdefault(tenant, worker) == worker, (tenant, round_)
+                found = after["routing"]["overlap_blocks"] - before["routing"]["overlap_blocks"]
+                assert found >= 10, f"{tenant}: {found} blocks of its prefix found"
+        assert len(set(homes.values())) == 2, homes  # the tenants spread over both
         state = await debug_state(base, key)
         assert state["kv_events"] is False and state["feed"]["events"] == 0
         assert state["anticipated"]["blocks"] > 0

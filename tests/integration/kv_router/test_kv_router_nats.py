@@ -37,6 +37,7 @@ from dynamo.llm.protocols import (
     decode,
 )
 from dynamo.runtime import Client, DistributedRuntime
+from dynamo.testing.runtimes import connected_runtime
 from dynamo.testing.waiting import wait_until_async
 
 
@@ -47,11 +48,8 @@ def namespace() -> str:
 
 @pytest.fixture
 async def frontend_rt(nats_url: str) -> AsyncIterator[DistributedRuntime]:
-    runtime = await DistributedRuntime.connect(nats_url, lease_ttl=1.0)
-    try:
+    async with connected_runtime(nats_url, lease_ttl=1.0, drain_timeout=1.0) as runtime:
         yield runtime
-    finally:
-        await runtime.shutdown(drain_timeout=1.0)
 
 
 @pytest.fixture

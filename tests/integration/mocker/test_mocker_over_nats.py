@@ -25,24 +25,21 @@ import pytest
 import pytest_asyncio
 from prometheus_client import CollectorRegistry
 
-from dynamo.frontend.engine.routing import RouterMode
+from dynamo.frontend.engine.routing import RouterMode, RouterSettings
 from dynamo.llm.protocols import (
     ClearKvBlocksResult,
     LLMEngineOutput,
     PreprocessedRequest,
     StopConditions,
 )
-from dynamo.llm.worker import ServedWorker, workers_health
-from dynamo.mocker.args import WorkerSettings
-from dynamo.mocker.backend import MockerBackend, mocker_worker
-from dynamo.mocker.config import MockEngineConfig
+from dynamo.llm.worker import workers_health
 from dynamo.mocker.metrics import MockerCollector
-from dynamo.mocker.model_info import ModelInfo
 from dynamo.mocker.timing import TimingModel
 from dynamo.runtime import DistributedRuntime
 from dynamo.runtime.system_server import SystemServer
-from dynamo.testing.frontends import InLoopFrontend
-from dynamo.testing.http import fetch_json, wait_for_instances_async
+from dynamo.testing.http import fetch_json
+from dynamo.testing.mocker_clusters import MockerCluster, mockers_behind_frontend
+from dynamo.testing.mocker_stacks import mock_engine_config
 from dynamo.testing.waiting import wait_until_async
 
 MODEL = "mock-smollm2"
@@ -51,14 +48,10 @@ K = 2
 
 
 @dataclass
-class Cluster:
-    namespace: str
-    base: str
-    workers: list[ServedWorker[MockerBackend]]
-
+class Cluster(MockerCluster):
     async def router_view(self) -> dict[str, Any]:
         models = (await fetch_json(f"{self.base}/debug/kv"))["models"]
-        return models[MODEL][f"{self.namespace}/backend/generate"]
+        return models[MODEL][self.endpoint_key]
 
     async def router_knows_every_cache(self) -> bool:
         """The router's indexer holds exactly the blocks each mocker caches."""
@@ -77,48 +70,32 @@ class Cluster:
 async def cluster(
     nats_url: str, embedded_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Cluster]:
-    namespace = "mock" + uuid.uuid4().hex[:8]
-    info = ModelInfo.load(embedded_model)
-    engine_config = MockEngineConfig(
+    engine_config = mock_engine_config(
+        embedded_model,
         block_size=BLOCK,
         num_gpu_blocks=2048,
         max_model_len=4096,
         num_speculative_tokens=K,
         # ~2 ms per step: long streams stay in flight while the test cancels them.
         timing=TimingModel(prefill_ms_per_token=0.001, decode_ms_per_step=2.0),
-        vocab_size=info.vocab_size,
-        eos_token_ids=info.eos_token_ids,
-        special_token_ids=info.special_token_ids,
     )
-    # A long lease: a heavily loaded test host can miss heartbeats, and nothing here
-    # depends on how fast a dead worker expires.
-    settings = WorkerSettings(namespace=namespace, nats_server=nats_url, lease_ttl=10.0)
-    workers = [
-        mocker_worker(
-            settings,
-            engine_config,
-            model_path=embedded_model,
-            served_model_name=MODEL,
-            name=f"mocker-{i}",
-        )
-        for i in range(2)
-    ]
-    frontend = InLoopFrontend.start(
-        nats_url, namespace, tmp_path_factory.mktemp("tok"), router_mode=RouterMode.KV
-    )
-    base = frontend.base_url
-    try:
-        await asyncio.gather(*(w.start() for w in workers))
-        # The frontend loads the tokenizer first (seconds; much longer on a busy host).
-        await wait_for_instances_async(base, MODEL, 2, timeout=60, interval=0.02)
-        yield Cluster(namespace, base, workers)
-    finally:
-        await frontend.stop()
-        await asyncio.gather(*(w.stop(drain_timeout=1.0) for w in workers))
+    # A long lease (the helper's 10 s): a heavily loaded test host can miss heartbeats,
+    # and nothing here depends on how fast a dead worker expires.
+    async with mockers_behind_frontend(
+        nats_url,
+        embedded_model,
+        tmp_path_factory.mktemp("tok"),
+        model=MODEL,
+        engine_config=engine_config,
+        router=RouterSettings(mode=RouterMode.KV),
+        worker_name="mocker-{}",
+        interval=0.02,
+    ) as stack:
+        yield Cluster(stack.base, stack.workers, stack.namespace)
 
 
 async def test_shared_prefixes_land_on_the_mocker_holding_them(cluster: Cluster) -> None:
-    served = lambda: [w.backend.engine.counters.requests for w in cluster.workers]  # noqa: E731
+    served = cluster.engine_requests
     async with openai.AsyncOpenAI(
         base_url=f"{cluster.base}/v1", api_key="x", max_retries=0
     ) as client:

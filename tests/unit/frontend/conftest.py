@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import openai
 import pytest
-from frontend_support import EOS, Frontend, make_card, start_frontend
+from frontend_support import EOS, Frontend, make_card, openai_client
+from http_support import running_frontend
 
 from dynamo.frontend.preprocess.preprocessor import Preprocessor
 from dynamo.frontend.preprocess.tokenizer_setup import load_tokenizer
@@ -34,9 +36,12 @@ def preprocessor(tokenizer: Any) -> Preprocessor:
 
 @pytest.fixture
 async def frontend(tokenizer: Any) -> AsyncIterator[Frontend]:
-    running = await start_frontend(tokenizer)
-    try:
+    async with running_frontend(tokenizer) as running:
         yield running
-    finally:
-        await running.service.stop()
-        await running.manager.close()
+
+
+@pytest.fixture
+async def client(frontend: Frontend) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The official `openai` client of `frontend`."""
+    async with openai_client(frontend) as c:
+        yield c

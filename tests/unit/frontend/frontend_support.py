@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import openai
 import pytest
 
 from dynamo.frontend.http.metrics import FrontendMetrics
@@ -21,7 +22,7 @@ from dynamo.frontend.models.manager import ModelManager
 from dynamo.frontend.openai.errors import OpenAIError
 from dynamo.frontend.openai.protocol import ChatCompletionRequest, CompletionRequest
 from dynamo.frontend.parsing.chat_parsers import ChatParsingOptions
-from dynamo.frontend.preprocess.preprocessor import Preprocessor
+from dynamo.frontend.preprocess.preprocessor import OutputPlan, Preprocessor
 from dynamo.llm.protocols import (
     CompletionUsage,
     FinishReason,
@@ -69,6 +70,21 @@ def completion_request(**fields: Any) -> CompletionRequest:
     fields.setdefault("model", MODEL)
     fields.setdefault("prompt", "Once upon a time")
     return msgspec.convert(fields, CompletionRequest)
+
+
+def output_plan(**fields: Any) -> OutputPlan:
+    """The preprocessor's plan for the output of a request: not streamed, no usage, no
+    stop strings or hidden stop ids, special tokens skipped, no logprobs, unless `fields`
+    say otherwise."""
+    defaults: dict[str, Any] = {
+        "stream": False,
+        "include_usage": False,
+        "stop_strings": (),
+        "hidden_stop_ids": frozenset(),
+        "skip_special_tokens": True,
+        "logprobs": None,
+    }
+    return OutputPlan(**{**defaults, **fields})
 
 
 @contextmanager
@@ -326,12 +342,17 @@ async def start_frontend(
     tokenizer: Any,
     card: ModelCard | None = None,
     chat_parsing: ChatParsingOptions | None = None,
+    *,
+    engine: ScriptedEngine | None = None,
+    handler: Any = None,
     **settings_kwargs: Any,
 ) -> Frontend:
-    """A frontend over one scripted model; `settings_kwargs` are `HttpSettings` fields."""
+    """A frontend over one scripted model; `settings_kwargs` are `HttpSettings` fields.
+    The model's client calls `handler` when given (an engine of the test's own, wrapping
+    `engine` or not), else `engine` (a new scripted engine unless given)."""
     card = card or make_card()
-    engine = ScriptedEngine(tokenizer)
-    client = InMemoryEngineClient(engine)
+    engine = engine or ScriptedEngine(tokenizer)
+    client = InMemoryEngineClient(handler or engine)
     manager = ModelManager(load_preprocessor=lambda c, _dir: Preprocessor(c, tokenizer))
 
     async def factory(_card: ModelCard) -> InMemoryEngineClient:
@@ -348,6 +369,15 @@ async def start_frontend(
     )
     await service.start()
     return Frontend(service=service, manager=manager, engine=engine, client=client)
+
+
+@asynccontextmanager
+async def openai_client(frontend: Frontend) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The official `openai` client of `frontend`, without retries."""
+    async with openai.AsyncOpenAI(
+        base_url=frontend.url + "/v1", api_key="unused", max_retries=0
+    ) as client:
+        yield client
 
 
 def parse_sse(raw: bytes) -> list[str]:

@@ -11,9 +11,11 @@ from typing import Any
 import aiohttp
 import pytest
 from frontend_support import MODEL, WORKER_WAIT_S, Frontend, Script, parse_sse
+from http_support import chat as chat_body
+from http_support import completion as completion_body
 
-from dynamo.frontend.engine.client import EngineFailedError, EngineUnavailableError
-from dynamo.frontend.http import server as http_server
+from dynamo.frontend.engine.errors import EngineFailedError, EngineUnavailableError
+from dynamo.frontend.http import request_body
 from dynamo.testing.waiting import wait_until_async
 
 REPLY = "Hello there, friend."
@@ -36,14 +38,6 @@ async def post(frontend: Frontend, path: str, body: Any) -> tuple[int, Any, byte
 async def get(frontend: Frontend, path: str) -> tuple[int, bytes, str]:
     async with aiohttp.ClientSession() as session, session.get(frontend.url + path) as resp:
         return resp.status, await resp.read(), resp.content_type
-
-
-def chat_body(**fields: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **fields}
-
-
-def completion_body(**fields: Any) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": "Say hello", **fields}
 
 
 def assert_openai_error(body: Any, *, param: str | None = None, code: str | None = None) -> None:
@@ -98,12 +92,8 @@ async def test_max_tokens_gives_finish_reason_length(frontend: Frontend) -> None
     assert frontend.client.requests[-1].stop_conditions.max_tokens == 2
 
 
-async def test_stop_string_is_not_leaked_and_cancels_the_engine(frontend: Frontend) -> None:
-    frontend.engine.script = Script(reply=REPLY, steps=(1,), delay=0.005)
-    status, body, _ = await post(frontend, "/v1/completions", completion_body(stop=["friend"]))
-    assert status == 200
-    assert body["choices"][0]["text"] == "Hello there, "
-    assert body["choices"][0]["finish_reason"] == "stop"
+async def last_request_cancelled(frontend: Frontend) -> str:
+    """Wait until the engine sees the last request it was handed cancelled; its id."""
     rid = frontend.client.requests[-1].request_id
     await wait_until_async(
         lambda: rid in frontend.client.cancelled,
@@ -111,6 +101,16 @@ async def test_stop_string_is_not_leaked_and_cancels_the_engine(frontend: Fronte
         interval=0.01,
         what=f"the engine to see request {rid} cancelled",
     )
+    return rid
+
+
+async def test_stop_string_is_not_leaked_and_cancels_the_engine(frontend: Frontend) -> None:
+    frontend.engine.script = Script(reply=REPLY, steps=(1,), delay=0.005)
+    status, body, _ = await post(frontend, "/v1/completions", completion_body(stop=["friend"]))
+    assert status == 200
+    assert body["choices"][0]["text"] == "Hello there, "
+    assert body["choices"][0]["finish_reason"] == "stop"
+    await last_request_cancelled(frontend)
 
 
 def reply_token_texts(frontend: Frontend, tokenizer: Any, count: int) -> list[str]:
@@ -161,7 +161,8 @@ async def test_chat_logprobs(frontend: Frontend, tokenizer: Any) -> None:
 # ---------------------------------------------------------------------- streaming
 
 
-async def _stream(frontend: Frontend, path: str, body: dict[str, Any]) -> list[Any]:
+async def _sse_payloads(frontend: Frontend, path: str, body: dict[str, Any]) -> list[str]:
+    """POST `body`: the `data:` payloads of the 200 event stream, the last one `[DONE]`."""
     async with (
         aiohttp.ClientSession() as session,
         session.post(frontend.url + path, json=body) as resp,
@@ -170,8 +171,24 @@ async def _stream(frontend: Frontend, path: str, body: dict[str, Any]) -> list[A
         assert resp.headers["Content-Type"].startswith("text/event-stream")
         payloads = parse_sse(await resp.read())
     assert payloads[-1] == "[DONE]"
+    return payloads
+
+
+async def _stream(frontend: Frontend, path: str, body: dict[str, Any]) -> list[Any]:
+    payloads = await _sse_payloads(frontend, path, body)
     assert "[DONE]" not in payloads[:-1]
     return [json.loads(p) for p in payloads[:-1]]
+
+
+async def _stream_ending_in_engine_error(
+    frontend: Frontend, path: str, body: dict[str, Any]
+) -> tuple[list[str], Any]:
+    """A stream whose last event before `[DONE]` is an `engine_error`: the payloads
+    before it, and the error."""
+    payloads = await _sse_payloads(frontend, path, body)
+    error = json.loads(payloads[-2])
+    assert_openai_error(error, code="engine_error")
+    return payloads[:-2], error
 
 
 async def test_streamed_completion_sse_format_and_usage(frontend: Frontend) -> None:
@@ -244,15 +261,7 @@ async def test_queued_engine_outputs_are_coalesced_into_one_event(frontend: Fron
 
 async def test_engine_failure_mid_stream_is_reported_in_band(frontend: Frontend) -> None:
     frontend.engine.script = Script(reply=REPLY, delay=0.002, fail_after=2)
-    async with (
-        aiohttp.ClientSession() as session,
-        session.post(frontend.url + "/v1/chat/completions", json=chat_body(stream=True)) as resp,
-    ):
-        assert resp.status == 200
-        payloads = parse_sse(await resp.read())
-    assert payloads[-1] == "[DONE]"
-    error = json.loads(payloads[-2])
-    assert_openai_error(error, code="engine_error")
+    await _stream_ending_in_engine_error(frontend, "/v1/chat/completions", chat_body(stream=True))
 
 
 async def test_engine_exception_mid_stream_ends_the_stream_with_an_error(
@@ -261,17 +270,11 @@ async def test_engine_exception_mid_stream_ends_the_stream_with_an_error(
     frontend.engine.script = Script(
         reply=REPLY, delay=0.002, raise_exc=EngineFailedError("worker lost"), raise_after=3
     )
-    async with (
-        aiohttp.ClientSession() as session,
-        session.post(frontend.url + "/v1/completions", json=completion_body(stream=True)) as resp,
-    ):
-        assert resp.status == 200
-        payloads = parse_sse(await resp.read())
-    assert payloads[-1] == "[DONE]"
-    texts = [json.loads(p)["choices"][0]["text"] for p in payloads[:-2]]
+    before, error = await _stream_ending_in_engine_error(
+        frontend, "/v1/completions", completion_body(stream=True)
+    )
+    texts = [json.loads(p)["choices"][0]["text"] for p in before]
     assert REPLY.startswith("".join(texts)) and texts
-    error = json.loads(payloads[-2])
-    assert_openai_error(error, code="engine_error")
     assert "worker lost" in error["error"]["message"]
 
 
@@ -285,13 +288,7 @@ async def test_client_disconnect_cancels_the_engine_stream(frontend: Frontend) -
         first = await resp.content.readuntil(b"\n\n")
         assert first.startswith(b"data: ")
         resp.close()  # drop the connection mid-stream
-    rid = frontend.client.requests[-1].request_id
-    await wait_until_async(
-        lambda: rid in frontend.client.cancelled,
-        timeout=3.0,
-        interval=0.01,
-        what=f"the engine to see request {rid} cancelled",
-    )
+    rid = await last_request_cancelled(frontend)
     assert rid not in frontend.client.completed
     metrics = frontend.service.metrics
     await wait_until_async(
@@ -318,13 +315,7 @@ async def test_client_disconnect_cancels_a_unary_request(frontend: Frontend) -> 
         request.cancel()
         with pytest.raises(asyncio.CancelledError):
             await request
-    rid = frontend.client.requests[-1].request_id
-    await wait_until_async(
-        lambda: rid in frontend.client.cancelled,
-        timeout=3.0,
-        interval=0.01,
-        what=f"the engine to see request {rid} cancelled",
-    )
+    await last_request_cancelled(frontend)
 
 
 async def test_client_sockets_have_tcp_nodelay(frontend: Frontend) -> None:
@@ -530,7 +521,7 @@ async def test_metrics_count_requests_tokens_and_latency(frontend: Frontend) -> 
 async def test_a_body_that_never_completes_gets_408(
     frontend: Frontend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(http_server, "BODY_READ_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(request_body, "BODY_READ_TIMEOUT_S", 0.2)
     reader, writer = await asyncio.open_connection("127.0.0.1", frontend.service.port)
     writer.write(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

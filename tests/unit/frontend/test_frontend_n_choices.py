@@ -16,19 +16,16 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
-from frontend_support import EOS, MODEL, make_card, parse_sse
+from frontend_support import EOS, MODEL, output_plan, parse_sse, start_frontend
 
-from dynamo.frontend.engine.client import EngineFailedError, RequestLegs
 from dynamo.frontend.engine.disagg import DisaggregatedEngineClient
-from dynamo.frontend.http.metrics import FrontendMetrics
+from dynamo.frontend.engine.errors import EngineFailedError
+from dynamo.frontend.engine.request_legs import RequestLegs
 from dynamo.frontend.http.server import HttpService
-from dynamo.frontend.http.settings import HttpSettings
-from dynamo.frontend.models.manager import ModelManager
 from dynamo.frontend.openai.protocol import Usage
 from dynamo.frontend.parsing.chat_output import ChatPieces, PlainText
-from dynamo.frontend.postprocess.formatters import ChatFormatter
+from dynamo.frontend.postprocess.chat_formatter import ChatFormatter
 from dynamo.frontend.postprocess.postprocessor import TextDelta
-from dynamo.frontend.preprocess.preprocessor import OutputPlan, Preprocessor
 from dynamo.llm.protocols import (
     CompletionUsage,
     FinishReason,
@@ -101,18 +98,8 @@ class Running:
 
 
 async def start(tokenizer: Any, handler: Handler) -> Running:
-    client = InMemoryEngineClient(handler)
-    manager = ModelManager(load_preprocessor=lambda c, _dir: Preprocessor(c, tokenizer))
-
-    async def factory(_card: Any) -> InMemoryEngineClient:
-        return client
-
-    await manager.add_instance(make_card(), "/unused", factory)
-    service = HttpService(
-        manager, metrics=FrontendMetrics(), settings=HttpSettings(host="127.0.0.1", port=0)
-    )
-    await service.start()
-    return Running(service, client)
+    frontend = await start_frontend(tokenizer, handler=handler)
+    return Running(frontend.service, frontend.client)
 
 
 @pytest.fixture
@@ -372,14 +359,7 @@ class Recording(PlainText):
 
 
 def test_each_chat_choice_gets_its_own_parser_from_the_factory() -> None:
-    plan = OutputPlan(
-        stream=False,
-        include_usage=False,
-        stop_strings=(),
-        hidden_stop_ids=frozenset(),
-        skip_special_tokens=True,
-        logprobs=None,
-    )
+    plan = output_plan()
     made: list[Recording] = []
 
     def factory() -> Recording:
@@ -415,14 +395,7 @@ class AllReasoning(PlainText):
 
 
 def test_a_message_of_only_reasoning_has_null_content_as_vllm_sends_it() -> None:
-    plan = OutputPlan(
-        stream=False,
-        include_usage=False,
-        stop_strings=(),
-        hidden_stop_ids=frozenset(),
-        skip_special_tokens=True,
-        logprobs=None,
-    )
+    plan = output_plan()
     formatter = ChatFormatter("id", MODEL, plan, parser_factory=AllReasoning)
     formatter.add(TextDelta(text="hmm", finish_reason="length"))
     (choice,) = json.loads(formatter.body(Usage(1, 1, 2)))["choices"]

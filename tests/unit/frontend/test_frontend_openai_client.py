@@ -3,21 +3,11 @@ what real applications will do."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import openai
 import pytest
 from frontend_support import MODEL, Frontend, Script
 
 REPLY = "Hello there, friend."
-
-
-@pytest.fixture
-async def client(frontend: Frontend) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(
-        base_url=frontend.url + "/v1", api_key="unused", max_retries=0
-    ) as c:
-        yield c
 
 
 async def test_completion(client: openai.AsyncOpenAI, frontend: Frontend) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from frontend_support import EOS
+from frontend_support import EOS, output_plan
 
 from dynamo.frontend.postprocess.detokenizer import TokenTexts, make_decode_fn
 from dynamo.frontend.postprocess.postprocessor import Postprocessor, openai_finish_reason
@@ -23,16 +23,7 @@ from dynamo.llm.protocols import (
 
 
 def _plan(**overrides: Any) -> OutputPlan:
-    fields: dict[str, Any] = {
-        "stream": True,
-        "include_usage": False,
-        "stop_strings": (),
-        "hidden_stop_ids": frozenset({EOS}),
-        "skip_special_tokens": True,
-        "logprobs": None,
-    }
-    fields.update(overrides)
-    return OutputPlan(**fields)
+    return output_plan(**{"stream": True, "hidden_stop_ids": frozenset({EOS}), **overrides})
 
 
 def _post(tokenizer: Any, plan: OutputPlan, prompt: list[int] | None = None) -> Postprocessor:

@@ -13,7 +13,8 @@ from typing import Any
 
 import openai
 import pytest
-from frontend_support import MODEL, Frontend, Script, chat_request, start_frontend
+from frontend_support import MODEL, Frontend, Script, chat_request, openai_client
+from http_support import running_frontend
 
 from dynamo.frontend.__main__ import build_parser, config_from_args, main
 from dynamo.frontend.openai.errors import OpenAIError
@@ -269,22 +270,16 @@ MESSAGES: Any = [{"role": "user", "content": "Hi"}]
 async def reasoning_frontend(think_tokenizer: Any) -> AsyncIterator[Frontend]:
     """A frontend started with `--reasoning-parser deepseek_r1` whose scripted engine
     answers `REPLY`'s token ids (the `<think>` tags are single tokens)."""
-    running = await start_frontend(
+    async with running_frontend(
         think_tokenizer, chat_parsing=ChatParsingOptions(reasoning_parser="deepseek_r1")
-    )
-    running.engine.script = Script(reply=REPLY, steps=(2, 1), delay=0.002)
-    try:
+    ) as running:
+        running.engine.script = Script(reply=REPLY, steps=(2, 1), delay=0.002)
         yield running
-    finally:
-        await running.service.stop()
-        await running.manager.close()
 
 
 @pytest.fixture
 async def client(reasoning_frontend: Frontend) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(
-        base_url=reasoning_frontend.url + "/v1", api_key="unused", max_retries=0
-    ) as c:
+    async with openai_client(reasoning_frontend) as c:
         yield c
 
 
@@ -359,18 +354,12 @@ async def test_the_rendered_prompt_sets_the_starting_state(
 async def test_a_parser_that_does_not_fit_the_model_is_a_500_naming_it(tokenizer: Any) -> None:
     """deepseek_r1 on a model without `<think>` tokens: every chat request fails with a
     500 that names the parser (before any worker is asked), not text silently unsplit."""
-    running = await start_frontend(
+    async with running_frontend(
         tokenizer, chat_parsing=ChatParsingOptions(reasoning_parser="deepseek_r1")
-    )
-    try:
-        async with openai.AsyncOpenAI(
-            base_url=running.url + "/v1", api_key="unused", max_retries=0
-        ) as c:
+    ) as running:
+        async with openai_client(running) as c:
             with pytest.raises(openai.InternalServerError) as info:
                 await c.chat.completions.create(model=MODEL, messages=MESSAGES)
         assert "deepseek_r1" in info.value.message
         assert info.value.code == "reasoning_parser_error"
         assert running.client.requests == [], "no worker was asked"
-    finally:
-        await running.service.stop()
-        await running.manager.close()

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import pydantic
 import pytest
-from frontend_support import MODEL, Frontend
+from frontend_support import MODEL, Frontend, output_plan
 from http_support import assert_openai_error, send
 from openai.types.responses import Response, ResponseStreamEvent
 
@@ -38,19 +38,11 @@ from dynamo.frontend.postprocess.responses_api import (
     to_chat_request,
     translated,
 )
-from dynamo.frontend.preprocess.preprocessor import OutputPlan
 from dynamo.frontend.preprocess.structured_output import structured_output_of
 
 DECODER = msgspec.json.Decoder(ResponsesRequest)
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
-PLAN = OutputPlan(
-    stream=True,
-    include_usage=True,
-    stop_strings=(),
-    hidden_stop_ids=frozenset(),
-    skip_special_tokens=True,
-    logprobs=None,
-)
+PLAN = output_plan(stream=True, include_usage=True)
 STREAM_EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
 
 

@@ -17,16 +17,11 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
-from frontend_support import MODEL, Frontend, ScriptedEngine, make_card, parse_sse
+from frontend_support import MODEL, Frontend, ScriptedEngine, parse_sse, start_frontend
 
 from dynamo.frontend.__main__ import build_parser, config_from_args
-from dynamo.frontend.http.server import HttpService
-from dynamo.frontend.http.settings import HttpSettings
-from dynamo.frontend.models.manager import ModelManager
 from dynamo.frontend.postprocess.postprocessor import speculative_decoding_metrics
-from dynamo.frontend.preprocess.preprocessor import Preprocessor
-from dynamo.llm.protocols import LLMEngineOutput, ModelCard, PreprocessedRequest, SpecDecodeStats
-from dynamo.testing.engines import InMemoryEngineClient
+from dynamo.llm.protocols import LLMEngineOutput, PreprocessedRequest, SpecDecodeStats
 
 # K = 3: two steps accepted nothing, one accepted 1 draft, three accepted 3.
 STATS = SpecDecodeStats(
@@ -64,18 +59,10 @@ class SpeculatingEngine:
 async def _start(tokenizer: Any, **service_kwargs: Any) -> tuple[Frontend, SpeculatingEngine]:
     """`frontend_support.start_frontend`, with the speculating engine behind it."""
     engine = SpeculatingEngine(ScriptedEngine(tokenizer))
-    client = InMemoryEngineClient(engine)
-    manager = ModelManager(load_preprocessor=lambda c, _dir: Preprocessor(c, tokenizer))
-
-    async def factory(_card: ModelCard) -> InMemoryEngineClient:
-        return client
-
-    await manager.add_instance(make_card(), "/unused", factory)
-    service = HttpService(
-        manager, settings=HttpSettings(host="127.0.0.1", port=0, **service_kwargs)
+    frontend = await start_frontend(
+        tokenizer, engine=engine.inner, handler=engine, **service_kwargs
     )
-    await service.start()
-    return Frontend(service, manager, engine.inner, client), engine
+    return frontend, engine
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -203,14 +203,6 @@ def test_wrongly_typed_fields_are_400_at_decoding() -> None:
 
 
 # ---------------------------------------------------------------------- through HTTP
-
-
-@pytest.fixture
-async def client(frontend: Frontend) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(
-        base_url=frontend.url + "/v1", api_key="unused", max_retries=0
-    ) as c:
-        yield c
 
 
 async def test_openai_client_fields_reach_the_worker(

@@ -6,24 +6,17 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from dynamo.llm.models import DEFAULT_MODEL, UnknownModelError, get_recipe, resolve_model
 from dynamo.llm.models.manifest import MANIFEST_NAME, check_model_dir
+from dynamo.testing.module_runs import run_module
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dynamo.llm.models", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **(env or {})},
-        check=False,
-    )
+    return run_module("dynamo.llm.models", *args, env=env)
 
 
 def test_unknown_model_lists_known_ones_and_exits_2() -> None:

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from vllm_config_support import speculators_config, write_config
 
+from dynamo.testing.module_runs import OFFLINE, run_module
 from dynamo.vllm.config.args import ConfigError, parse_worker_args
 
 ENGINE_MARKERS = ("Loading weights", "EngineCore", "Traceback", "Initializing a V1 LLM engine")
@@ -32,16 +31,13 @@ ENGINE_MARKERS = ("Loading weights", "EngineCore", "Traceback", "Initializing a 
 
 def start_worker(model: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     """Run a real worker start (no --dry-run)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    env.pop("DYN_SYSTEM_PORT", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "dynamo.vllm", "--model", str(model), "--block-size", "32", *argv],
-        capture_output=True,
-        text=True,
+    return run_module(
+        "dynamo.vllm",
+        *("--model", str(model), "--block-size", "32", *argv),
+        env=OFFLINE,
+        unset=("DYN_SYSTEM_PORT",),
         timeout=300,
-        env=env,
     )
-    return result
 
 
 def the_error_line(result: subprocess.CompletedProcess[str]) -> str:

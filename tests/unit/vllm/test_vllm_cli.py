@@ -5,26 +5,18 @@ Each run imports vLLM (about 10 s on two cores), so the claims are grouped into 
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
+
+from dynamo.testing.module_runs import OFFLINE, run_module
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "engine_configs"
 
 
 def run_worker(*argv: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    env.pop("DYN_SYSTEM_PORT", None)
-    return subprocess.run(
-        [sys.executable, "-m", "dynamo.vllm", *argv],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
+    return run_module("dynamo.vllm", *argv, env=OFFLINE, unset=("DYN_SYSTEM_PORT",), timeout=180)
 
 
 def test_dry_run_prints_resolved_yaml_and_exits_0(tiny_model: Path) -> None:

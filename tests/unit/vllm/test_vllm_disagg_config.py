@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from dynamo.testing.module_runs import run_module
 from dynamo.vllm.kv_transfer.janitor import KvTransferJanitor, disk_connector_storage, entry_name
 
 
 def dry_run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dynamo.vllm", *args, "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **(env or {})},
-        check=False,
-    )
+    return run_module("dynamo.vllm", *args, "--dry-run", env=env)
 
 
 def test_prefill_worker_without_a_connector_is_refused() -> None:

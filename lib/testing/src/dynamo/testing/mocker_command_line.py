@@ -1,0 +1,27 @@
+"""The command line of the simulated worker (`python -m dynamo.mocker`), as an argv list,
+beside `dynamo.testing.command_lines`' builders for the vLLM worker and the frontend."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def mocker_argv(
+    model: str | Path,
+    nats_url: str,
+    namespace: str,
+    *extra: str,
+    served_model_name: str | None = None,
+) -> list[str]:
+    """`python -m dynamo.mocker` with `model`'s tokenizer and vocabulary in `namespace`
+    (serving it as `served_model_name` when given), then `extra`."""
+    served = ["--served-model-name", served_model_name] if served_model_name else []
+    return [
+        sys.executable, "-m", "dynamo.mocker",
+        "--model", str(model),
+        *served,
+        "--namespace", namespace,
+        "--nats-server", nats_url,
+        *extra,
+    ]  # fmt: skip
