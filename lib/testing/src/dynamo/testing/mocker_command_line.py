@@ -3,8 +3,9 @@ beside `dynamo.testing.command_lines`' builders for the vLLM worker and the fron
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
+
+from dynamo.testing.command_lines import dynamo_worker_argv
 
 
 def mocker_argv(
@@ -17,11 +18,4 @@ def mocker_argv(
     """`python -m dynamo.mocker` with `model`'s tokenizer and vocabulary in `namespace`
     (serving it as `served_model_name` when given), then `extra`."""
     served = ["--served-model-name", served_model_name] if served_model_name else []
-    return [
-        sys.executable, "-m", "dynamo.mocker",
-        "--model", str(model),
-        *served,
-        "--namespace", namespace,
-        "--nats-server", nats_url,
-        *extra,
-    ]  # fmt: skip
+    return dynamo_worker_argv("dynamo.mocker", model, nats_url, namespace, *served, *extra)
