@@ -41,7 +41,6 @@ from harness import (
     CPU_ENGINE_FLAGS,
     BenchError,
     Stack,
-    add_serving_args,
     dynamo_stack,
     format_table,
     guarded,
@@ -50,6 +49,7 @@ from harness import (
     resolve_model_arg,
     results_path,
     save_report,
+    serving_parser,
     vllm_direct_stack,
     warn_if_busy,
 )
@@ -97,11 +97,9 @@ class Mode:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = serving_parser(
+        __doc__, "beam_search.json", formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    add_serving_args(parser, "beam_search.json")
     parser.add_argument(
         "--widths",
         default="2,4",

@@ -59,16 +59,18 @@ from harness import (
     RunResult,
     Scenario,
     Stack,
-    add_serving_args,
+    add_order_arg,
     dynamo_stack,
     format_table,
     guarded,
     host_info,
+    in_order,
     measure_in_turn,
     measure_scenarios,
-    resolve_model_arg,
     results_path,
     save_report,
+    serving_parser,
+    workload,
 )
 
 # The same engine flags for every worker of both topologies (as in overhead_bench.py).
@@ -288,11 +290,8 @@ def report_json(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_serving_args(parser, "disagg.json")
-    parser.add_argument(
-        "--disagg-first", action="store_true", help="measure disagg before agg (order check)"
-    )
+    parser = serving_parser(__doc__, "disagg.json")
+    add_order_arg(parser, list(TOPOLOGIES))
     parser.add_argument(
         "--split-cores",
         action="store_true",
@@ -304,25 +303,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     """Measure both topologies, print the comparison, write the JSON."""
-    model_dir, served = resolve_model_arg(args.model)
-    runs = scenarios(args.quick)
-    order = ["disagg", "agg"] if args.disagg_first else ["agg", "disagg"]
+    work = workload(args, scenarios)
     measured = measure_in_turn(
+        work,
         {
             name: partial(
                 measure_topology,
                 name,
-                model_dir,
-                served,
-                runs,
+                *work,
                 start_timeout=args.start_timeout,
                 pin=args.split_cores,
             )
-            for name in order
+            for name in in_order(args, list(TOPOLOGIES))
         },
-        served=served,
-        model_dir=model_dir,
-        runs=runs,
         log_prefix="disagg-bench-",
         keep_logs=args.keep_logs,
     )
@@ -334,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
     print(verdict(rows, measured["disagg"].prefill_fallbacks, args.split_cores))
     save_report(
         results_path(args, "disagg.json"),
-        report_json(served, args.quick, runs, measured, rows, args.split_cores),
+        report_json(work.served, args.quick, work.runs, measured, rows, args.split_cores),
     )
     return 0
 

@@ -7,7 +7,8 @@ Dynamo is installed into a virtualenv of its own (default
 which the frontend or the mocker import), then only the few modules those two entry
 points import (`REFERENCE_MODULES`, found by running their `--help` until it worked).
 `ensure_reference` does it and checks that both `--help`s run; it raises
-`ReferenceUnavailable` with a one-line reason otherwise.
+`ReferenceUnavailable` with a one-line reason otherwise; `reference_or_reason` says which
+it was and returns the reason instead.
 
 `reference_stack` starts one `python -m dynamo.mocker --num-workers N` process and one
 `python -m dynamo.frontend` on a free port, both with file discovery (`DYN_FILE_KV` set to
@@ -31,6 +32,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from dynamo.runtime.ports import free_port
 from dynamo.testing.processes import ManagedProcess, running, wait_serving, wait_while_alive
@@ -87,6 +89,22 @@ def ensure_reference(venv: Path = DEFAULT_VENV, version: str = REFERENCE_VERSION
         _run([str(python), "-m", entry, "--help"], f"python -m {entry} --help")
     marker.write_text(version + "\n")
     return Reference(python, version, round(time.monotonic() - began, 1))
+
+
+def reference_or_reason(
+    venv: Path, file: TextIO | None = None
+) -> tuple[Reference | None, str | None]:
+    """`ensure_reference(venv)`, saying on `file` (default stdout) what came of it: the
+    reference and None, or None and why it is unavailable (the benchmark then measures
+    ours only)."""
+    try:
+        reference = ensure_reference(venv)
+    except ReferenceUnavailable as exc:
+        print(f"reference unavailable, measuring ours only: {exc}", file=file, flush=True)
+        return None, str(exc)
+    how = f"installed in {reference.install_s:.0f}s" if reference.install_s else "reused"
+    print(f"reference: ai-dynamo {reference.version} in {venv} ({how})", file=file, flush=True)
+    return reference, None
 
 
 def _run(argv: Sequence[str], what: str) -> None:

@@ -11,7 +11,7 @@ only the benchmarks need, in small pieces:
 * vLLM's serving benchmark: `run_bench_serve` runs `vllm bench serve` in a subprocess and
   reads its result JSON into a `RunResult`;
 * CPU accounting: `Stack.cpu_seconds` sums user + system CPU of every process of a stack;
-* a run: `add_serving_args` (the common options), `guarded` (failures, a server that
+* a run: `serving_parser` (the common options), `guarded` (failures, a server that
   died or never became ready among them, become exit codes; SIGTERM cleans up like
   Ctrl-C), `measure_in_turn` (setups one after the other, never at the same time, in one
   log directory);
@@ -34,9 +34,9 @@ import tempfile
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import psutil
 
@@ -99,6 +99,30 @@ def add_serving_args(parser: argparse.ArgumentParser, results_file: str) -> None
         "quick runs write only when given)",
     )
     parser.add_argument("--keep-logs", action="store_true", help="keep the log directory")
+
+
+def serving_parser(doc: str | None, results_file: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A benchmark's parser: described by the first paragraph of `doc` (its module
+    docstring), with `add_serving_args`; `kwargs` go to `argparse.ArgumentParser`."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0], **kwargs)
+    add_serving_args(parser, results_file)
+    return parser
+
+
+def add_order_arg(parser: argparse.ArgumentParser, setups: Sequence[str]) -> None:
+    """`--<last setup>-first`: measure `setups` in the reverse order, to check that the order
+    does not matter; `in_order` reads it back."""
+    parser.add_argument(
+        f"--{setups[-1]}-first",
+        dest="reverse_order",
+        action="store_true",
+        help=f"measure {setups[-1]} before {setups[0]} (to check that the order does not matter)",
+    )
+
+
+def in_order(args: argparse.Namespace, setups: Sequence[T]) -> list[T]:
+    """`setups` in the order to measure them (see `add_order_arg`)."""
+    return list(reversed(setups) if args.reverse_order else setups)
 
 
 def results_path(args: argparse.Namespace, results_file: str) -> Path | None:
@@ -177,19 +201,32 @@ def announce(served: str, model_dir: Path, runs: Sequence[Scenario], logs: Path)
     warn_if_busy()
 
 
+class Workload(NamedTuple):
+    """What a benchmark serves and sends: the model (directory and served name) and the
+    scenarios; in the order the `measure_*` functions of the benchmarks take them."""
+
+    model_dir: Path
+    served: str
+    runs: list[Scenario]
+
+
+def workload(args: argparse.Namespace, scenarios: Callable[[bool], list[Scenario]]) -> Workload:
+    """The workload of a run: `--model` resolved, `scenarios(--quick)`."""
+    model_dir, served = resolve_model_arg(args.model)
+    return Workload(model_dir, served, scenarios(args.quick))
+
+
 def measure_in_turn(
+    work: Workload,
     setups: Mapping[str, Callable[[Path], T]],
     *,
-    served: str,
-    model_dir: Path,
-    runs: Sequence[Scenario],
     log_prefix: str,
     keep_logs: bool,
 ) -> dict[str, T]:
     """Measure each setup (label → function of the log directory), one after the other so
     they never compete for cores, in one log directory; returns the results by label."""
     with log_dir(log_prefix, keep=keep_logs) as logs:
-        announce(served, model_dir, runs, logs)
+        announce(work.served, work.model_dir, work.runs, logs)
         return {label: measure(logs) for label, measure in setups.items()}
 
 
@@ -422,22 +459,19 @@ class RunResult:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunResult:
-        """From the result file `vllm bench serve --save-result` writes."""
-        return cls(
-            completed=data["completed"],
-            failed=data["failed"],
-            duration_s=data["duration"],
-            output_throughput=data["output_throughput"],
-            median_ttft_ms=data["median_ttft_ms"],
-            median_itl_ms=data["median_itl_ms"],
-            median_tpot_ms=data["median_tpot_ms"],
-            p90_ttft_ms=data["p90_ttft_ms"],
-            p90_itl_ms=data["p90_itl_ms"],
-            p99_ttft_ms=data["p99_ttft_ms"],
-            p99_itl_ms=data["p99_itl_ms"],
-            output_tokens=data["total_output_tokens"],
-            p90_tpot_ms=data.get("p90_tpot_ms", float("nan")),
-        )
+        """From the result file `vllm bench serve --save-result` writes: every field under
+        its own name or its `RESULT_FILE_KEYS` one; one with a default may be missing,
+        `server_cpu_s` is not in the file."""
+        kept: dict[str, Any] = {}
+        for f in fields(cls):
+            key = RESULT_FILE_KEYS.get(f.name, f.name)
+            if f.default_factory is MISSING and (f.default is MISSING or key in data):
+                kept[f.name] = data[key]
+        return cls(**kept)
+
+
+# `RunResult` fields that the result file of `vllm bench serve` names otherwise.
+RESULT_FILE_KEYS = {"duration_s": "duration", "output_tokens": "total_output_tokens"}
 
 
 def bench_serve_argv(

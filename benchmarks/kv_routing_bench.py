@@ -109,8 +109,7 @@ from dynamo_reference import (
     DEFAULT_VENV,
     MockerShape,
     Reference,
-    ReferenceUnavailable,
-    ensure_reference,
+    reference_or_reason,
     reference_stack,
 )
 from harness import (
@@ -1079,19 +1078,11 @@ def run_mocker(args: argparse.Namespace) -> int:
     reference: Reference | None = None
     reference_info: dict[str, Any] = {"requested": any(c.reference for c in configs)}
     if reference_info["requested"]:
-        try:
-            reference = ensure_reference(args.reference_venv)
-        except ReferenceUnavailable as exc:
-            print(f"reference unavailable, measuring ours only: {exc}", file=sys.stderr)
-            reference_info["unavailable"] = str(exc)
+        reference, reason = reference_or_reason(args.reference_venv, sys.stderr)
+        if reference is None:
+            reference_info["unavailable"] = reason
             configs = [c for c in configs if not c.reference]
         else:
-            how = f"installed in {reference.install_s:.0f}s" if reference.install_s else "reused"
-            print(
-                f"reference: ai-dynamo {reference.version} in {args.reference_venv} ({how})",
-                file=sys.stderr,
-                flush=True,
-            )
             reference_info |= {
                 "version": reference.version,
                 "venv": str(args.reference_venv),

@@ -56,19 +56,21 @@ from harness import (
     RunResult,
     Scenario,
     Stack,
-    add_serving_args,
+    add_order_arg,
     cpu_delta,
     dynamo_stack,
     format_table,
     guarded,
     host_info,
+    in_order,
     log_dir,
     measure_in_turn,
     measure_scenarios,
-    resolve_model_arg,
     results_path,
     save_report,
+    serving_parser,
     vllm_direct_stack,
+    workload,
 )
 
 ENGINE_FLAGS = CPU_ENGINE_FLAGS  # both servers get the same
@@ -137,6 +139,10 @@ def dynamo(
         log_dir=logs,
         timeout=timeout,
     )
+
+
+# The servers compared, in the order they are measured (`--dynamo-first` reverses it).
+SERVERS: list[tuple[str, ServerFactory]] = [("vllm-direct", direct_vllm), ("dynamo", dynamo)]
 
 
 def measure_server(
@@ -416,13 +422,8 @@ def report_json(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_serving_args(parser, "overhead.json")
-    parser.add_argument(
-        "--dynamo-first",
-        action="store_true",
-        help="measure dynamo before vLLM direct (to check that the order does not matter)",
-    )
+    parser = serving_parser(__doc__, "overhead.json")
+    add_order_arg(parser, [label for label, _ in SERVERS])
     parser.add_argument(
         "--fail-on-miss", action="store_true", help="exit with 3 when a target is missed"
     )
@@ -437,23 +438,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     """Measure both servers, print the comparison, write the JSON."""
-    model_dir, served = resolve_model_arg(args.model)
-    runs = scenarios(args.quick)
-    servers: list[tuple[str, ServerFactory]] = [("vllm-direct", direct_vllm), ("dynamo", dynamo)]
-    if args.dynamo_first:
-        servers.reverse()
+    work = workload(args, scenarios)
+    model_dir, served, runs = work
+    servers = in_order(args, SERVERS)
     profiles: dict[str, Any] = {}
     idle: dict[str, dict[str, float]] = {}
     json_path = results_path(args, "overhead.json")
     measured = measure_in_turn(
+        work,
         {
             label: partial(
                 measure_server,
                 label,
                 server,
-                model_dir,
-                served,
-                runs,
+                *work,
                 start_timeout=args.start_timeout,
                 idle=idle,
                 profiles=profiles if args.profile and label == "dynamo" else None,
@@ -461,9 +459,6 @@ def run(args: argparse.Namespace) -> int:
             )
             for label, server in servers
         },
-        served=served,
-        model_dir=model_dir,
-        runs=runs,
         log_prefix="overhead-bench-",
         keep_logs=args.keep_logs,
     )

@@ -34,7 +34,6 @@ from pathlib import Path
 
 from dynamo.runtime.ports import free_port
 from harness import (
-    add_serving_args,
     format_table,
     guarded,
     host_info,
@@ -44,6 +43,7 @@ from harness import (
     resolve_model_arg,
     results_path,
     save_report,
+    serving_parser,
     warn_if_busy,
 )
 from spec_decode_bench import (
@@ -191,8 +191,7 @@ def levels(text: str) -> list[int]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_serving_args(parser, "spec_presets.json")
+    parser = serving_parser(__doc__, "spec_presets.json")
     parser.add_argument(
         "--presets",
         type=preset_list,

@@ -53,8 +53,7 @@ from dynamo_reference import (
     DEFAULT_VENV,
     MockerShape,
     Reference,
-    ReferenceUnavailable,
-    ensure_reference,
+    reference_or_reason,
     reference_stack,
 )
 from flame import profile_while
@@ -301,14 +300,7 @@ def install_reference(args: argparse.Namespace) -> Reference | None:
     if args.no_reference:
         return None
     print(f"reference: ai-dynamo in {args.reference_venv} ...", flush=True)
-    try:
-        reference = ensure_reference(args.reference_venv)
-    except ReferenceUnavailable as exc:
-        print(f"reference unavailable, measuring ours only: {exc}", flush=True)
-        return None
-    took = f"installed in {reference.install_s:.0f}s" if reference.install_s else "reused"
-    print(f"reference: ai-dynamo {reference.version} ({took})", flush=True)
-    return reference
+    return reference_or_reason(args.reference_venv)[0]
 
 
 def measure(

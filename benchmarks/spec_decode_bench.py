@@ -68,7 +68,6 @@ from harness import (
     RunResult,
     Scenario,
     Stack,
-    add_serving_args,
     cpu_delta,
     dynamo_stack,
     format_table,
@@ -80,6 +79,7 @@ from harness import (
     results_path,
     run_bench_serve,
     save_report,
+    serving_parser,
     warn_if_busy,
 )
 
@@ -933,8 +933,7 @@ def concurrency_levels(text: str) -> list[int]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_serving_args(parser, "spec_decode.json")
+    parser = serving_parser(__doc__, "spec_decode.json")
     parser.add_argument(
         "--setups",
         default=None,

@@ -20,7 +20,6 @@ Full runs write benchmarks/results/structured_output.json (`--json` elsewhere).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -35,12 +34,12 @@ import aiohttp
 from harness import (
     CPU_ENGINE_FLAGS,
     BenchError,
-    add_serving_args,
     dynamo_stack,
     guarded,
     log_dir,
     resolve_model_arg,
     results_path,
+    serving_parser,
 )
 
 SCHEMA = {
@@ -149,8 +148,7 @@ async def _measure(base: str, model: str, schema: bool, concurrency: int, n: int
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_serving_args(parser, "structured_output.json")
+    parser = serving_parser(__doc__, "structured_output.json")
     args = parser.parse_args()
     model_dir, served = resolve_model_arg(args.model)
     per_level = {1: 4, 8: 16} if args.quick else {1: 12, 8: 48}

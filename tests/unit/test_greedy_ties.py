@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dynamo.testing.greedy import (
     BF16_TIE_NATS,
+    ReferenceToken,
     first_divergence,
     mismatch,
     reference_from_chat_logprobs,
@@ -128,6 +129,24 @@ def test_a_reference_taken_past_its_end_token_ends_there_and_judges_texts_that_g
     assert mismatch(reference, "Yes! Indeed.", stops=stops) is not None  # it led "!" by 3.4
 
 
+def assert_tie_accepted(
+    reference: list[ReferenceToken], text: str, *, token_index: int, lead: float
+) -> None:
+    """`text` parts from `reference` at `token_index`, where the reference's choice led the
+    other text's by `lead` nats: a near tie, so no mismatch."""
+    divergence = first_divergence(reference, text)
+    assert divergence is not None and divergence.token_index == token_index
+    assert divergence.lead is not None and abs(divergence.lead - lead) < 1e-9
+    assert mismatch(reference, text) is None
+
+
+def assert_refused_at(reference: list[ReferenceToken], text: str, *, token_index: int) -> None:
+    """`text` parts from `reference` at `token_index` onto an alternative 3 nats behind: a
+    mismatch that names the token and the lead."""
+    problem = mismatch(reference, text)
+    assert problem is not None and f"token {token_index}" in problem and "3.000 nats" in problem
+
+
 def test_parting_onto_a_longer_alternative_that_the_reference_token_begins_is_judged_there() -> (
     None
 ):
@@ -144,10 +163,7 @@ def test_parting_onto_a_longer_alternative_that_the_reference_token_begins_is_ju
         ]
     )
     text = "Art, and it shows."
-    divergence = first_divergence(reference, text)
-    assert divergence is not None and divergence.token_index == 2
-    assert divergence.lead is not None and abs(divergence.lead - 0.2) < 1e-9
-    assert mismatch(reference, text) is None
+    assert_tie_accepted(reference, text, token_index=2, lead=0.2)
     # The same parting onto a distant alternative still fails, at the same token.
     far = reference_from_chat_logprobs(
         [
@@ -157,8 +173,7 @@ def test_parting_onto_a_longer_alternative_that_the_reference_token_begins_is_ju
             entry(" way", -0.2, (" form", -1.9)),
         ]
     )
-    problem = mismatch(far, text)
-    assert problem is not None and "token 2" in problem and "3.000 nats" in problem
+    assert_refused_at(far, text, token_index=2)
 
 
 def test_parting_onto_a_shorter_alternative_that_begins_the_reference_token_is_judged_there() -> (
@@ -177,10 +192,7 @@ def test_parting_onto_a_shorter_alternative_that_begins_the_reference_token_is_j
         ]
     )
     text = " to be a professional"
-    divergence = first_divergence(reference, text)
-    assert divergence is not None and divergence.token_index == 2
-    assert divergence.lead is not None and abs(divergence.lead) < 1e-9
-    assert mismatch(reference, text) is None
+    assert_tie_accepted(reference, text, token_index=2, lead=0.0)
     # A shorter alternative the target put far below its choice still fails there.
     far = reference_from_chat_logprobs(
         [
@@ -190,8 +202,7 @@ def test_parting_onto_a_shorter_alternative_that_begins_the_reference_token_is_j
             entry(" expert", -1.1, (" engineer", -2.0)),
         ]
     )
-    problem = mismatch(far, text)
-    assert problem is not None and "token 2" in problem and "3.000 nats" in problem
+    assert_refused_at(far, text, token_index=2)
 
 
 def test_the_same_bytes_cut_into_other_tokens_is_a_parting_where_the_cut_differs() -> None:
@@ -210,10 +221,7 @@ def test_the_same_bytes_cut_into_other_tokens_is_a_parting_where_the_cut_differs
         ]
     )
     text = " happen:\n\nFirst, let's start"
-    divergence = first_divergence(reference, text)
-    assert divergence is not None and divergence.token_index == 2
-    assert divergence.lead is not None and abs(divergence.lead - 0.2) < 1e-9
-    assert mismatch(reference, text) is None
+    assert_tie_accepted(reference, text, token_index=2, lead=0.2)
     # The other way round: the reference took "\n\n", the other text "\n" + "\n".
     joined = reference_from_chat_logprobs(
         [
@@ -231,5 +239,4 @@ def test_the_same_bytes_cut_into_other_tokens_is_a_parting_where_the_cut_differs
             entry("1", -0.4, ("**", -2.0)),
         ]
     )
-    problem = mismatch(far, ":\n\nFirst")
-    assert problem is not None and "token 1" in problem and "3.000 nats" in problem
+    assert_refused_at(far, ":\n\nFirst", token_index=1)

@@ -13,14 +13,13 @@ Claims:
 
 from __future__ import annotations
 
-from typing import Any
-
 import aiohttp
 import openai
 
 from dynamo.frontend.engine.routing import RouterMode
 from dynamo.llm.worker import ServedWorker
 from dynamo.mocker.backend import MockerBackend
+from dynamo.testing.chat_bodies import chat_body
 from dynamo.testing.mocker_clusters import openai_client_fixture, served_mocker_fixture
 
 MODEL = "mock-n"
@@ -31,14 +30,9 @@ served = served_mocker_fixture(MODEL, router_mode=RouterMode.KV, eos_probability
 client = openai_client_fixture()
 
 
-REQUEST: dict[str, Any] = {
-    "model": MODEL,
-    "messages": [{"role": "user", "content": "Name three colours of the sea."}],
-    "n": 3,
-    "temperature": 0.8,
-    "seed": 11,
-    "max_tokens": MAX_TOKENS,
-}
+REQUEST = chat_body(
+    MODEL, "Name three colours of the sea.", n=3, temperature=0.8, seed=11, max_tokens=MAX_TOKENS
+)
 
 
 async def routed_requests(base_url: str) -> int:

@@ -32,15 +32,15 @@ MODEL = "smollm2-anticipation"
 
 @asynccontextmanager
 async def kv_stack(
-    nats_url: str, model_path: Path, tokenizer_cache: Path, *, kv_events: bool
+    nats_url: str, model_path: Path, work_dir: Path, *, kv_events: bool
 ) -> AsyncIterator[tuple[str, str, openai.AsyncOpenAI]]:
     """Two mocker workers (publishing KV events only when `kv_events`) and a kv-mode
-    frontend reading them or not; yields the frontend's base URL, the debug key of the
-    workers' endpoint and an official client of the frontend."""
+    frontend reading them or not, its tokenizer cache in `work_dir`; yields the frontend's
+    base URL, the debug key of the workers' endpoint and an official client of the frontend."""
     async with mockers_behind_frontend(
         nats_url,
         model_path,
-        tokenizer_cache,
+        work_dir / "tok",
         model=MODEL,
         engine_config=mock_engine_config(model_path, timing=TimingModel()),
         router=RouterSettings(mode=RouterMode.KV, kv_events=kv_events),
@@ -85,11 +85,7 @@ def worker_that_got_one_more(before: dict[str, int], after: dict[str, int]) -> s
 async def test_two_requests_of_a_new_prefix_sent_at_once_share_a_worker(
     nats_url: str, embedded_model: Path, tmp_path: Path
 ) -> None:
-    async with kv_stack(nats_url, embedded_model, tmp_path / "tok", kv_events=True) as (
-        base,
-        key,
-        client,
-    ):
+    async with kv_stack(nats_url, embedded_model, tmp_path, kv_events=True) as (base, key, client):
         for tenant in ("acme", "globex", "initech"):
             before = await routed(base, key)
             await asyncio.gather(
@@ -107,11 +103,7 @@ async def test_two_requests_of_a_new_prefix_sent_at_once_share_a_worker(
 async def test_without_events_a_tenant_returns_to_the_worker_that_served_it(
     nats_url: str, embedded_model: Path, tmp_path: Path
 ) -> None:
-    async with kv_stack(nats_url, embedded_model, tmp_path / "tok", kv_events=False) as (
-        base,
-        key,
-        client,
-    ):
+    async with kv_stack(nats_url, embedded_model, tmp_path, kv_events=False) as (base, key, client):
         tenants = ("acme", "globex", "initech", "umbrella")
         # All at once: the bookings of the first ones make their workers look fuller.
         await asyncio.gather(*(complete(client, tenant_prompt(t, "Hello?")) for t in tenants))

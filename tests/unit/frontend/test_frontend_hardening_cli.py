@@ -9,6 +9,7 @@ from dynamo.frontend.__main__ import build_parser, config_from_args
 from dynamo.frontend.http.admission import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_WAITING
 from dynamo.frontend.http.listener import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S
 from dynamo.frontend.http.settings import DEFAULT_WRITE_TIMEOUT_S
+from dynamo.testing.environment import unset_variables_fixture
 
 VARIABLES = (
     "DYN_API_KEY",
@@ -19,11 +20,7 @@ VARIABLES = (
     "DYN_HTTP_WRITE_TIMEOUT",
 )
 
-
-@pytest.fixture(autouse=True)
-def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in VARIABLES:
-        monkeypatch.delenv(name, raising=False)
+clean_environment = unset_variables_fixture(*VARIABLES)
 
 
 def test_defaults() -> None:

@@ -55,6 +55,14 @@ def constraint_of(**fields: Any) -> StructuredOutput | None:
     return structured_output_of(chat_request(**fields))
 
 
+def assert_constraint_refused(fields: dict[str, Any], param: str, words: str) -> None:
+    """The request's constraint `fields` are refused with a 400 naming `param`, its message
+    saying `words`."""
+    err = openai_error_of(lambda: constraint_of(**fields))
+    assert (err.status, err.param) == (400, param)
+    assert words in err.message
+
+
 # ---------------------------------------------------------------------- accepted spellings
 
 
@@ -183,9 +191,7 @@ def test_completions_carry_it_too(preprocessor: Preprocessor) -> None:
 def test_bad_constraints_are_400_naming_the_field(
     fields: dict[str, Any], param: str, words: str
 ) -> None:
-    err = openai_error_of(lambda: constraint_of(**fields))
-    assert (err.status, err.param) == (400, param)
-    assert words in err.message
+    assert_constraint_refused(fields, param, words)
 
 
 def test_wrongly_typed_fields_are_400_at_decoding() -> None:
@@ -340,9 +346,7 @@ def nested_schema(depth: int) -> dict[str, Any]:
 def test_constraints_beyond_their_bounds_are_400(
     fields: dict[str, Any], param: str, words: str
 ) -> None:
-    err = openai_error_of(lambda: constraint_of(**fields))
-    assert (err.status, err.param) == (400, param)
-    assert words in err.message
+    assert_constraint_refused(fields, param, words)
 
 
 def test_a_schema_just_inside_the_depth_bound_is_served() -> None:

@@ -8,6 +8,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -149,21 +150,30 @@ async def publish_until_subscribed(
         await asyncio.sleep(0.02)
 
 
-async def start_relay(
-    publisher: FakeVllmPublisher, received: list[RouterEvent], *, replay: bool = True
-) -> KvEventRelay:
+@contextlib.asynccontextmanager
+async def running_relay(
+    publisher: FakeVllmPublisher, *, replay: bool = True, batch_0: bool = True, **options: Any
+) -> AsyncIterator[tuple[KvEventRelay, list[RouterEvent]]]:
+    """A relay of `publisher` (its replay endpoint unless not `replay`; `options` beside a
+    0.5 s replay timeout) that has relayed batch 0 unless not `batch_0`, and the events it
+    has passed on so far; stopped when the block ends."""
+    received: list[RouterEvent] = []
     relay = KvEventRelay(
         publisher.endpoint,
         KvEventConverter(WORKER, B),
         collector(received),
         replay_endpoint=publisher.replay_endpoint if replay else None,
-        replay_timeout_s=0.5,
+        **{"replay_timeout_s": 0.5, **options},
     )
     await relay.start()
-    payload = chain_batch(0)
-    publisher.buffer.append((0, payload))
-    await publish_until_subscribed(publisher, relay, 0, payload)
-    return relay
+    try:
+        if batch_0:
+            payload = chain_batch(0)
+            publisher.buffer.append((0, payload))
+            await publish_until_subscribed(publisher, relay, 0, payload)
+        yield relay, received
+    finally:
+        await relay.stop()
 
 
 def index_of(events: list[RouterEvent]) -> KvIndexer:
@@ -174,22 +184,16 @@ def index_of(events: list[RouterEvent]) -> KvIndexer:
 
 
 async def test_relay_announces_a_clear_first(publisher: FakeVllmPublisher) -> None:
-    received: list[RouterEvent] = []
-    relay = await start_relay(publisher, received)
-    try:
+    async with running_relay(publisher) as (_, received):
         assert isinstance(received[0].data, KvAllCleared)
         assert (received[0].worker_id, received[0].event_id) == (WORKER, 0)
         assert received[1].data == KvBlockStored(
             block_hashes=compute_block_hashes(chain_tokens(1), B)
         )
-    finally:
-        await relay.stop()
 
 
 async def test_gap_is_filled_from_the_replay_endpoint(publisher: FakeVllmPublisher) -> None:
-    received: list[RouterEvent] = []
-    relay = await start_relay(publisher, received)
-    try:
+    async with running_relay(publisher) as (relay, received):
         await publisher.publish(1, chain_batch(1))
         await publisher.publish(2, chain_batch(2), live=False)  # lost on the way
         await publisher.publish(3, chain_batch(3), live=False)
@@ -197,8 +201,6 @@ async def test_gap_is_filled_from_the_replay_endpoint(publisher: FakeVllmPublish
         await relay_reaches(relay, 5)
         await publisher.publish(5, chain_batch(5))
         await relay_reaches(relay, 6)
-    finally:
-        await relay.stop()
     assert publisher.replay_requests == [2]
     assert relay.stats.gaps == 1
     assert relay.stats.replayed_batches == 3  # 2, 3 and the 4 that revealed the gap
@@ -214,33 +216,19 @@ async def test_gap_is_filled_from_the_replay_endpoint(publisher: FakeVllmPublish
 async def test_missed_start_is_replayed_from_seq_zero(publisher: FakeVllmPublisher) -> None:
     for seq in range(3):  # published before anyone subscribed
         await publisher.publish(seq, chain_batch(seq), live=False)
-    received: list[RouterEvent] = []
-    relay = KvEventRelay(
-        publisher.endpoint,
-        KvEventConverter(WORKER, B),
-        collector(received),
-        replay_endpoint=publisher.replay_endpoint,
-    )
-    await relay.start()
-    try:
+    async with running_relay(publisher, batch_0=False, replay_timeout_s=2.0) as (relay, received):
         payload = chain_batch(3)
         publisher.buffer.append((3, payload))
         await publish_until_subscribed(publisher, relay, 3, payload)
-    finally:
-        await relay.stop()
     assert publisher.replay_requests == [0]
     assert index_of(received).find_matches_for_tokens(chain_tokens(4)).scores == {WORKER: 4}
 
 
 async def test_unfillable_gap_resynchronises_with_a_clear(publisher: FakeVllmPublisher) -> None:
-    received: list[RouterEvent] = []
-    relay = await start_relay(publisher, received)
-    try:
+    async with running_relay(publisher) as (relay, received):
         await publisher.publish(1, chain_batch(1), live=False, keep=False)  # gone for good
         await publisher.publish(2, chain_batch(2))
         await relay_reaches(relay, 3)
-    finally:
-        await relay.stop()
     assert relay.stats.resyncs == 1
     kinds = [type(e.data).__name__ for e in received]
     assert kinds == ["KvAllCleared", "KvBlockStored", "KvAllCleared"]
@@ -250,27 +238,19 @@ async def test_unfillable_gap_resynchronises_with_a_clear(publisher: FakeVllmPub
 
 
 async def test_silent_replay_endpoint_times_out_and_resyncs(publisher: FakeVllmPublisher) -> None:
-    received: list[RouterEvent] = []
-    relay = await start_relay(publisher, received)
-    publisher.answer_replays = False
-    try:
+    async with running_relay(publisher) as (relay, _):
+        publisher.answer_replays = False
         await publisher.publish(1, chain_batch(1), live=False)
         await publisher.publish(2, chain_batch(2))
         await relay_reaches(relay, 3)
-    finally:
-        await relay.stop()
     assert publisher.replay_requests == [1]
     assert relay.stats.resyncs == 1
 
 
 async def test_without_replay_endpoint_a_gap_resyncs(publisher: FakeVllmPublisher) -> None:
-    received: list[RouterEvent] = []
-    relay = await start_relay(publisher, received, replay=False)
-    try:
+    async with running_relay(publisher, replay=False) as (relay, _):
         await publisher.publish(2, chain_batch(2))
         await relay_reaches(relay, 3)
-    finally:
-        await relay.stop()
     assert (relay.stats.gaps, relay.stats.resyncs) == (1, 1)
     assert publisher.replay_requests == []
 
@@ -279,21 +259,13 @@ async def test_a_lost_last_batch_is_fetched_when_the_stream_goes_quiet(
     publisher: FakeVllmPublisher,
 ) -> None:
     """No later batch reveals the gap (the engine went idle): the idle probe finds it."""
-    received: list[RouterEvent] = []
-    relay = KvEventRelay(
-        publisher.endpoint,
-        KvEventConverter(WORKER, B),
-        collector(received),
-        replay_endpoint=publisher.replay_endpoint,
-        idle_probe_s=0.1,
-    )
-    await relay.start()
-    try:
+    async with running_relay(publisher, batch_0=False, idle_probe_s=0.1, replay_timeout_s=2.0) as (
+        relay,
+        received,
+    ):
         for seq in range(3):  # never seen live: dropped as by a slow-joining subscriber
             await publisher.publish(seq, chain_batch(seq), live=False)
         await relay_reaches(relay, 3)
-    finally:
-        await relay.stop()
     assert relay.stats.probes >= 1 and relay.stats.resyncs == 0
     assert index_of(received).find_matches_for_tokens(chain_tokens(3)).scores == {WORKER: 3}
 
@@ -303,15 +275,11 @@ async def test_announced_clear_reaches_routers_without_an_engine_step(
 ) -> None:
     """vLLM holds its own AllBlocksCleared until the next step; the worker announces the
     reset at once, in sequence with the events around it."""
-    received: list[RouterEvent] = []
-    relay = await start_relay(publisher, received)
-    try:
+    async with running_relay(publisher) as (relay, received):
         await relay.announce_cleared()
         # After a reset the engine stores from scratch again: block 0 (no parent).
         await publisher.publish(1, chain_batch(0))
         await relay_reaches(relay, 2)
-    finally:
-        await relay.stop()
     kinds = [type(e.data).__name__ for e in received]
     assert kinds == ["KvAllCleared", "KvBlockStored", "KvAllCleared", "KvBlockStored"]
     assert [e.event_id for e in received] == [0, 1, 2, 3]
@@ -321,15 +289,11 @@ async def test_announced_clear_reaches_routers_without_an_engine_step(
 async def test_bad_messages_and_callback_failures_do_not_stop_the_relay(
     publisher: FakeVllmPublisher,
 ) -> None:
-    received: list[RouterEvent] = []
-    relay = await start_relay(publisher, received)
-    try:
+    async with running_relay(publisher) as (relay, _):
         await publisher.pub.send_multipart([b"", b"short"])  # wrong framing
         await publisher.publish(1, b"\xc1")  # not msgpack
         await publisher.publish(2, chain_batch(2))
         await relay_reaches(relay, 3)
-    finally:
-        await relay.stop()
     assert relay.stats.malformed == 2
     assert relay.stats.batches == 2  # batch 0 and batch 2 decoded
 

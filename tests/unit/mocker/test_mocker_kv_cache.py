@@ -13,6 +13,17 @@ def chain(n: int, offset: int = 0) -> list[int]:
     return compute_block_hashes(list(range(offset, offset + 4 * n)), 4)
 
 
+def released_chain(size: int, n: int) -> tuple[KvBlockPool, list[int]]:
+    """A pool of `size` blocks that computed `chain(n)` for a request that has finished:
+    the chain is cached and evictable."""
+    pool = KvBlockPool(size)
+    a = chain(n)
+    pool.allocate(n)
+    pool.commit(a, None)
+    pool.release(a)
+    return pool, a
+
+
 def test_commit_turns_private_blocks_into_announced_cached_blocks() -> None:
     pool = KvBlockPool(8)
     assert pool.allocate(3)
@@ -25,11 +36,7 @@ def test_commit_turns_private_blocks_into_announced_cached_blocks() -> None:
 
 
 def test_released_blocks_stay_cached_until_space_is_needed_then_go_tail_first() -> None:
-    pool = KvBlockPool(4)
-    a = chain(3)
-    pool.allocate(3)
-    pool.commit(a, None)
-    pool.release(a)
+    pool, a = released_chain(4, 3)
     pool.take_events()
     assert (pool.active_blocks, pool.evictable_blocks, pool.free_blocks) == (0, 3, 1)
     assert pool.usage == 0.0
@@ -43,11 +50,7 @@ def test_released_blocks_stay_cached_until_space_is_needed_then_go_tail_first() 
 
 
 def test_referenced_blocks_are_never_evicted() -> None:
-    pool = KvBlockPool(3)
-    a = chain(2)
-    pool.allocate(2)
-    pool.commit(a, None)
-    pool.release(a)
+    pool, a = released_chain(3, 2)
     pool.acquire(a[:1])  # a new request reuses the first block
     assert not pool.can_allocate(3)
     assert pool.can_allocate(2)

@@ -32,6 +32,7 @@ from dynamo.runtime.nats_options import (
     redact_url,
     url_has_credentials,
 )
+from dynamo.testing.environment import unset_variables_fixture
 from dynamo.testing.tls import make_test_pki
 
 SECRET = "s3cr3t-Pa55"
@@ -48,11 +49,7 @@ NATS_VARIABLES = (
     "NATS_TLS_HOSTNAME",
 )
 
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in NATS_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
+_clean_env = unset_variables_fixture(*NATS_VARIABLES)
 
 
 def parse(*argv: str, env: dict[str, str] | None = None) -> NatsConnectOptions:

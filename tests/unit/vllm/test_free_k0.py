@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType, SimpleNamespace
+from typing import TypeVar
 
 import pytest
 import torch
@@ -51,12 +53,21 @@ class FakeRunner:
         return "drafted"
 
 
+C = TypeVar("C")
+
+
+def patched_class(name: str, fake: type[C], patch: Callable[[ModuleType], object]) -> type[C]:
+    """A subclass `name` of `fake` in a module of its own that `patch` patched (twice: the
+    second must change nothing)."""
+    module = ModuleType(f"fake_{name}")
+    setattr(module, name, type(name, (fake,), {}))
+    patch(module)
+    patch(module)  # once only
+    return getattr(module, name)
+
+
 def runner_class() -> type[FakeRunner]:
-    module = ModuleType("fake_runner")
-    module.GPUModelRunner = type("GPUModelRunner", (FakeRunner,), {})  # type: ignore[attr-defined]
-    patch_runner_module(module)
-    patch_runner_module(module)  # once only
-    return module.GPUModelRunner  # type: ignore[attr-defined,no-any-return]
+    return patched_class("GPUModelRunner", FakeRunner, patch_runner_module)
 
 
 def step(k: int, scheduled: dict[str, int] | None = None) -> SimpleNamespace:
@@ -194,11 +205,7 @@ class FakeEngineCore:
 
 
 def core_class() -> type[FakeEngineCore]:
-    module = ModuleType("fake_core")
-    module.EngineCore = type("EngineCore", (FakeEngineCore,), {})  # type: ignore[attr-defined]
-    patch_engine_core_module(module)
-    patch_engine_core_module(module)  # once only
-    return module.EngineCore  # type: ignore[attr-defined,no-any-return]
+    return patched_class("EngineCore", FakeEngineCore, patch_engine_core_module)
 
 
 @pytest.mark.parametrize("method", sorted(SKIPPED_METHODS))

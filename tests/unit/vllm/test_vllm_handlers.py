@@ -421,10 +421,18 @@ async def test_decode_without_a_prefill_result_counts_no_remote_prefill(
 # -------------------------------------------------------------------------- cancellation
 
 
-async def test_a_client_cancel_aborts_and_ends_with_a_cancelled_output(tiny_model: Path) -> None:
+def three_token_stream(
+    model_dir: Path,
+) -> tuple[FakeAsyncLLM, Worker, AsyncGenerator[LLMEngineOutput, None]]:
+    """A worker over an engine that would step out tokens 5, 6 and 7 (then `length`), and
+    the stream of one request to it, not started yet."""
     llm = FakeAsyncLLM([step([5]), step([6]), step([7], finish_reason="length")])
-    worker = Worker(tiny_model, llm)
-    stream = worker.generate(make_request())
+    worker = Worker(model_dir, llm)
+    return llm, worker, worker.generate(make_request())
+
+
+async def test_a_client_cancel_aborts_and_ends_with_a_cancelled_output(tiny_model: Path) -> None:
+    llm, worker, stream = three_token_stream(tiny_model)
     first = await anext(stream)
     worker.ctx.stop_generating()
     rest = [out async for out in stream]
@@ -441,9 +449,7 @@ async def test_a_client_cancel_aborts_and_ends_with_a_cancelled_output(tiny_mode
 async def test_closing_the_stream_on_the_cancelled_output_counts_it_once(
     tiny_model: Path,
 ) -> None:
-    llm = FakeAsyncLLM([step([5]), step([6]), step([7], finish_reason="length")])
-    worker = Worker(tiny_model, llm)
-    stream = worker.generate(make_request())
+    llm, worker, stream = three_token_stream(tiny_model)
     await anext(stream)
     worker.ctx.stop_generating()
     last = await anext(stream)
@@ -454,9 +460,7 @@ async def test_closing_the_stream_on_the_cancelled_output_counts_it_once(
 
 
 async def test_the_runtime_closing_the_stream_aborts_the_request(tiny_model: Path) -> None:
-    llm = FakeAsyncLLM([step([5]), step([6]), step([7], finish_reason="length")])
-    worker = Worker(tiny_model, llm)
-    stream = worker.generate(make_request())
+    llm, worker, stream = three_token_stream(tiny_model)
     await anext(stream)
     await stream.aclose()
 

@@ -53,6 +53,11 @@ def translate(raw: dict) -> sc.EngineFileConfig:
     return sc.translate_engine_config(raw, ENGINE_FIELDS, speculative_fields=SPEC_FIELDS)
 
 
+def translate_spec(speculative_config: dict) -> sc.EngineFileConfig:
+    """`translate` of an engine config with only a `speculative_config`."""
+    return translate({"speculative_config": speculative_config})
+
+
 # --------------------------------------------------------------------------- top level
 
 
@@ -150,14 +155,12 @@ def test_engine_file_must_be_a_mapping(write_yaml) -> None:
 
 
 def test_eagle_with_eagle3_draft_becomes_eagle3(eagle3_draft: Path) -> None:
-    out = translate(
+    out = translate_spec(
         {
-            "speculative_config": {
-                "decoding_type": "Eagle",
-                "max_draft_len": 3,
-                "speculative_model_dir": str(eagle3_draft),
-                "eagle3_one_model": True,
-            }
+            "decoding_type": "Eagle",
+            "max_draft_len": 3,
+            "speculative_model_dir": str(eagle3_draft),
+            "eagle3_one_model": True,
         }
     )
     assert out.speculative == {
@@ -170,14 +173,12 @@ def test_eagle_with_eagle3_draft_becomes_eagle3(eagle3_draft: Path) -> None:
 
 
 def test_eagle_with_eagle1_draft_becomes_eagle(eagle1_draft: Path) -> None:
-    out = translate(
+    out = translate_spec(
         {
-            "speculative_config": {
-                "decoding_type": "Eagle",
-                "max_draft_len": 2,
-                "pytorch_weights_path": str(eagle1_draft),
-                "eagle3_one_model": False,
-            }
+            "decoding_type": "Eagle",
+            "max_draft_len": 2,
+            "pytorch_weights_path": str(eagle1_draft),
+            "eagle3_one_model": False,
         }
     )
     assert out.speculative == {
@@ -214,18 +215,16 @@ def test_eagle_generation_falls_back_to_the_name_without_a_local_config() -> Non
 
 def test_eagle_without_a_draft_is_an_error() -> None:
     with pytest.raises(ConfigError, match="Eagle needs the draft checkpoint"):
-        translate({"speculative_config": {"decoding_type": "Eagle", "max_draft_len": 3}})
+        translate_spec({"decoding_type": "Eagle", "max_draft_len": 3})
 
 
 def test_eagle3_decoding_type_and_newer_model_key() -> None:
-    out = translate(
+    out = translate_spec(
         {
-            "speculative_config": {
-                "decoding_type": "Eagle3",
-                "max_draft_len": 4,
-                "speculative_model": "/models/any-draft",
-                "eagle3_layers_to_capture": [1, 2, 3],
-            }
+            "decoding_type": "Eagle3",
+            "max_draft_len": 4,
+            "speculative_model": "/models/any-draft",
+            "eagle3_layers_to_capture": [1, 2, 3],
         }
     )
     assert out.speculative == {
@@ -238,26 +237,22 @@ def test_eagle3_decoding_type_and_newer_model_key() -> None:
 
 def test_two_different_draft_paths_are_an_error() -> None:
     with pytest.raises(ConfigError, match="speculative_model_dir='/a' contradicts"):
-        translate(
+        translate_spec(
             {
-                "speculative_config": {
-                    "decoding_type": "Eagle3",
-                    "max_draft_len": 3,
-                    "speculative_model_dir": "/a",
-                    "pytorch_weights_path": "/b",
-                }
+                "decoding_type": "Eagle3",
+                "max_draft_len": 3,
+                "speculative_model_dir": "/a",
+                "pytorch_weights_path": "/b",
             }
         )
 
 
 def test_mtp_becomes_native_mtp_never_ngram() -> None:
-    out = translate(
+    out = translate_spec(
         {
-            "speculative_config": {
-                "decoding_type": "MTP",
-                "num_nextn_predict_layers": 2,
-                "use_relaxed_acceptance_for_thinking": True,
-            }
+            "decoding_type": "MTP",
+            "num_nextn_predict_layers": 2,
+            "use_relaxed_acceptance_for_thinking": True,
         }
     )
     assert out.speculative == {"method": "mtp", "num_speculative_tokens": 2}
@@ -265,32 +260,28 @@ def test_mtp_becomes_native_mtp_never_ngram() -> None:
 
 
 def test_mtp_without_layer_count_uses_trtllm_default_of_one() -> None:
-    out = translate({"speculative_config": {"decoding_type": "MTP"}})
+    out = translate_spec({"decoding_type": "MTP"})
     assert out.speculative == {"method": "mtp", "num_speculative_tokens": 1}
     assert any("num_nextn_predict_layers" in note for note in out.notes)
 
 
 def test_mtp_layer_count_contradicting_max_draft_len_is_an_error() -> None:
     with pytest.raises(ConfigError, match="max_draft_len=3 contradicts num_nextn_predict_layers=1"):
-        translate(
+        translate_spec(
             {
-                "speculative_config": {
-                    "decoding_type": "MTP",
-                    "max_draft_len": 3,
-                    "num_nextn_predict_layers": 1,
-                }
+                "decoding_type": "MTP",
+                "max_draft_len": 3,
+                "num_nextn_predict_layers": 1,
             }
         )
 
 
 def test_ngram_translation() -> None:
-    out = translate(
+    out = translate_spec(
         {
-            "speculative_config": {
-                "decoding_type": "NGram",
-                "max_draft_len": 4,
-                "max_matching_ngram_size": 3,
-            }
+            "decoding_type": "NGram",
+            "max_draft_len": 4,
+            "max_matching_ngram_size": 3,
         }
     )
     assert out.speculative == {
@@ -302,22 +293,18 @@ def test_ngram_translation() -> None:
 
 
 def test_ngram_older_spelling_and_missing_length() -> None:
-    out = translate(
-        {"speculative_config": {"decoding_type": "ngram", "prompt_lookup_num_tokens": 2}}
-    )
+    out = translate_spec({"decoding_type": "ngram", "prompt_lookup_num_tokens": 2})
     assert out.speculative == {"method": "ngram", "num_speculative_tokens": 2}
     with pytest.raises(ConfigError, match="NGram needs max_draft_len"):
-        translate({"speculative_config": {"decoding_type": "NGram", "max_matching_ngram_size": 2}})
+        translate_spec({"decoding_type": "NGram", "max_matching_ngram_size": 2})
 
 
 def test_ngram_draft_path_is_reported_not_used() -> None:
-    out = translate(
+    out = translate_spec(
         {
-            "speculative_config": {
-                "decoding_type": "NGram",
-                "max_draft_len": 2,
-                "speculative_model_dir": "/x",
-            }
+            "decoding_type": "NGram",
+            "max_draft_len": 2,
+            "speculative_model_dir": "/x",
         }
     )
     assert "model" not in out.speculative
@@ -325,13 +312,11 @@ def test_ngram_draft_path_is_reported_not_used() -> None:
 
 
 def test_draft_target_becomes_draft_model() -> None:
-    out = translate(
+    out = translate_spec(
         {
-            "speculative_config": {
-                "decoding_type": "DraftTarget",
-                "max_draft_len": 2,
-                "speculative_model_dir": "/models/small",
-            }
+            "decoding_type": "DraftTarget",
+            "max_draft_len": 2,
+            "speculative_model_dir": "/models/small",
         }
     )
     assert out.speculative == {
@@ -340,13 +325,13 @@ def test_draft_target_becomes_draft_model() -> None:
         "method": "draft_model",
     }
     with pytest.raises(ConfigError, match="DraftTarget needs speculative_model_dir"):
-        translate({"speculative_config": {"decoding_type": "DraftTarget", "max_draft_len": 2}})
+        translate_spec({"decoding_type": "DraftTarget", "max_draft_len": 2})
 
 
 @pytest.mark.parametrize("decoding_type", ["Medusa", "Lookahead", "UserProvided", "nonsense"])
 def test_unknown_decoding_type_is_an_error(decoding_type: str) -> None:
     with pytest.raises(ConfigError) as info:
-        translate({"speculative_config": {"decoding_type": decoding_type, "max_draft_len": 2}})
+        translate_spec({"decoding_type": decoding_type, "max_draft_len": 2})
     message = str(info.value)
     assert repr(decoding_type) in message
     assert "Eagle, Eagle3, MTP, NGram, DraftTarget" in message
@@ -354,22 +339,20 @@ def test_unknown_decoding_type_is_an_error(decoding_type: str) -> None:
 
 def test_native_keys_inside_a_trtllm_mapping_must_agree() -> None:
     spec = {"decoding_type": "NGram", "max_draft_len": 3, "num_speculative_tokens": 3}
-    assert translate({"speculative_config": spec}).speculative["num_speculative_tokens"] == 3
+    assert translate_spec(spec).speculative["num_speculative_tokens"] == 3
     with pytest.raises(ConfigError, match="contradicts num_speculative_tokens=5"):
-        translate({"speculative_config": {**spec, "num_speculative_tokens": 5}})
+        translate_spec({**spec, "num_speculative_tokens": 5})
 
 
 # --------------------------------------------------------------------------- dynamic K
 
 
 def test_draft_len_schedule_becomes_inclusive_ranges() -> None:
-    out = translate(
+    out = translate_spec(
         {
-            "speculative_config": {
-                "decoding_type": "NGram",
-                "max_draft_len": 4,
-                "draft_len_schedule": {1: 4, 4: 2, 8: 0},
-            }
+            "decoding_type": "NGram",
+            "max_draft_len": 4,
+            "draft_len_schedule": {1: 4, 4: 2, 8: 0},
         }
     )
     assert out.speculative["num_speculative_tokens_per_batch_size"] == [
@@ -380,9 +363,7 @@ def test_draft_len_schedule_becomes_inclusive_ranges() -> None:
 
 
 def test_max_concurrency_turns_speculation_off_above_it() -> None:
-    out = translate(
-        {"speculative_config": {"decoding_type": "NGram", "max_draft_len": 3, "max_concurrency": 8}}
-    )
+    out = translate_spec({"decoding_type": "NGram", "max_draft_len": 3, "max_concurrency": 8})
     assert out.speculative["num_speculative_tokens_per_batch_size"] == [[1, 8, 3], [9, 9, 0]]
 
 

@@ -21,6 +21,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.platforms import current_platform
 from vllm_config_support import speculators_config, write_config
 
+from dynamo.testing.environment import unset_variables_fixture
 from dynamo.vllm.config.args import ConfigError, parse_worker_args
 from dynamo.vllm.config.report import resolved_config_lines, resolved_config_yaml
 from dynamo.vllm.config.speculative_resolution import SRC_PREFIX_DEFAULT
@@ -30,10 +31,7 @@ from dynamo.vllm.speculative.profile import SpeculationProfile, StepTimes, save_
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("NATS_SERVER", "DYN_SYSTEM_PORT", "DYN_KV_SHARED_STORAGE_PATH"):
-        monkeypatch.delenv(name, raising=False)
+_clean_env = unset_variables_fixture("NATS_SERVER", "DYN_SYSTEM_PORT", "DYN_KV_SHARED_STORAGE_PATH")
 
 
 # --------------------------------------------------------------------------- runtime flags
