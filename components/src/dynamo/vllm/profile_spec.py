@@ -16,7 +16,7 @@ runs that many prompts twice: once for the prefill alone (one output token) and 
 off. The decode step time is the difference of the two wall times divided by the
 difference of the engine steps (vLLM's `vllm:iteration_tokens_total` count), so prefill
 and start-up costs drop out. The K = max run also yields the acceptance per draft position
-over all its prompts. The schedule that maximises goodput (`speculation_profile`) is
+over all its prompts. The schedule that maximises goodput (`speculative.profile`) is
 written into the profile, and a plot next to it (`.png`). docs/speculative_decoding.md
 explains the formula and its assumptions.
 

@@ -22,7 +22,7 @@ protocol of each connection, for the `web.Server` an `AppRunner` set up.
 `track_request_heads` is the middleware that tells the protocol when a request's head is
 complete and when its handling ended.
 
-Several processes on one port (`--http-workers N`, `http_workers.py`): each child calls
+Several processes on one port (`--http-workers N`, `http/workers.py`): each child calls
 `share_port_across_processes()` once at start, and `listen` then binds with SO_REUSEPORT,
 so every child has a listening socket of its own on the same port and the kernel spreads
 new connections over them. A process-wide switch rather than an argument because it is a

@@ -1,7 +1,7 @@
 """The frontend's OpenAPI 3.1 document, served at `GET /openapi.json`.
 
 Request and response bodies are described by the same `msgspec.Struct`s that decode and
-encode them (`openai_types.py`, `errors.py`), through `msgspec.json.schema_components`,
+encode them (`openai/protocol.py`, `errors.py`), through `msgspec.json.schema_components`,
 so the document cannot drift from what the server accepts: every range bound there is a
 `minimum`/`maximum` here. The rest (routes, statuses, headers, the operational
 endpoints' small bodies) is written out below and checked against the live server by the

@@ -5,7 +5,7 @@ N > 1, `python -m dynamo.frontend` becomes a small supervisor that starts N chil
 each a complete frontend (`python -m dynamo.frontend ... --http-workers 1`): its own NATS
 connection, model-card watcher, KV router and HTTP server. Every child binds its own
 listening socket to the same host:port with SO_REUSEPORT
-(`http_listener.share_port_across_processes`), and the kernel spreads new connections
+(`http.listener.share_port_across_processes`), and the kernel spreads new connections
 over the N sockets. Nothing is forked from a parent holding an event loop or NATS
 connection, so each child starts as clean as a single frontend does.
 
@@ -74,7 +74,7 @@ WORKER_COUNT_FLAG = "--http-worker-count"
 """Hidden flag the supervisor gives each child: how many children share the port."""
 CHILD_STOP_TIMEOUT_S = SHUTDOWN_DRAIN_S + 15.0
 """How long a child may drain after SIGTERM before it is killed: longer than a frontend
-lets its responses run on (`http_listener.SHUTDOWN_DRAIN_S`), plus time to close, so a
+lets its responses run on (`http.listener.SHUTDOWN_DRAIN_S`), plus time to close, so a
 stream is never cut by the supervisor before the child itself would end it."""
 POLL_INTERVAL_S = 0.1
 FINAL_EXIT_CODE = 2

@@ -1,6 +1,6 @@
 """Request bodies into request structs, with every way a body can be hostile ending as a 400.
 
-msgspec checks JSON syntax, types and ranges in one pass (`openai_types.py` bounds every
+msgspec checks JSON syntax, types and ranges in one pass (`openai/protocol.py` bounds every
 integer the workers receive, so a value msgpack cannot carry never gets past here) and
 reports most failures as `ValidationError` / `DecodeError` with a JSON path, which
 `errors.from_validation_error` turns into a 400 naming the field. Two failures it reports

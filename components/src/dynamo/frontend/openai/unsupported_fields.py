@@ -5,7 +5,7 @@ Before this module, a request with `tools`, `logit_bias` or `suffix` got a 200 w
 that ignored them: msgspec drops fields a struct does not declare. A client (an agent
 framework, an extraction job) then failed far from the cause. Now every field of OpenAI's
 `chat.completions.create` / `completions.create` and the vLLM extensions clients pass
-through `extra_body` is declared on the request structs (`openai_types.py`), and
+through `extra_body` is declared on the request structs (`openai/protocol.py`), and
 `SUPPORT` below says, per field, whether it is
 
 * `honoured`: served (the preprocessor or the worker acts on it);

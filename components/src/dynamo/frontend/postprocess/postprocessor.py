@@ -4,7 +4,7 @@ One `Postprocessor` per request consumes `LLMEngineOutput`s (1..K+1 token ids pe
 with speculation, possibly several steps at once when they queued up) and produces
 `TextDelta`s that are independent of the OpenAI endpoint: incremental detokenization,
 stop strings (never leaked), hidden stop tokens, logprobs, finish reason and usage.
-`responses.py` then shapes them into completion or chat objects.
+`formatters.py` then shapes them into completion or chat objects.
 """
 
 from __future__ import annotations

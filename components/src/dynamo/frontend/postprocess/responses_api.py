@@ -7,7 +7,7 @@ Only the text subset is served: `input` as a string or a list of messages (roles
 `ChatCompletionRequest` it means (`to_chat_request`) and then takes the chat path all the
 way: the same admission, chat template, sampling defaults, validation, routing and
 engine stream. Only the shape of the answer differs, which `ResponsesFormatter` (a
-`ResponseFormatter` of `responses.py`) builds: the `response` object, or, streaming, the
+`ResponseFormatter` of `formatters.py`) builds: the `response` object, or, streaming, the
 typed events `response.created` ... `response.completed` with increasing
 `sequence_number`s.
 

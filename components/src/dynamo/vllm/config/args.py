@@ -3,17 +3,17 @@ into one `VllmWorkerConfig` (see `--help` and docs/speculative_decoding.md).
 
 `parse_worker_args` runs the steps in order, each in its own module:
 
-* `worker_parser`: the parser (vLLM's AsyncEngineArgs flags plus the DynamoWorker group);
-* `config_layers`: engine keys merged as vLLM defaults < `--extra-engine-args` file <
+* `config.parser`: the parser (vLLM's AsyncEngineArgs flags plus the DynamoWorker group);
+* `config.layers`: engine keys merged as vLLM defaults < `--extra-engine-args` file <
   explicit command-line flags, each with its source;
 * `model_resolution`: `--model` (or a speculators checkpoint's verifier) as a local directory,
   and the served model name;
-* `speculative_resolution`: speculators checkpoint < `--extra-engine-args` <
+* `config.speculative_resolution`: speculators checkpoint < `--extra-engine-args` <
   `--speculative-config` < `--spec-method/--spec-model/--spec-tokens` <
   `--speculation-profile` (the schedule only), engine-level flags applying to target and
   draft;
 * `kv_defaults`: KV events, KV transfer and CPU block-size rules;
-* `config_report` (used by `main`, which prints what this module resolved): the resolved
+* `config.report` (used by `main`, which prints what this module resolved): the resolved
   configuration as log lines or `--dry-run` YAML.
 """
 

@@ -303,7 +303,7 @@ def drafting_is_free_at_k0(spec: object) -> bool:
 
 
 def configure_opt_out(values: dict[str, Any]) -> None:
-    """A speculating worker runs `speculation_opt_out`'s scheduler unless the user named
+    """A speculating worker runs `speculative.opt_out`'s scheduler unless the user named
     another one (then `"speculative_decoding": false` cannot be honoured: said once)."""
     if not values.get("speculative_config"):
         return
@@ -327,12 +327,12 @@ def configure_adaptation(
     warmup_drafts: int,
 ) -> None:
     """`--speculation-adapt`: vLLM's scheduler becomes the adaptive one
-    (`adaptive_scheduler`), told through `additional_config` where the profile is and how
+    (`speculative.scheduler`), told through `additional_config` where the profile is and how
     to adapt. The profile's schedule stays in the speculative config: it keeps vLLM in
     its dynamic-K mode, and the chooser replaces its K step by step.
 
     Without adaptation a speculating worker still runs a scheduler of its own
-    (`speculation_opt_out`), so that a request can turn speculation off for itself."""
+    (`speculative.opt_out`), so that a request can turn speculation off for itself."""
     if mode == "off":
         configure_opt_out(values)
         return

@@ -89,7 +89,7 @@ class KvTransferJanitor:
         self._task: asyncio.Task[None] | None = None
         self._refusal: str | None = None
         self.probe: StorageProbeFile | None = None
-        """A prefill worker's probe file (`kv_storage_check`), kept fresh by each sweep."""
+        """A prefill worker's probe file (`kv_transfer.storage_check`), kept fresh by each sweep."""
         self.removed_consumed = 0
         self.removed_expired = 0
         self.removed_refused = 0

@@ -31,7 +31,7 @@ from dynamo.llm.protocols import (
 from dynamo.vllm.speculative.opt_out import OPT_OUT_KEY
 
 # Sampling fields copied one-to-one when the request sets them: the wire type's own, but
-# Dynamo's `speculative_decoding`, which travels in `extra_args` (`speculation_opt_out`).
+# Dynamo's `speculative_decoding`, which travels in `extra_args` (`speculative.opt_out`).
 _SAMPLING_FIELDS = tuple(
     f for f in SamplingOptions.__struct_fields__ if f != "speculative_decoding"
 )

@@ -55,7 +55,8 @@ class EngineFacts:
     speculative: SpeculativeInfo | None
     sampling_defaults: dict[str, Any]
     kv_connector: str | None = None  # vLLM KV connector for disaggregation (None: aggregated)
-    kv_layout: str = ""  # what a prefill/decode pair must share (`kv_layout.describe_kv_layout`)
+    # What a prefill/decode pair must share (`kv_transfer.layout.describe_kv_layout`).
+    kv_layout: str = ""
 
 
 def applied_defaults(defaults: dict[str, Any], spec_config: Any) -> dict[str, Any]:

@@ -68,7 +68,7 @@ class GenerateHandler:
 
     - aggregated / decode: streams every step's accepted tokens (1..K+1 with speculation);
       a decode worker passes the prefill worker's `kv_transfer_params` to the connector
-      when the KV they describe is laid out like its own (`kv_layout`).
+      when the KV they describe is laid out like its own (`kv_transfer.layout`).
     - prefill: runs the prompt with max_tokens=1 and `do_remote_decode`, returning the
       connector's `kv_transfer_params`, and its KV layout, as `disaggregated_params`.
     """

@@ -1,4 +1,4 @@
-"""The live acceptance estimate of adaptive speculation (`adaptive_speculation`): the
+"""The live acceptance estimate of adaptive speculation (`speculative.adaptive_k`): the
 per-position acceptance kept as decayed conditional rates, and the fraction of
 sequence-steps that carried a draft, warm-started from a profile."""
 

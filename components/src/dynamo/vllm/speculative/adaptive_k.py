@@ -1,6 +1,6 @@
 """The number of drafts K chosen online, each step, from what this worker measures.
 
-The offline profile (`speculation_profile`) fixes K per batch size from acceptance on the
+The offline profile (`speculative.profile`) fixes K per batch size from acceptance on the
 prompts it was profiled with and step times of an engine measured alone. Served traffic
 differs from both: its prompts accept more or fewer drafts, and a step costs more when
 the frontend, NATS and other processes share the cores. This module keeps two live
@@ -53,8 +53,8 @@ its UPWARD_STEPS, each step measured, until `best` takes it or its time stops pa
 priced with the floor (`StepCost.step_times`), it would otherwise gather its steps only
 from the probes, a few in a hundred, and never be trusted.
 
-The two estimates live in modules of their own: `speculation_acceptance`
-(`AcceptanceEstimate`) and `speculation_step_cost` (`StepCost`). All three are pure
+The two estimates live in modules of their own: `speculative.acceptance`
+(`AcceptanceEstimate`) and `speculative.step_cost` (`StepCost`). All three are pure
 arithmetic on plain numbers (no vLLM import): the scheduler feeds them and asks the
 chooser, and the unit tests drive it with synthetic counts.
 """
@@ -285,7 +285,7 @@ def engine_config(
     profile: Path, settings: AdaptationSettings, *, free_k0: bool, state_path: Path
 ) -> dict[str, Any]:
     """The entry of vLLM's `additional_config` that the adaptive scheduler reads:
-    `state_path` is where it shares the K in force with the worker (`speculation_state`)."""
+    `state_path` is where it shares the K in force with the worker (`speculative.k_in_force`)."""
     return {
         ADDITIONAL_CONFIG_KEY: {
             "profile": str(profile),

@@ -7,8 +7,8 @@ them into plain data: AsyncEngineArgs field names and a native `speculative_conf
 merges the speculative layers with the precedence of docs/speculative_decoding.md.
 
 It imports nothing from vLLM on purpose: the rules here are the contract users rely on, and
-keeping them pure makes every rule testable in milliseconds. The callers (`config_layers`,
-`speculative_resolution`) supply what only vLLM knows (its field names) and do the typing
+keeping them pure makes every rule testable in milliseconds. The callers (`config.layers`,
+`config.speculative_resolution`) supply what only vLLM knows (its field names) and do the typing
 through vLLM's own parser.
 
 The TensorRT-LLM vocabulary lives in `trtllm_translation`, checkpoint reading in

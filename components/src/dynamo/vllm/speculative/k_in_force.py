@@ -1,6 +1,6 @@
 """The K in force on an adaptive worker, shared from vLLM's engine core with the worker.
 
-The adaptive scheduler (`adaptive_scheduler`) chooses K in the engine core process, and the
+The adaptive scheduler (`speculative.scheduler`) chooses K in the engine core process, and the
 worker process that owns the engine needs that K for its load reports, its `/metrics` and
 the KV router's books. vLLM's stats reach the worker once per step but have no field for
 it, so the two processes share a small memory-mapped file: the scheduler writes the K of

@@ -1,6 +1,6 @@
-"""vLLM's scheduler with K chosen online each step (`adaptive_speculation.AdaptiveK`).
+"""vLLM's scheduler with K chosen online each step (`speculative.adaptive_k.AdaptiveK`).
 
-It keeps the per-request opt-out of the scheduler it extends (`speculation_opt_out`).
+It keeps the per-request opt-out of the scheduler it extends (`speculative.opt_out`).
 
 Plugged in through vLLM's own extension point, `--scheduler-cls`, so it runs inside the
 engine core process where every step is scheduled. Three overrides, each a thin hook
@@ -24,7 +24,7 @@ around vLLM's own method:
 
 The settings arrive in `additional_config[ADDITIONAL_CONFIG_KEY]` (a vLLM config field
 made for plugins), written by the worker from its flags. Each decoding step's K goes to
-the worker through `speculation_state` (load reports, metrics, the router's books).
+the worker through `speculative.k_in_force` (load reports, metrics, the router's books).
 """
 
 from __future__ import annotations

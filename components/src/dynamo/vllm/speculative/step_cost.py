@@ -1,4 +1,4 @@
-"""The step-time model of adaptive speculation (`adaptive_speculation`): the profile's
+"""The step-time model of adaptive speculation (`speculative.adaptive_k`): the profile's
 step time per K and batch size, corrected by this worker's measured steps, with the
 profile's excess over K = 0 as a floor until a K's own steps speak for it."""
 
