@@ -85,14 +85,16 @@ def add_setting_arguments(
 
 def settings_from_args(cls: type[S], args: argparse.Namespace, **given: Any) -> S:
     """`cls` filled from the parsed `args` (its flagged fields, nested ones included);
-    `given` sets the fields without a flag."""
-    values: dict[str, Any] = {}
+    `given` sets the fields without a flag, and replaces any it names (a nested settings
+    object the caller built itself is then not built here as well)."""
+    values: dict[str, Any] = dict(given)
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if field.name in given:
+            continue
         if NESTED in field.metadata:
             values[field.name] = settings_from_args(field.metadata[NESTED], args)
         elif FLAG in field.metadata:
             values[field.name] = getattr(args, field.metadata[FLAG].dest)
-    values.update(given)
     return cls(**values)
 
 
