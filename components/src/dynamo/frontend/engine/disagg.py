@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -38,22 +39,16 @@ FallbackHook = Callable[[str, str], None]
 DEFAULT_PREFILL_TIMEOUT_S = 60.0
 
 
+@dataclass(eq=False)
 class DisaggregatedEngineClient:
     """Runs the prefill leg, then streams the decode leg."""
 
-    def __init__(
-        self,
-        prefill: EngineClient,
-        decode: EngineClient,
-        on_fallback: FallbackHook | None = None,
-        prefill_timeout_s: float | None = DEFAULT_PREFILL_TIMEOUT_S,
-    ) -> None:
-        self.prefill = prefill
-        self.decode = decode
-        self._on_fallback = on_fallback
-        self.prefill_timeout_s = prefill_timeout_s
-        self.remote_prefills = 0
-        self.local_prefills = 0
+    prefill: EngineClient
+    decode: EngineClient
+    on_fallback: FallbackHook | None = None
+    prefill_timeout_s: float | None = DEFAULT_PREFILL_TIMEOUT_S
+    remote_prefills: int = field(default=0, init=False)  # prefills done by a prefill worker
+    local_prefills: int = field(default=0, init=False)  # fallbacks: decode prefilled itself
 
     def instance_ids(self) -> list[int]:
         return self.decode.instance_ids()
@@ -125,8 +120,8 @@ class DisaggregatedEngineClient:
     def _fallback(self, request: PreprocessedRequest, reason: str) -> None:
         self.local_prefills += 1
         log.warning("request %s: decode worker prefills locally (%s)", request.request_id, reason)
-        if self._on_fallback is not None:
-            self._on_fallback(request.model, reason)
+        if self.on_fallback is not None:
+            self.on_fallback(request.model, reason)
         return None
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from dynamo.runtime.cli import non_negative_int, positive_int
@@ -89,9 +89,27 @@ class AdmissionRejected(Exception):
 
 
 @dataclass
+class _Places:
+    """One bounded counter of a model's places: how many are held."""
+
+    held: int = 0
+
+    @contextmanager
+    def hold(self, model: str, limit: int, reason: RejectReason) -> Iterator[None]:
+        """Hold one place for the block; `AdmissionRejected` at once when `limit` are."""
+        if self.held >= limit:
+            raise AdmissionRejected(model, reason, limit)
+        self.held += 1
+        try:
+            yield
+        finally:
+            self.held -= 1
+
+
+@dataclass
 class _Counts:
-    inflight: int = 0
-    waiting: int = 0
+    inflight: _Places = field(default_factory=_Places)
+    waiting: _Places = field(default_factory=_Places)
 
 
 class AdmissionControl:
@@ -104,11 +122,11 @@ class AdmissionControl:
 
     def inflight(self, model: str) -> int:
         counts = self._counts.get(model)
-        return counts.inflight if counts is not None else 0
+        return counts.inflight.held if counts is not None else 0
 
     def waiting(self, model: str) -> int:
         counts = self._counts.get(model)
-        return counts.waiting if counts is not None else 0
+        return counts.waiting.held if counts is not None else 0
 
     @contextmanager
     def admit(self, model: str) -> Iterator[None]:
@@ -117,14 +135,11 @@ class AdmissionControl:
         counts = self._counts.get(model)
         if counts is None:
             counts = self._counts[model] = _Counts()
-        elif counts.inflight >= self.limits.max_inflight:
-            raise AdmissionRejected(model, RejectReason.INFLIGHT_LIMIT, self.limits.max_inflight)
-        counts.inflight += 1
         try:
-            yield
+            with counts.inflight.hold(model, self.limits.max_inflight, RejectReason.INFLIGHT_LIMIT):
+                yield
         finally:
-            counts.inflight -= 1
-            if counts.inflight == 0:
+            if counts.inflight.held == 0:
                 del self._counts[model]
 
     @contextmanager
@@ -134,10 +149,5 @@ class AdmissionControl:
         counts = self._counts.get(model)
         if counts is None:
             raise RuntimeError(f"waiting_for_worker({model!r}) outside admit({model!r})")
-        if counts.waiting >= self.limits.max_waiting:
-            raise AdmissionRejected(model, RejectReason.WORKER_WAIT_LIMIT, self.limits.max_waiting)
-        counts.waiting += 1
-        try:
+        with counts.waiting.hold(model, self.limits.max_waiting, RejectReason.WORKER_WAIT_LIMIT):
             yield
-        finally:
-            counts.waiting -= 1

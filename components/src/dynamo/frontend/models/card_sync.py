@@ -15,6 +15,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 from dynamo.frontend.engine.client import (
@@ -46,41 +47,34 @@ Events are applied in order, so without a bound one stalled card would hold back
 later card of every model; past it the card is retried like any other that failed."""
 
 
+@dataclass(eq=False)
 class ModelCardSync:
     """Keeps a `ModelManager` in step with the model cards workers register in NATS."""
 
-    def __init__(
-        self,
-        runtime: DistributedRuntime,
-        manager: ModelManager,
-        router_factory: RouterFactory,
-        tokenizer_cache: Path,
-        *,
-        deadlines: StreamDeadlines | None = None,
-        on_migration: MigrationHook | None = None,
-        on_routed: ComponentRoutedHook | None = None,
-        retries: CardRetries | None = None,
-        apply_timeout_s: float = CARD_APPLY_TIMEOUT_S,
-    ) -> None:
-        self._runtime = runtime
-        self.apply_timeout_s = apply_timeout_s
-        self._manager = manager
-        self._router_factory = router_factory
-        self._cache = tokenizer_cache
-        self._deadlines = deadlines
-        self._on_migration = on_migration
-        self._on_routed = on_routed
-        self.retries = retries or CardRetries()
-        self.synced = asyncio.Event()
-        """Set once the cards registered when `run` started are applied (or failed and
-        scheduled for a retry)."""
+    runtime: DistributedRuntime
+    manager: ModelManager
+    router_factory: RouterFactory
+    tokenizer_cache: Path
+    _: KW_ONLY
+    deadlines: StreamDeadlines | None = None
+    on_migration: MigrationHook | None = None
+    on_routed: ComponentRoutedHook | None = None
+    retries: CardRetries = field(default_factory=CardRetries)
+    apply_timeout_s: float = CARD_APPLY_TIMEOUT_S
+    synced: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    """Set once the cards registered when `run` started are applied (or failed and
+    scheduled for a retry)."""
+
+    def __post_init__(self) -> None:
+        # None given for `retries` stands for a fresh one (so does an empty one: falsy).
+        self.retries = self.retries or CardRetries()
 
     async def run(self, namespace: str) -> None:
         """Apply card events until cancelled. Events are applied in order (an instance's
         removal must not overtake its addition), and so are retries of cards that failed
         to load, while their card is still registered."""
-        watcher = await ModelCardWatcher(self._runtime, namespace).start()
-        self._runtime.add_reconnect_listener(self.retries.hurry)
+        watcher = await ModelCardWatcher(self.runtime, namespace).start()
+        self.runtime.add_reconnect_listener(self.retries.hurry)
         events = aiter(watcher)
         first_cards = watcher.pending
         if first_cards == 0:
@@ -105,7 +99,7 @@ class ModelCardSync:
         finally:
             if next_event is not None:
                 next_event.cancel()
-            self._runtime.remove_reconnect_listener(self.retries.hurry)
+            self.runtime.remove_reconnect_listener(self.retries.hurry)
             await watcher.close()
 
     async def apply_or_retry(self, event: CardEvent) -> None:
@@ -140,34 +134,32 @@ class ModelCardSync:
     async def apply(self, event: CardEvent) -> None:
         card = event.card
         if isinstance(event, CardAdded):
-            model = await self._manager.add_instance(
+            model = await self.manager.add_instance(
                 card, self._tokenizer_source(card), self._engine_client
             )
             model.endpoints[endpoint_key(card)].client.router.update_card(card)
         elif isinstance(event, CardRemoved):
-            model = self._manager.get(card.name)
+            model = self.manager.get(card.name)
             endpoint = model.endpoints.get(endpoint_key(card)) if model else None
             if endpoint is not None:
                 endpoint.client.router.remove_worker(card.instance_id)
-            await self._manager.remove_instance(card.instance_id, card.name)
+            await self.manager.remove_instance(card.instance_id, card.name)
 
     def _tokenizer_source(self, card: ModelCard) -> Callable[[], Awaitable[Path]]:
         """Fetches the tokenizer files only if the manager needs them (first instance)."""
 
         async def fetch() -> Path:
-            return Path(await fetch_tokenizer_files(self._runtime, card, self._cache))
+            return Path(await fetch_tokenizer_files(self.runtime, card, self.tokenizer_cache))
 
         return fetch
 
     async def _engine_client(self, card: ModelCard) -> EndpointClient:
         endpoint = (
-            self._runtime.namespace(card.namespace)
-            .component(card.component)
-            .endpoint(card.endpoint)
+            self.runtime.namespace(card.namespace).component(card.component).endpoint(card.endpoint)
         )
         client = await endpoint.client()
         try:
-            router = await self._router_factory(card, client)
+            router = await self.router_factory(card, client)
         except BaseException:  # failed or cancelled (the apply timeout): nothing leaks
             await client.close()
             raise
@@ -175,11 +167,11 @@ class ModelCardSync:
             client,
             router,
             migration_limit=card.migration_limit,
-            deadlines=self._deadlines,
-            on_migration=self._on_migration,
+            deadlines=self.deadlines,
+            on_migration=self.on_migration,
             on_routed=(
-                functools.partial(self._on_routed, card.component)
-                if self._on_routed is not None
+                functools.partial(self.on_routed, card.component)
+                if self.on_routed is not None
                 else None
             ),
             # A prefill leg that finds no reachable worker falls back to a local prefill

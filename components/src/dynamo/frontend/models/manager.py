@@ -82,22 +82,17 @@ class ServedModel:
         return self.engine is not None and bool(self.engine.instance_ids())
 
 
+@dataclass(eq=False)
 class ModelManager:
     """The registry of served models; all mutations go through its methods."""
 
-    def __init__(
-        self,
-        load_preprocessor: PreprocessorLoader = Preprocessor.from_dir,
-        on_prefill_fallback: FallbackHook | None = None,
-        prefill_timeout_s: float | None = DEFAULT_PREFILL_TIMEOUT_S,
-    ) -> None:
-        self._load_preprocessor = load_preprocessor
-        self._on_prefill_fallback = on_prefill_fallback
-        self._prefill_timeout_s = prefill_timeout_s
-        self._models: dict[str, ServedModel] = {}
-        self._instance_models: dict[int, set[str]] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._changed = asyncio.Event()
+    load_preprocessor: PreprocessorLoader = Preprocessor.from_dir
+    on_prefill_fallback: FallbackHook | None = None
+    prefill_timeout_s: float | None = DEFAULT_PREFILL_TIMEOUT_S
+    _models: dict[str, ServedModel] = field(default_factory=dict, init=False)
+    _instance_models: dict[int, set[str]] = field(default_factory=dict, init=False)  # id -> names
+    _locks: dict[str, asyncio.Lock] = field(default_factory=dict, init=False)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event, init=False)
 
     # ------------------------------------------------------------------ queries
 
@@ -191,7 +186,7 @@ class ModelManager:
 
     async def _preprocessor(self, card: ModelCard, tokenizer: TokenizerSource) -> Preprocessor:
         directory = Path(await tokenizer()) if callable(tokenizer) else Path(tokenizer)
-        return await asyncio.to_thread(self._load_preprocessor, card, directory)
+        return await asyncio.to_thread(self.load_preprocessor, card, directory)
 
     async def _attach(
         self, model: ServedModel, card: ModelCard, factory: EngineClientFactory
@@ -205,7 +200,7 @@ class ModelManager:
             model.endpoints[key] = endpoint
         endpoint.instance_ids.add(card.instance_id)
         model.cards[card.instance_id] = card
-        _compose_engine(model, self._on_prefill_fallback, self._prefill_timeout_s)
+        _compose_engine(model, self.on_prefill_fallback, self.prefill_timeout_s)
         self._notify()
 
     async def _detach(self, name: str, instance_id: int) -> bool:
@@ -223,7 +218,7 @@ class ModelManager:
             if not endpoint.instance_ids:
                 del model.endpoints[key]
                 await _close_quietly(endpoint.client)
-        _compose_engine(model, self._on_prefill_fallback, self._prefill_timeout_s)
+        _compose_engine(model, self.on_prefill_fallback, self.prefill_timeout_s)
         gone = not model.cards
         if gone:
             del self._models[name]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import KW_ONLY, dataclass, field
 
 import msgspec
 
@@ -27,27 +28,22 @@ class ErrorBody(msgspec.Struct):
 _encoder = msgspec.json.Encoder()
 
 
+@dataclass(eq=False, repr=False)  # keeps an exception's identity equality and its repr
 class OpenAIError(Exception):
     """An error the client should see: HTTP status plus OpenAI's error fields."""
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        # HTTP headers the response must carry (`Retry-After`, `WWW-Authenticate`).
-        self.headers: Mapping[str, str] = headers or {}
+    status: int
+    message: str
+    _: KW_ONLY
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    # HTTP headers the response must carry (`Retry-After`, `WWW-Authenticate`); None: none.
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)  # what str() of the exception says
+        self.headers = self.headers or {}
 
     def detail(self) -> ErrorDetail:
         return ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)

@@ -12,7 +12,7 @@ with a default are left out while unset.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Generic, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -300,14 +300,26 @@ class CompletionChoice(msgspec.Struct, omit_defaults=True):
     prompt_logprobs: PromptLogprobsField | None = None  # vLLM's, unstreamed
 
 
-# `object` is written as a msgspec tag: always present, even with omit_defaults.
-class Completion(msgspec.Struct, omit_defaults=True, tag_field="object", tag="text_completion"):
+Choice = TypeVar("Choice")
+
+
+class ResponseEnvelope(msgspec.Struct, Generic[Choice], omit_defaults=True):
+    """What the completion and chat response objects (and chat's stream chunks) start
+    with, in this order: the response's identity, its choices, usage and metrics. Each
+    subclass names its `object` as a msgspec tag: always present, even with omit_defaults."""
+
     id: str
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list[Choice]
     usage: Usage | None = None
     metrics: PerRequestMetrics | None = None  # `return_spec_stats`; beside usage
+
+
+# The /v1/completions response object and stream chunk (no docstring: it would become
+# the OpenAPI schema's description).
+class Completion(ResponseEnvelope[CompletionChoice], tag_field="object", tag="text_completion"):
+    pass
 
 
 class ChatTopLogprob(msgspec.Struct):
@@ -353,13 +365,7 @@ class ChatChoice(msgspec.Struct, omit_defaults=True):
     token_ids: list[int] | None = None  # `return_token_ids`
 
 
-class ChatCompletion(msgspec.Struct, omit_defaults=True, tag_field="object", tag="chat.completion"):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = None
-    metrics: PerRequestMetrics | None = None  # `return_spec_stats`; beside usage
+class ChatCompletion(ResponseEnvelope[ChatChoice], tag_field="object", tag="chat.completion"):
     prompt_token_ids: list[int] | None = None  # `return_token_ids`
     prompt_logprobs: PromptLogprobsField | None = None  # vLLM's
 
@@ -394,14 +400,8 @@ class ChatChunkChoice(msgspec.Struct, omit_defaults=True):
 
 
 class ChatCompletionChunk(
-    msgspec.Struct, omit_defaults=True, tag_field="object", tag="chat.completion.chunk"
+    ResponseEnvelope[ChatChunkChoice], tag_field="object", tag="chat.completion.chunk"
 ):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    metrics: PerRequestMetrics | None = None  # `return_spec_stats`; beside usage
     prompt_token_ids: list[int] | None = None  # `return_token_ids`: the first chunk's
 
 

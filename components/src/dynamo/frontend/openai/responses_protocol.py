@@ -173,61 +173,65 @@ class StreamEvent(msgspec.Struct, tag_field="type"):
     sequence_number: int
 
 
-class ResponseCreated(StreamEvent, tag="response.created"):
+class ResponseEvent(StreamEvent):
+    """A step of the response's lifecycle, carrying the response object as it stands."""
+
     response: ResponseObject
 
 
-class ResponseInProgress(StreamEvent, tag="response.in_progress"):
-    response: ResponseObject
+class ResponseCreated(ResponseEvent, tag="response.created"): ...
 
 
-class ResponseCompleted(StreamEvent, tag="response.completed"):
-    response: ResponseObject
+class ResponseInProgress(ResponseEvent, tag="response.in_progress"): ...
 
 
-class ResponseIncomplete(StreamEvent, tag="response.incomplete"):
-    response: ResponseObject
+class ResponseCompleted(ResponseEvent, tag="response.completed"): ...
 
 
-class ResponseFailed(StreamEvent, tag="response.failed"):
-    response: ResponseObject
+class ResponseIncomplete(ResponseEvent, tag="response.incomplete"): ...
 
 
-class OutputItemAdded(StreamEvent, tag="response.output_item.added"):
+class ResponseFailed(ResponseEvent, tag="response.failed"): ...
+
+
+class OutputItemEvent(StreamEvent):
+    """An output item (the message) opened or closed."""
+
     output_index: int
     item: OutputMessage
 
 
-class OutputItemDone(StreamEvent, tag="response.output_item.done"):
-    output_index: int
-    item: OutputMessage
+class OutputItemAdded(OutputItemEvent, tag="response.output_item.added"): ...
 
 
-class ContentPartAdded(StreamEvent, tag="response.content_part.added"):
+class OutputItemDone(OutputItemEvent, tag="response.output_item.done"): ...
+
+
+class ContentEvent(StreamEvent):
+    """An event about one content part of one output item."""
+
     item_id: str
     output_index: int
     content_index: int
+
+
+class ContentPartEvent(ContentEvent):
+    """A content part opened or closed (with its text so far)."""
+
     part: OutputText
 
 
-class ContentPartDone(StreamEvent, tag="response.content_part.done"):
-    item_id: str
-    output_index: int
-    content_index: int
-    part: OutputText
+class ContentPartAdded(ContentPartEvent, tag="response.content_part.added"): ...
 
 
-class OutputTextDelta(StreamEvent, tag="response.output_text.delta"):
-    item_id: str
-    output_index: int
-    content_index: int
+class ContentPartDone(ContentPartEvent, tag="response.content_part.done"): ...
+
+
+class OutputTextDelta(ContentEvent, tag="response.output_text.delta"):
     delta: str
     logprobs: list[Any] = msgspec.field(default_factory=list)
 
 
-class OutputTextDone(StreamEvent, tag="response.output_text.done"):
-    item_id: str
-    output_index: int
-    content_index: int
+class OutputTextDone(ContentEvent, tag="response.output_text.done"):
     text: str
     logprobs: list[Any] = msgspec.field(default_factory=list)

@@ -23,6 +23,7 @@ docs/frontend.md is checked against it by a unit test, and the same test sends e
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -125,18 +126,15 @@ def _openai(
     note: str,
     endpoints: frozenset[Endpoint] = BOTH,
     neutral: Callable[[Any], bool] = _unset,
+    *,
+    vllm_extension: bool = False,
 ) -> FieldSupport:
-    return FieldSupport(name, endpoints, support, note, neutral)
+    """A row of the table: an OpenAI field (both endpoints unless `endpoints` says)."""
+    return FieldSupport(name, endpoints, support, note, neutral, vllm_extension)
 
 
-def _vllm(
-    name: str,
-    support: Support,
-    note: str,
-    endpoints: frozenset[Endpoint] = BOTH,
-    neutral: Callable[[Any], bool] = _unset,
-) -> FieldSupport:
-    return FieldSupport(name, endpoints, support, note, neutral, vllm_extension=True)
+_vllm = functools.partial(_openai, vllm_extension=True)
+"""A row of the table for a vLLM extension (`_openai`'s arguments)."""
 
 
 SUPPORT: tuple[FieldSupport, ...] = (

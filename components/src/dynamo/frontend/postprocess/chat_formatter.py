@@ -9,6 +9,7 @@ output and tool calls: what the two share lives in `formatters.py`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from dynamo.frontend.openai.protocol import (
     AssistantMessage,
@@ -42,7 +43,6 @@ from dynamo.frontend.postprocess.formatters import (
     sse_event,
 )
 from dynamo.frontend.postprocess.postprocessor import TextDelta, TokenLogprobs
-from dynamo.frontend.preprocess.preprocessor import OutputPlan
 
 
 class _ChatChoice:
@@ -57,6 +57,7 @@ class _ChatChoice:
         self.role_sent = False
 
 
+@dataclass(eq=False)
 class ChatFormatter(ChoicesFormatter[_ChatChoice]):
     """`/v1/chat/completions` objects (`chat.completion` / `chat.completion.chunk`).
 
@@ -71,18 +72,8 @@ class ChatFormatter(ChoicesFormatter[_ChatChoice]):
 
     chunk_type = ChatCompletionChunk
 
-    def __init__(
-        self,
-        request_id: str,
-        model: str,
-        plan: OutputPlan,
-        created: int | None = None,
-        parser: ChatOutputParser | None = None,
-        parser_factory: Callable[[], ChatOutputParser] | None = None,
-    ) -> None:
-        super().__init__(request_id, model, plan, created)
-        self._first_parser = parser
-        self._parser_factory = parser_factory
+    parser: ChatOutputParser | None = None
+    parser_factory: Callable[[], ChatOutputParser] | None = None
 
     def events(self, delta: TextDelta) -> bytes:
         state = self._choice(delta.index)
@@ -99,7 +90,7 @@ class ChatFormatter(ChoicesFormatter[_ChatChoice]):
         state.role_sent = True
         role = "assistant" if first else None
         # The echoed last message (vLLM's `echo`) opens the first chunk's content.
-        content = (self._plan.echo_text or "") + pieces.content if first else pieces.content
+        content = (self.plan.echo_text or "") + pieces.content if first else pieces.content
         choice = ChatChunkChoice(
             index=delta.index,
             delta=ChatDelta(
@@ -110,9 +101,9 @@ class ChatFormatter(ChoicesFormatter[_ChatChoice]):
             ),
             logprobs=self._logprobs(delta.logprobs),
             finish_reason=self._finish_reason(state, delta.finish_reason),
-            token_ids=delta.generated_ids if self._plan.return_token_ids else None,
+            token_ids=delta.generated_ids if self.plan.return_token_ids else None,
         )
-        prompt_ids = self._plan.prompt_token_ids if first else None
+        prompt_ids = self.plan.prompt_token_ids if first else None
         return sse_event(self._response(ChatCompletionChunk, [choice], prompt_token_ids=prompt_ids))
 
     def add(self, delta: TextDelta) -> None:
@@ -128,10 +119,10 @@ class ChatFormatter(ChoicesFormatter[_ChatChoice]):
                 [self._body_choice(index) for index in self._body_indices()],
                 usage,
                 metrics,
-                prompt_token_ids=self._plan.prompt_token_ids,
+                prompt_token_ids=self.plan.prompt_token_ids,
                 prompt_logprobs=(
                     prompt_logprobs_field(self._prompt)
-                    if self._plan.prompt_logprobs is not None
+                    if self.plan.prompt_logprobs is not None
                     else None
                 ),
             )
@@ -141,15 +132,15 @@ class ChatFormatter(ChoicesFormatter[_ChatChoice]):
         state = self._choice(index)
         acc = state.acc
         pieces = state.pieces
-        logprobs = self._logprobs(acc.logprobs) if self._plan.logprobs is not None else None
+        logprobs = self._logprobs(acc.logprobs) if self.plan.logprobs is not None else None
         calls = [
             ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
             for c in merge_tool_calls(pieces.tool_calls)
         ]
         # null when the message is only tool calls or only reasoning (as vLLM sends it)
         content = pieces.content or (None if calls or pieces.reasoning else "")
-        if self._plan.echo_text:
-            content = self._plan.echo_text + (content or "")
+        if self.plan.echo_text:
+            content = self.plan.echo_text + (content or "")
         message = AssistantMessage(
             role="assistant",
             content=content,
@@ -161,18 +152,18 @@ class ChatFormatter(ChoicesFormatter[_ChatChoice]):
             message=message,
             logprobs=logprobs,
             finish_reason=self._finish_reason(state, acc.finish_reason),
-            token_ids=acc.generated_ids if self._plan.return_token_ids else None,
+            token_ids=acc.generated_ids if self.plan.return_token_ids else None,
         )
 
     def _new_choice(self, index: int) -> _ChatChoice:
         return _ChatChoice(self._new_parser(index))
 
     def _new_parser(self, index: int) -> ChatOutputParser:
-        if index == 0 and self._first_parser is not None:
-            return self._first_parser
-        if self._parser_factory is not None:
-            return self._parser_factory()
-        if self._first_parser is not None:
+        if index == 0 and self.parser is not None:
+            return self.parser
+        if self.parser_factory is not None:
+            return self.parser_factory()
+        if self.parser is not None:
             raise RuntimeError("ChatFormatter: a response with n > 1 needs a parser_factory")
         return PlainText()
 
@@ -192,7 +183,7 @@ class ChatFormatter(ChoicesFormatter[_ChatChoice]):
         return reason
 
     def _logprobs(self, items: list[TokenLogprobs] | None) -> ChatLogprobs | None:
-        if self._plan.logprobs is None or items is None:
+        if self.plan.logprobs is None or items is None:
             return None
         return ChatLogprobs(
             content=[

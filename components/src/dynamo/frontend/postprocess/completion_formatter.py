@@ -77,10 +77,10 @@ class CompletionFormatter(ChoicesFormatter[_CompletionChoice]):
         echo_items = self._echo_logprobs() if state.echo_pending else None
         text = self._take_echo(state) + acc.text
         logprobs = None
-        if self._plan.logprobs is not None:
+        if self.plan.logprobs is not None:
             logprobs = self._logprobs(state, acc.logprobs, echo_items)
         prompt_logprobs = None
-        if self._plan.prompt_logprobs is not None:
+        if self.plan.prompt_logprobs is not None:
             prompt_logprobs = prompt_logprobs_field(self._prompt)
         return CompletionChoice(
             index=index,
@@ -95,7 +95,7 @@ class CompletionFormatter(ChoicesFormatter[_CompletionChoice]):
         """The echoed prompt's part of `logprobs` (vLLM reports one entry per prompt
         token before the completion's; the first has no logprob), when both were asked
         for and the prompt's logprobs have arrived."""
-        if self._plan.logprobs is None or not self._prompt:
+        if self.plan.logprobs is None or not self._prompt:
             return None
         offsets, offset = [], 0
         for position in self._prompt:
@@ -115,23 +115,23 @@ class CompletionFormatter(ChoicesFormatter[_CompletionChoice]):
 
     def _token_ids(self, state: _CompletionChoice, generated: list[int]) -> dict[str, Any]:
         """`prompt_token_ids` (once per choice) and `token_ids`, with `return_token_ids`."""
-        if not self._plan.return_token_ids:
+        if not self.plan.return_token_ids:
             return {}
         fields: dict[str, Any] = {"token_ids": generated}
         if not state.prompt_ids_sent:
             state.prompt_ids_sent = True
-            fields["prompt_token_ids"] = self._plan.prompt_token_ids
+            fields["prompt_token_ids"] = self.plan.prompt_token_ids
         return fields
 
     def _new_choice(self, index: int) -> _CompletionChoice:
-        return _CompletionChoice(self._plan.echo_text)
+        return _CompletionChoice(self.plan.echo_text)
 
     def _take_echo(self, state: _CompletionChoice) -> str:
         """The echoed prompt, once per choice (each choice starts with it)."""
         if not state.echo_pending:
             return ""
         state.echo_pending = False
-        return self._plan.echo_text or ""
+        return self.plan.echo_text or ""
 
     def _logprobs(
         self,
@@ -140,7 +140,7 @@ class CompletionFormatter(ChoicesFormatter[_CompletionChoice]):
         echoed: CompletionLogprobs | None = None,
     ) -> CompletionLogprobs | None:
         """The generated tokens' logprobs, after the echoed prompt's when there are any."""
-        if self._plan.logprobs is None or (items is None and echoed is None):
+        if self.plan.logprobs is None or (items is None and echoed is None):
             return None
         items = items or []
         offsets = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import msgspec
@@ -131,6 +132,7 @@ ChoiceState = TypeVar("ChoiceState")
 ResponseObject = TypeVar("ResponseObject", bound=msgspec.Struct)
 
 
+@dataclass(eq=False)
 class ChoicesFormatter(ChunkStreamEnd, ABC, Generic[ChoiceState]):
     """What the completion and chat formatters share: the response's identity (id, model,
     creation time) that each of its objects repeats, the output plan, one state per choice
@@ -140,15 +142,15 @@ class ChoicesFormatter(ChunkStreamEnd, ABC, Generic[ChoiceState]):
     chunk_type: ClassVar[Callable[..., msgspec.Struct]]
     """The streamed object (`text_completion`, `chat.completion.chunk`)."""
 
-    def __init__(
-        self, request_id: str, model: str, plan: OutputPlan, created: int | None = None
-    ) -> None:
-        self._id = request_id
-        self._model = model
-        self._plan = plan
-        self._created = created or int(time.time())
-        self._choices: dict[int, ChoiceState] = {}
-        self._prompt: list[PromptPosition] = []  # the prompt's logprobs, as they arrive
+    request_id: str
+    model: str
+    plan: OutputPlan
+    created: int | None = None  # None (or 0): now
+    _choices: dict[int, ChoiceState] = field(default_factory=dict, init=False)
+    _prompt: list[PromptPosition] = field(default_factory=list, init=False)  # as they arrive
+
+    def __post_init__(self) -> None:
+        self.created = self.created or int(time.time())
 
     def usage_event(self, usage: Usage, metrics: PerRequestMetrics | None = None) -> bytes:
         return sse_event(self._response(self.chunk_type, [], usage, metrics))
@@ -178,9 +180,9 @@ class ChoicesFormatter(ChunkStreamEnd, ABC, Generic[ChoiceState]):
     ) -> ResponseObject:
         """A `response_type` object of this response around `choices`."""
         return response_type(
-            id=self._id,
-            created=self._created,
-            model=self._model,
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
             choices=choices,
             usage=usage,
             metrics=metrics,

@@ -22,7 +22,7 @@ a 200 that ignored it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import msgspec
@@ -97,6 +97,11 @@ class ResponseEcho:
     text: dict[str, Any] = field(default_factory=lambda: {"format": {"type": "text"}})
     parallel_tool_calls: bool = True
     tool_choice: str = "auto"
+
+    def repeated(self) -> dict[str, Any]:
+        """The fields as `ResponseObject` keywords (each field is one of the response's;
+        shallow: the values are not copied)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def of(cls, req: ResponsesRequest) -> ResponseEcho:
@@ -242,9 +247,7 @@ def translated(exc: OpenAIError) -> OpenAIError:
         message = message.replace(f"`{chat_name}", f"`{name}")
         if param == chat_name:
             param = name
-    return OpenAIError(
-        exc.status, message, type=exc.type, param=param, code=exc.code, headers=exc.headers
-    )
+    return replace(exc, message=message, param=param)
 
 
 @dataclass(frozen=True)
@@ -308,6 +311,7 @@ def _usage(usage: Usage) -> ResponseUsage:
     )
 
 
+@dataclass(eq=False)
 class ResponsesFormatter:
     """The `response` object of one request (`ResponseFormatter`), or its typed events.
 
@@ -319,23 +323,23 @@ class ResponsesFormatter:
     the stream, or a failure between batches, ends it with `response.failed`
     (`failure_event`); no `data: [DONE]` follows (`end_of_stream`)."""
 
-    def __init__(
-        self,
-        request_id: str,
-        model: str,
-        plan: OutputPlan,
-        echo: ResponseEcho | None = None,
-        created: int | None = None,
-    ) -> None:
-        self._id = response_id(request_id)
+    request_id: str
+    model: str
+    plan: OutputPlan
+    echo: ResponseEcho | None = None  # None: a plain request's (`ResponseEcho()`)
+    created: int | None = None  # None (or 0): now
+    _id: str = field(init=False)  # the response's id, `resp_<hex>`
+    _item_id: str = field(init=False)  # its one output message's, `msg_<hex>`
+    _parts: list[str] = field(default_factory=list, init=False)
+    _finish_reason: str | None = field(default=None, init=False)
+    _sequence: int = field(default=0, init=False)
+    _opened: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self._id = response_id(self.request_id)
         self._item_id = "msg_" + self._id.removeprefix("resp_")
-        self._model = model
-        self._echo = echo or ResponseEcho()
-        self._created = created or int(time.time())
-        self._parts: list[str] = []
-        self._finish_reason: str | None = None
-        self._sequence = 0
-        self._opened = False
+        self.echo = self.echo or ResponseEcho()
+        self.created = self.created or int(time.time())
 
     # ------------------------------------------------------------------ streaming
 
@@ -455,27 +459,18 @@ class ResponsesFormatter:
         completed_at: int | None = None,
         metrics: PerRequestMetrics | None = None,
     ) -> ResponseObject:
-        echo = self._echo
         return ResponseObject(
             id=self._id,
-            created_at=self._created,
+            created_at=self.created,
             status=status,
             completed_at=completed_at,
-            model=self._model,
+            model=self.model,
             output=output,
             error=error,
             incomplete_details=incomplete,
-            instructions=echo.instructions,
-            max_output_tokens=echo.max_output_tokens,
-            temperature=echo.temperature,
-            top_p=echo.top_p,
-            parallel_tool_calls=echo.parallel_tool_calls,
-            tool_choice=echo.tool_choice,
+            **self.echo.repeated(),
             tools=[],
-            text=echo.text,
             truncation="disabled",
-            metadata=echo.metadata,
-            user=echo.user,
             previous_response_id=None,
             reasoning=None,
             store=False,
