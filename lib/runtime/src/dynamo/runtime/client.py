@@ -321,34 +321,16 @@ class Client:
         accept_timeout: float | None = ...,
     ) -> ResponseStream[Any]: ...
 
-    def direct(
-        self,
-        request: object,
-        instance_id: int,
-        *,
-        response_type: type[Any] | None = None,
-        request_id: str | None = None,
-        first_item_timeout: float | None = None,
-        item_timeout: float | None = None,
-        accept_timeout: float | None = None,
-    ) -> ResponseStream[Any]:
+    def direct(self, request: object, instance_id: int, **options: Any) -> ResponseStream[Any]:
         """A stream of `request` sent to `instance_id` (nothing is sent before the first
         `__anext__`). Items are decoded as `response_type` (plain data when None). The
         stream fails with `RequestNotAcceptedError` when the instance does not confirm
         the request within `accept_timeout` seconds, and with `StreamTimeoutError` when
         no frame arrives within `first_item_timeout` seconds before its first item or
         `item_timeout` seconds after one (None: wait as long as the instance holds its
-        lease)."""
-        return ResponseStream(
-            self,
-            request,
-            instance_id,
-            response_type=response_type,
-            request_id=request_id,
-            first_item_timeout=first_item_timeout,
-            item_timeout=item_timeout,
-            accept_timeout=accept_timeout,
-        )
+        lease). The keyword options, typed by the overloads above, are
+        `ResponseStream`'s, passed on as they are."""
+        return ResponseStream(self, request, instance_id, **options)
 
     def round_robin(self, request: object, **kwargs: Any) -> ResponseStream[Any]:
         """`direct` to the next routable instance in turn."""

@@ -20,7 +20,8 @@ import contextlib
 import datetime
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, InitVar, dataclass, field
+from typing import Any
 
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
@@ -119,43 +120,38 @@ class StreamIdentity:
         return now.last_sequence < delivered  # sequences never go back within one stream
 
 
+@dataclass(eq=False)
 class StreamSubscription:
     """Delivers every event of `subject_filter` in `stream` to `handler`, in order."""
 
-    def __init__(
-        self,
-        runtime: DistributedRuntime,
-        stream: EventStream,
-        subject_filter: str,
-        handler: EventHandler,
-        *,
-        start_sequence: int = 1,
-        on_reset: ResetHandler | None = None,
-        backoff: Backoff | None = None,
-    ) -> None:
-        self._runtime = runtime
-        self._stream = stream
-        self._filter = subject_filter
-        self._handler = handler
-        self._on_reset = on_reset
-        self._backoff = backoff or Backoff()
+    runtime: DistributedRuntime
+    stream: EventStream
+    subject_filter: str
+    handler: EventHandler
+    _: KW_ONLY
+    start_sequence: InitVar[int] = 1
+    on_reset: ResetHandler | None = None
+    backoff: Backoff | None = None  # None: `retry_until_done`'s default schedule
+    last_sequence: int = field(init=False)
+    resets: int = field(init=False, default=0)  # times the stream was found recreated
+    _identity: StreamIdentity | None = field(init=False, default=None)
+    _sub: Any = field(init=False, default=None)
+    _closed: bool = field(init=False, default=False)
+
+    def __post_init__(self, start_sequence: int) -> None:
         self.last_sequence = start_sequence - 1
-        self.resets = 0  # times the stream was found recreated
-        self._identity: StreamIdentity | None = None
-        self._sub = None
-        self._closed = False
 
     async def start(self) -> StreamSubscription:
-        await self._stream.ensure(self._runtime)
-        self._identity = await self._stream.identity(self._runtime)
+        await self.stream.ensure(self.runtime)
+        self._identity = await self.stream.identity(self.runtime)
         await self._subscribe()
-        self._runtime.add_reconnect_listener(self._resubscribe)
+        self.runtime.add_reconnect_listener(self._resubscribe)
         return self
 
     async def _subscribe(self) -> None:
-        self._sub = await self._runtime.js.subscribe(
-            self._filter,
-            stream=self._stream.name,
+        self._sub = await self.runtime.js.subscribe(
+            self.subject_filter,
+            stream=self.stream.name,
             cb=self._on_msg,
             ordered_consumer=True,
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
@@ -167,8 +163,8 @@ class StreamSubscription:
         without its subscription would never learn another event)."""
         await retry_until_done(
             self._resubscribe_once,
-            what=f"resubscribing to {self._stream.name} ({self._filter})",
-            backoff=self._backoff,
+            what=f"resubscribing to {self.stream.name} ({self.subject_filter})",
+            backoff=self.backoff,
         )
 
     async def _resubscribe_once(self) -> None:
@@ -178,8 +174,8 @@ class StreamSubscription:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
             self._sub = None
-        await self._stream.ensure(self._runtime)
-        identity = await self._stream.identity(self._runtime)
+        await self.stream.ensure(self.runtime)
+        identity = await self.stream.identity(self.runtime)
         known, self._identity = self._identity, identity
         if known is not None and known.replaced_by(identity, self.last_sequence):
             self._reset()
@@ -189,17 +185,17 @@ class StreamSubscription:
         log.warning(
             "stream %s was recreated (the broker lost its store): replaying %s from the "
             "start, what came before #%d is forgotten",
-            self._stream.name,
-            self._filter,
+            self.stream.name,
+            self.subject_filter,
             self.last_sequence,
         )
         self.last_sequence = 0
         self.resets += 1
-        if self._on_reset is not None:
+        if self.on_reset is not None:
             try:
-                self._on_reset()
+                self.on_reset()
             except Exception:
-                log.exception("reset handler of %s failed", self._filter)
+                log.exception("reset handler of %s failed", self.subject_filter)
 
     async def _on_msg(self, msg: Msg) -> None:
         seq = msg.metadata.sequence.stream
@@ -207,13 +203,13 @@ class StreamSubscription:
             return  # already delivered before a resubscribe
         self.last_sequence = seq
         try:
-            await self._handler(msg.subject, msg.data, seq)
+            await self.handler(msg.subject, msg.data, seq)
         except Exception:
             log.exception("event handler failed on %s #%d", msg.subject, seq)
 
     async def close(self) -> None:
         self._closed = True
-        self._runtime.remove_reconnect_listener(self._resubscribe)
+        self.runtime.remove_reconnect_listener(self._resubscribe)
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -26,21 +27,15 @@ HealthCheck = Callable[[], tuple[bool, dict[str, Any]]]
 _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
+@dataclass(eq=False)
 class SystemServer:
     """Small aiohttp app; port 0 picks a free port (read `.port` after `start()`)."""
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        health: HealthCheck,
-        registry: CollectorRegistry = REGISTRY,
-    ) -> None:
-        self.host = host
-        self.port = port
-        self.health = health
-        self.registry = registry
-        self._runner: web.AppRunner | None = None
+    host: str
+    port: int
+    health: HealthCheck
+    registry: CollectorRegistry = REGISTRY
+    _runner: web.AppRunner | None = field(init=False, default=None)
 
     async def _metrics(self, _: web.Request) -> web.Response:
         return web.Response(

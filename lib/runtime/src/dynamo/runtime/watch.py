@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
@@ -40,35 +41,27 @@ OnDelete = Callable[[str], None]
 WATCH_RETRY = Backoff(initial_s=0.5, maximum_s=2.0)
 
 
+@dataclass(eq=False)
 class BucketWatcher:
     """Mirror of the keys of `bucket` matching `key_filter` (NATS wildcards allowed)."""
 
-    def __init__(
-        self,
-        js: JetStreamContext,
-        bucket: str,
-        key_filter: str = ">",
-        *,
-        on_put: OnPut | None = None,
-        on_delete: OnDelete | None = None,
-        missing_grace_s: float = 0.0,
-        replicas: int = 1,
-    ) -> None:
-        self._js = js
-        self.replicas = replicas  # of the bucket, should this watcher be first to create it
-        self.bucket = bucket
-        self.key_filter = key_filter
-        self._on_put = on_put
-        self._on_delete = on_delete
-        self.missing_grace_s = missing_grace_s
-        self.entries: dict[str, bytes] = {}
-        # Keys a re-watch's snapshot lacked, with the timer that reports them deleted.
-        self._missing: dict[str, asyncio.TimerHandle] = {}
-        self._synced = asyncio.Event()
-        self._snapshots = 0  # full snapshots applied, over every watch placed
-        self._restart = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
+    js: JetStreamContext
+    bucket: str
+    key_filter: str = ">"
+    _: KW_ONLY
+    on_put: OnPut | None = None
+    on_delete: OnDelete | None = None
+    missing_grace_s: float = 0.0
+    replicas: int = 1  # of the bucket, should this watcher be first to create it
+    entries: dict[str, bytes] = field(init=False, default_factory=dict)
+    # Keys a re-watch's snapshot lacked, with the timer that reports them deleted.
+    _missing: dict[str, asyncio.TimerHandle] = field(init=False, default_factory=dict)
+    _synced: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    # Full snapshots applied, over every watch placed.
+    _snapshots: int = field(init=False, default=0)
+    _restart: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    _task: asyncio.Task[None] | None = field(init=False, default=None)
+    _closed: bool = field(init=False, default=False)
 
     async def start(self, timeout: float | None = 10.0) -> None:
         """Start watching and wait for the first full snapshot."""
@@ -94,7 +87,7 @@ class BucketWatcher:
             self._restart.clear()
             snapshots_before = self._snapshots
             try:
-                kv = await ensure_registry(self._js, self.bucket, self.replicas)
+                kv = await ensure_registry(self.js, self.bucket, self.replicas)
                 await self._watch_until_restart(kv)
                 failures = 0
             except asyncio.CancelledError:
@@ -181,8 +174,8 @@ class BucketWatcher:
         if self.entries.get(key) == value:
             return
         self.entries[key] = value
-        if self._on_put is not None:
-            self._safe(self._on_put, key, value)
+        if self.on_put is not None:
+            self._safe(self.on_put, key, value)
 
     def _delete(self, key: str) -> None:
         timer = self._missing.pop(key, None)
@@ -190,8 +183,8 @@ class BucketWatcher:
             timer.cancel()
         if self.entries.pop(key, None) is None:
             return
-        if self._on_delete is not None:
-            self._safe(self._on_delete, key)
+        if self.on_delete is not None:
+            self._safe(self.on_delete, key)
 
     @staticmethod
     def _safe(callback: Callable[..., None], *args: object) -> None:

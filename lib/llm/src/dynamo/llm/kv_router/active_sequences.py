@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 from dynamo.llm.kv_router.hashing import compute_block_hashes, hash_block, num_blocks_spanned
 from dynamo.llm.protocols import SpeculativeInfo
@@ -127,6 +128,16 @@ class WorkerLoad:
     active_blocks: int
     active_requests: int
     prefill_tokens: int
+
+
+class RequestOptions(TypedDict, total=False):
+    """`ActiveSequences.add_request`'s keyword options, for a caller that passes them on
+    (`MultiWorkerSequences.add_request`)."""
+
+    block_hashes: Sequence[int] | None
+    token_ids: Sequence[int] | None
+    overlap_blocks: int
+    num_speculative_tokens: int | None
 
 
 class ActiveSequences:

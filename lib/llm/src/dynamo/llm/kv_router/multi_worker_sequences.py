@@ -9,9 +9,14 @@ model) stays in `active_sequences`, which the mocker engine uses on its own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import Unpack
 
-from dynamo.llm.kv_router.active_sequences import ActiveSequences, SequenceState, WorkerLoad
+from dynamo.llm.kv_router.active_sequences import (
+    ActiveSequences,
+    RequestOptions,
+    SequenceState,
+    WorkerLoad,
+)
 
 
 class MultiWorkerSequences:
@@ -43,28 +48,13 @@ class MultiWorkerSequences:
         return self._workers.get(worker_id)
 
     def add_request(
-        self,
-        worker_id: int,
-        request_id: str,
-        prompt_len: int,
-        *,
-        block_hashes: Sequence[int] | None = None,
-        token_ids: Sequence[int] | None = None,
-        overlap_blocks: int = 0,
-        num_speculative_tokens: int | None = None,
+        self, worker_id: int, request_id: str, prompt_len: int, **options: Unpack[RequestOptions]
     ) -> SequenceState:
         """Book `request_id` on `worker_id` (made known by `ensure_worker`); see
-        `ActiveSequences.add_request`."""
+        `ActiveSequences.add_request`, which takes the options."""
         if request_id in self._worker_of:
             raise ValueError(f"request {request_id!r} is already active")
-        state = self._workers[worker_id].add_request(
-            request_id,
-            prompt_len,
-            block_hashes=block_hashes,
-            token_ids=token_ids,
-            overlap_blocks=overlap_blocks,
-            num_speculative_tokens=num_speculative_tokens,
-        )
+        state = self._workers[worker_id].add_request(request_id, prompt_len, **options)
         self._worker_of[request_id] = worker_id
         return state
 

@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import KW_ONLY, InitVar, asdict, dataclass, field
 from typing import Any
 
 import msgspec
@@ -87,61 +87,60 @@ class FeedStats:
     replay_complete: bool = False
 
 
+@dataclass(eq=False)
 class KvRouterFeed:
     """The NATS subscriptions that keep one `KvRouter` informed."""
 
     name = "feed"
 
-    def __init__(
-        self,
-        runtime: DistributedRuntime,
-        router: KvRouter,
-        namespace: str,
-        component: str,
-        client: Client,
-        *,
-        stream: EventStream | None = None,
-        grace_s: float = DEFAULT_GRACE_S,
-        kv_events: bool = True,
-    ) -> None:
-        self._runtime = runtime
-        self._kv_events = kv_events
-        self._router = router
-        self._client = client
-        self._stream = stream or kv_events_stream()
+    runtime: DistributedRuntime
+    router: KvRouter
+    namespace: InitVar[str]
+    component: InitVar[str]
+    client: Client
+    _: KW_ONLY
+    stream: EventStream = field(default_factory=kv_events_stream)
+    grace_s: InitVar[float] = DEFAULT_GRACE_S
+    kv_events: bool = True
+    membership: WorkerMembership = field(init=False)
+    stats: FeedStats = field(init=False, default_factory=FeedStats)
+    _events_filter: str = field(init=False)
+    _load_filter: str = field(init=False)
+    _events: StreamSubscription | None = field(init=False, default=None)
+    _load_sub: Subscription | None = field(init=False, default=None)
+    _sweeper: asyncio.Task[None] | None = field(init=False, default=None)
+    _replayed: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    # Workers whose events reached the router.
+    _indexed: set[int] = field(init=False, default_factory=set)
+    _closed: bool = field(init=False, default=False)
+
+    def __post_init__(self, namespace: str, component: str, grace_s: float) -> None:
         self._events_filter = kv_events_filter(namespace, component)
         self._load_filter = load_metrics_filter(namespace, component)
         self.membership = WorkerMembership(grace_s)
-        self.stats = FeedStats()
-        self._events: StreamSubscription | None = None
-        self._load_sub: Subscription | None = None
-        self._sweeper: asyncio.Task[None] | None = None
-        self._replayed = asyncio.Event()
-        self._indexed: set[int] = set()  # workers whose events reached the router
-        self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self, replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S) -> None:
         """Subscribe everything, then wait (bounded) until the stream's history up to now
         has been applied, so the first routing decisions already see cached prefixes."""
-        self._client.add_listener(self._on_instances)
-        self._on_instances(self._client.instance_ids())  # live workers' events apply at once
-        self._load_sub = await self._runtime.subscribe(self._load_filter, self._on_load)
+        self.client.add_listener(self._on_instances)
+        self._on_instances(self.client.instance_ids())  # live workers' events apply at once
+        self._load_sub = await self.runtime.subscribe(self._load_filter, self._on_load)
         self._sweeper = asyncio.create_task(self._sweep(), name="kv-feed-sweep")
-        if not self._kv_events:
+        if not self.kv_events:
             self.stats.replay_complete = True
             log.info("kv router: approximate mode, no KV events read (%s)", self._events_filter)
             return
-        await self._stream.ensure(self._runtime)
+        await self.stream.ensure(self.runtime)
         self.stats.replay_target_seq = await self._last_sequence()
         if self.stats.replay_target_seq == 0:
             self.stats.replay_complete = True
             self._replayed.set()
         started = time.monotonic()
         self._events = await StreamSubscription(
-            self._runtime,
-            self._stream,
+            self.runtime,
+            self.stream,
             self._events_filter,
             self._on_event,
             on_reset=self._on_stream_reset,
@@ -182,7 +181,7 @@ class KvRouterFeed:
 
     def debug_state(self) -> dict[str, Any]:
         state = asdict(self.stats)
-        state["kv_events"] = self._kv_events
+        state["kv_events"] = self.kv_events
         state["events_filter"] = self._events_filter
         state["last_sequence"] = self._events.last_sequence if self._events else None
         state["live_workers"] = [f"{w:016x}" for w in sorted(self.membership.live)]
@@ -209,7 +208,7 @@ class KvRouterFeed:
             if not self.membership.accepts(event.worker_id):
                 self.stats.events_ignored += 1
                 continue
-            self._router.apply_event(event)
+            self.router.apply_event(event)
             self._indexed.add(event.worker_id)
             self.stats.events += 1
 
@@ -220,7 +219,7 @@ class KvRouterFeed:
         self.stats.stream_resets += 1
         workers, self._indexed = sorted(self._indexed), set()
         for worker_id in workers:
-            self._router.apply_event(RouterEvent(worker_id, -1, KvAllCleared()))
+            self.router.apply_event(RouterEvent(worker_id, -1, KvAllCleared()))
         log.warning(
             "kv router: event stream of %s recreated; forgot the cached blocks of %d workers",
             self._events_filter,
@@ -236,7 +235,7 @@ class KvRouterFeed:
         if not self.membership.accepts(metrics.worker_id):
             self.stats.load_ignored += 1
             return
-        self._router.update_load(metrics)
+        self.router.update_load(metrics)
         self.stats.load_reports += 1
 
     def _on_instances(self, ready: list[int]) -> None:
@@ -255,7 +254,7 @@ class KvRouterFeed:
 
     def _remove(self, worker_id: int, why: str) -> None:
         log.info("kv router: forgetting worker %016x (%s)", worker_id, why)
-        self._router.remove_worker(worker_id)
+        self.router.remove_worker(worker_id)
         self._indexed.discard(worker_id)
         self.stats.workers_removed += 1
 
@@ -264,7 +263,7 @@ class KvRouterFeed:
     async def _last_sequence(self) -> int:
         """Stream sequence of the newest event of this component now (0: none)."""
         try:
-            msg = await self._runtime.js.get_last_msg(self._stream.name, self._events_filter)
+            msg = await self.runtime.js.get_last_msg(self.stream.name, self._events_filter)
         except NotFoundError:
             return 0
         return int(msg.seq or 0)

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Protocol
 
 from dynamo.llm.kv_router.subjects import (
@@ -79,6 +79,7 @@ class PublisherStats:
     streams_recreated: int = 0  # the stream was missing (broker restarted without store)
 
 
+@dataclass(eq=False)
 class KvEventPublisher:
     """Publishes one worker's KV events to its JetStream subject.
 
@@ -103,38 +104,36 @@ class KvEventPublisher:
       so they always increase per worker (routers drop an id they have seen).
     """
 
-    def __init__(
-        self,
-        runtime: DistributedRuntime,
-        namespace: str,
-        component: str,
-        worker_id: int,
-        *,
-        stream: EventStream | None = None,
-        backoff: Backoff | None = None,
-    ) -> None:
-        self._runtime = runtime
-        self._stream = stream or kv_events_stream()
-        self._backoff = backoff or Backoff()
-        self.subject = kv_events_subject(namespace, component, worker_id)
-        self.worker_id = worker_id
-        self.stats = PublisherStats()
-        self.cached: set[int] = set()  # the worker's cached blocks, as its events say
-        self._last_id: int | None = None  # the last event id put on the wire
-        self._dirty = False
-        self._closed = False
-        self._lock = asyncio.Lock()
+    runtime: DistributedRuntime
+    namespace: InitVar[str]
+    component: InitVar[str]
+    worker_id: int
+    _: KW_ONLY
+    stream: EventStream = field(default_factory=kv_events_stream)
+    backoff: Backoff | None = None  # None: `retry_until_done`'s default schedule
+    subject: str = field(init=False)
+    stats: PublisherStats = field(init=False, default_factory=PublisherStats)
+    # The worker's cached blocks, as its events say.
+    cached: set[int] = field(init=False, default_factory=set)
+    # The last event id put on the wire.
+    _last_id: int | None = field(init=False, default=None)
+    _dirty: bool = field(init=False, default=False)
+    _closed: bool = field(init=False, default=False)
+    _lock: asyncio.Lock = field(init=False, default_factory=asyncio.Lock)
+
+    def __post_init__(self, namespace: str, component: str) -> None:
+        self.subject = kv_events_subject(namespace, component, self.worker_id)
 
     async def start(self) -> KvEventPublisher:
         """Make sure the stream exists (idempotent); re-announce after every reconnect."""
-        await self._stream.ensure(self._runtime)
-        self._runtime.add_reconnect_listener(self.resync)
+        await self.stream.ensure(self.runtime)
+        self.runtime.add_reconnect_listener(self.resync)
         return self
 
     def close(self) -> None:
         """Stop re-announcing on reconnect (the worker is leaving). Idempotent."""
         self._closed = True
-        self._runtime.remove_reconnect_listener(self.resync)
+        self.runtime.remove_reconnect_listener(self.resync)
 
     async def publish(self, event: RouterEvent) -> None:
         """Publish one event (in call order); raises when NATS did not take it."""
@@ -169,7 +168,7 @@ class KvEventPublisher:
         await retry_until_done(
             self._resync_once,
             what=f"kv events: re-announcing the cache of worker {self.worker_id:016x}",
-            backoff=self._backoff,
+            backoff=self.backoff,
         )
 
     async def _resync_once(self) -> None:
@@ -177,7 +176,7 @@ class KvEventPublisher:
             return
         async with self._lock:
             try:
-                if await self._stream.ensure(self._runtime):
+                if await self.stream.ensure(self.runtime):
                     self._note_recreated()
                 await self._announce_cache()
             except Exception:
@@ -189,7 +188,7 @@ class KvEventPublisher:
         """After a failed publish: whether the stream was missing and is now recreated
         (then publishing again can succeed). False when the broker is unreachable."""
         try:
-            created = await self._stream.ensure(self._runtime)
+            created = await self.stream.ensure(self.runtime)
         except Exception as exc:
             log.debug("kv events: stream check after a failed publish failed: %s", exc)
             return False
@@ -201,7 +200,7 @@ class KvEventPublisher:
         self.stats.streams_recreated += 1
         log.warning(
             "kv events: stream %s was missing (broker restarted without its store); recreated it",
-            self._stream.name,
+            self.stream.name,
         )
 
     async def _publish(self, events: Sequence[RouterEvent]) -> None:
@@ -234,13 +233,13 @@ class KvEventPublisher:
         self.stats.resyncs += 1
 
     async def _purge(self) -> None:
-        await self._stream.purge_subject(self._runtime, self.subject)
+        await self.stream.purge_subject(self.runtime, self.subject)
         self.stats.purges += 1
 
     async def _send(self, data: KvEventData, event_id: int | None = None) -> None:
         """Put one event on the wire with an id above every id sent before."""
         event = self._numbered(data, event_id)
-        await self._stream.publish(self._runtime, self.subject, encode(event))
+        await self.stream.publish(self.runtime, self.subject, encode(event))
         self._last_id = event.event_id
 
     async def _send_run(self, run: Sequence[RouterEvent]) -> None:
@@ -256,7 +255,7 @@ class KvEventPublisher:
             for event in chunk:
                 numbered.append(self._numbered(event.data, event.event_id, last_id))
                 last_id = numbered[-1].event_id
-            await self._stream.publish(self._runtime, self.subject, encode(numbered))
+            await self.stream.publish(self.runtime, self.subject, encode(numbered))
             self._last_id = last_id
 
     def _numbered(

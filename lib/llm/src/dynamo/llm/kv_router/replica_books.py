@@ -45,9 +45,9 @@ import logging
 import math
 import time
 import zlib
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
+from dataclasses import KW_ONLY, asdict, dataclass, field
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -84,6 +84,8 @@ MAX_REMOTE_BOOKINGS = 1 << 16
 
 REMOTE_KEY_SEPARATOR = ":"
 
+ChangeT = TypeVar("ChangeT", bound=BookingChange)
+
 
 def remote_key(replica_id: str, request_id: str) -> str:
     """The key a remote replica's booking has in the local books."""
@@ -93,6 +95,22 @@ def remote_key(replica_id: str, request_id: str) -> str:
 def request_fingerprint(request_id: str) -> int:
     """One request id's share of a replica's fingerprint (XORed over its bookings)."""
     return zlib.crc32(request_id.encode())
+
+
+def hash_chunks(changes: Iterable[ChangeT]) -> list[list[ChangeT]]:
+    """`changes` in order, cut into the chunks one message each carries: at most
+    `MAX_HASHES_PER_MESSAGE` hashes, a change counting its block hashes plus one (a
+    single change over the bound still goes, alone). No changes, no chunks."""
+    chunks: list[list[ChangeT]] = []
+    hashes = 0
+    for change in changes:
+        size = 1 + (len(change.block_hashes) if isinstance(change, SequenceBooked) else 0)
+        if not chunks or hashes + size > MAX_HASHES_PER_MESSAGE:
+            chunks.append([])
+            hashes = 0
+        chunks[-1].append(change)
+        hashes += size
+    return chunks
 
 
 class BookingLedger(Protocol):
@@ -134,36 +152,31 @@ class _Peer:
     snapshot_asked_at: float = -math.inf
 
 
+@dataclass(eq=False)
 class ReplicaBooks:
     """One replica's side of the sync: its own bookings and the others', see the module."""
 
-    def __init__(
-        self,
-        ledger: BookingLedger,
-        replica_id: str,
-        *,
-        interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
-        miss_limit: int = DEFAULT_MISS_LIMIT,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if not MIN_HEARTBEAT_INTERVAL_S <= interval_s <= MAX_HEARTBEAT_INTERVAL_S:
+    ledger: BookingLedger
+    replica_id: str
+    _: KW_ONLY
+    interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    miss_limit: int = DEFAULT_MISS_LIMIT
+    clock: Callable[[], float] = time.monotonic
+    _own: dict[str, SequenceBooked] = field(init=False, default_factory=dict)
+    _own_fingerprint: int = field(init=False, default=0)
+    _peers: dict[str, _Peer] = field(init=False, default_factory=dict)
+    stats: SyncStats = field(init=False, default_factory=SyncStats)
+
+    def __post_init__(self) -> None:
+        if not MIN_HEARTBEAT_INTERVAL_S <= self.interval_s <= MAX_HEARTBEAT_INTERVAL_S:
             raise ValueError(
                 f"interval_s must be within [{MIN_HEARTBEAT_INTERVAL_S}, "
                 f"{MAX_HEARTBEAT_INTERVAL_S}] (the bounds peers accept)"
             )
-        if miss_limit < 1:
+        if self.miss_limit < 1:
             raise ValueError("miss_limit must be at least 1")
-        if REMOTE_KEY_SEPARATOR in replica_id:
+        if REMOTE_KEY_SEPARATOR in self.replica_id:
             raise ValueError(f"a replica id cannot contain {REMOTE_KEY_SEPARATOR!r}")
-        self._ledger = ledger
-        self.replica_id = replica_id
-        self.interval_s = interval_s
-        self.miss_limit = miss_limit
-        self._clock = clock
-        self._own: dict[str, SequenceBooked] = {}
-        self._own_fingerprint = 0
-        self._peers: dict[str, _Peer] = {}
-        self.stats = SyncStats()
 
     # ------------------------------------------------------------------ own books
 
@@ -200,16 +213,8 @@ class ReplicaBooks:
     def snapshot(self) -> list[BookingSnapshot]:
         """Every own booking, in chunks of at most `MAX_HASHES_PER_MESSAGE` hashes."""
         self.stats.snapshots_out += 1
-        chunks: list[BookingSnapshot] = [BookingSnapshot([], replace=True)]
-        hashes = 0
-        for booking in self._own.values():
-            size = len(booking.block_hashes) + 1
-            if chunks[-1].bookings and hashes + size > MAX_HASHES_PER_MESSAGE:
-                chunks.append(BookingSnapshot([], replace=False))
-                hashes = 0
-            chunks[-1].bookings.append(booking)
-            hashes += size
-        return chunks
+        chunks = hash_chunks(self._own.values()) or [[]]
+        return [BookingSnapshot(chunk, replace=index == 0) for index, chunk in enumerate(chunks)]
 
     # ------------------------------------------------------------------ others' books
 
@@ -224,7 +229,7 @@ class ReplicaBooks:
                 self.stats.replicas_left += 1
                 log.info("router replica %s left; its bookings are released", sender)
             return []
-        now = self._clock()
+        now = self.clock()
         peer = self._peers.get(sender)
         if peer is None:
             if len(self._peers) >= MAX_PEERS:
@@ -263,7 +268,7 @@ class ReplicaBooks:
     def expire(self) -> list[str]:
         """Drop every replica silent for `miss_limit` of its heartbeat intervals; returns
         their ids."""
-        now = self._clock()
+        now = self.clock()
         dead = [
             replica_id
             for replica_id, peer in self._peers.items()
@@ -310,15 +315,15 @@ class ReplicaBooks:
             self._apply_booking(sender, peer, change)
         elif isinstance(change, SequencePrefilled):
             if request_id in peer.requests:
-                self._ledger.apply_prefill(key, change.new_tokens)
+                self.ledger.apply_prefill(key, change.new_tokens)
         elif isinstance(change, SequenceFreed) and request_id in peer.requests:
             peer.requests.discard(request_id)
             peer.fingerprint ^= request_fingerprint(request_id)
-            self._ledger.release(key)
+            self.ledger.release(key)
 
     def _apply_booking(self, sender: str, peer: _Peer, booking: SequenceBooked) -> None:
         request_id = booking.request_id
-        if not self._ledger.knows_worker(booking.worker_id):
+        if not self.ledger.knows_worker(booking.worker_id):
             # Not held, so the sender's next heartbeat disagrees and its snapshot brings
             # the booking again, by when the worker's card may have arrived here.
             self.stats.unknown_worker += 1
@@ -333,7 +338,7 @@ class ReplicaBooks:
         key = remote_key(sender, request_id)
         consistent = booking.cached_blocks <= booking.overlap_blocks <= len(booking.block_hashes)
         try:
-            applied = consistent and self._ledger.apply_booking(key, booking)
+            applied = consistent and self.ledger.apply_booking(key, booking)
         except ValueError as exc:
             applied = False
             log.debug("remote booking %s not applied: %s", key, exc)
@@ -342,6 +347,6 @@ class ReplicaBooks:
 
     def _release_all(self, sender: str, peer: _Peer) -> None:
         for request_id in peer.requests:
-            self._ledger.release(remote_key(sender, request_id))
+            self.ledger.release(remote_key(sender, request_id))
         peer.requests.clear()
         peer.fingerprint = 0

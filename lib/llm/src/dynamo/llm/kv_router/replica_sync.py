@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -36,8 +37,8 @@ from nats.aio.msg import Msg
 from dynamo.llm.kv_router.replica_books import (
     DEFAULT_HEARTBEAT_INTERVAL_S,
     DEFAULT_MISS_LIMIT,
-    MAX_HASHES_PER_MESSAGE,
     ReplicaBooks,
+    hash_chunks,
 )
 from dynamo.llm.kv_router.scheduler import KvScheduler
 from dynamo.llm.protocols import (
@@ -46,9 +47,6 @@ from dynamo.llm.protocols import (
     ReplicaLeaving,
     ReplicaSyncData,
     ReplicaSyncMessage,
-    SequenceBooked,
-    SequenceFreed,
-    SequencePrefilled,
     decode,
     encode,
 )
@@ -216,24 +214,13 @@ class RouterReplicaSync:
 
 
 def _messages(items: list[ReplicaSyncData | BookingChange]) -> list[ReplicaSyncData]:
-    """Queued items as messages: runs of booking changes become `BookingChanges` of at
-    most `MAX_HASHES_PER_MESSAGE` hashes each, everything else goes as it is."""
+    """Queued items as messages, in order: each run of booking changes becomes
+    `BookingChanges` of at most `MAX_HASHES_PER_MESSAGE` hashes each (`hash_chunks`),
+    everything else goes as it is."""
     messages: list[ReplicaSyncData] = []
-    batch: list[BookingChange] = []
-    hashes = 0
-    for item in items:
-        if isinstance(item, SequenceBooked | SequencePrefilled | SequenceFreed):
-            size = 1 + (len(item.block_hashes) if isinstance(item, SequenceBooked) else 0)
-            if batch and hashes + size > MAX_HASHES_PER_MESSAGE:
-                messages.append(BookingChanges(batch))
-                batch, hashes = [], 0
-            batch.append(item)
-            hashes += size
+    for is_change, run in itertools.groupby(items, lambda item: isinstance(item, BookingChange)):
+        if is_change:
+            messages += [BookingChanges(chunk) for chunk in hash_chunks(run)]
         else:
-            if batch:
-                messages.append(BookingChanges(batch))
-                batch, hashes = [], 0
-            messages.append(item)
-    if batch:
-        messages.append(BookingChanges(batch))
+            messages += run
     return messages
