@@ -8,9 +8,11 @@ launch script by swapping the module name and adding timing flags.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from dynamo.llm.worker import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MIGRATION_LIMIT
 from dynamo.llm.worker.flags import add_worker_runtime_arguments
@@ -36,6 +38,22 @@ from dynamo.runtime.settings import Flag, add_setting_arguments, nested, setting
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_SPECULATIVE_METHOD = "mocker"
+
+T = TypeVar("T")
+
+
+def fields_from(cls: type[T], source: object, **given: Any) -> T:
+    """The dataclass `cls` filled from the same-named attributes of `source` (the parsed
+    command line, or the settings it became), `given` naming the fields that are computed
+    or named otherwise there; a field `source` lacks keeps its default. The flags, the
+    settings, the engine config and the registration share their names, so each hand-over
+    states only what differs instead of copying every field by name."""
+    values = {
+        f.name: getattr(source, f.name)
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        if f.init and f.name not in given and hasattr(source, f.name)
+    }
+    return cls(**values, **given)
 
 
 @dataclass(frozen=True)
@@ -170,19 +188,11 @@ class EngineFlags:
                 acceptance = AcceptanceModel.from_distribution(self.acceptance_distribution, k)
             else:
                 acceptance = AcceptanceModel.from_rates(self.acceptance_rates, k)
-            return MockEngineConfig(
-                block_size=self.block_size,
-                num_gpu_blocks=self.num_gpu_blocks,
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
+            return fields_from(
+                MockEngineConfig,
+                self,
                 max_model_len=self.max_model_len or model.max_position_embeddings or 8192,
-                enable_prefix_caching=self.enable_prefix_caching,
-                max_logprobs=self.max_logprobs,
-                num_speculative_tokens=k,
                 acceptance=acceptance,
-                timing=self.timing,
-                eos_probability=self.eos_probability,
-                seed=self.seed,
                 vocab_size=model.vocab_size,
                 eos_token_ids=model.eos_token_ids,
                 special_token_ids=model.special_token_ids,
@@ -334,28 +344,14 @@ def parse_args(argv: Sequence[str] | None = None) -> MockerArgs:
         )
     except ValueError as exc:  # the timing model refuses negative times
         raise ConfigError(str(exc)) from exc
-    worker = WorkerSettings(
-        namespace=ns.namespace,
-        component=ns.component,
-        endpoint=ns.endpoint,
-        served_model_name=ns.served_model_name,
-        nats_server=ns.nats_server,
+    worker = fields_from(
+        WorkerSettings,
+        ns,
         nats_options=nats_options_from_args(ns, url=ns.nats_server or nats_url_from_env()),
-        lease_ttl=ns.lease_ttl,
-        speculative_method=ns.speculative_method,
         publish_kv_events=ns.kv_events,
-        drain_timeout=ns.drain_timeout,
-        migration_limit=ns.migration_limit,
         max_inflight_requests=max_inflight_or_env(ns.max_inflight_requests),
     )
-    return MockerArgs(
-        model=ns.model,
-        engine=engine,
-        worker=worker,
-        num_workers=ns.num_workers,
-        system_port=ns.system_port,
-        log_level=ns.log_level,
-    )
+    return fields_from(MockerArgs, ns, engine=engine, worker=worker)
 
 
 def resolve_model_dir(model: str) -> Path:

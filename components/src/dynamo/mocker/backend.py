@@ -17,7 +17,7 @@ from dynamo.llm.protocols import (
     WorkerType,
 )
 from dynamo.llm.worker import EngineDescription, ServedWorker, WorkerRegistration
-from dynamo.mocker.args import WorkerSettings
+from dynamo.mocker.args import WorkerSettings, fields_from
 from dynamo.mocker.config import MockEngineConfig
 from dynamo.mocker.engine import MockEngine
 from dynamo.mocker.kv_events import KvEventForwarder
@@ -103,20 +103,13 @@ def mocker_worker(
     name: str = "mocker",
 ) -> ServedWorker[MockerBackend]:
     """One simulated worker, registered as `settings` say once started."""
-    registration = WorkerRegistration(
+    registration = fields_from(
+        WorkerRegistration,
+        settings,
         served_model_name=served_model_name,
         model_path=Path(model_path),
-        namespace=settings.namespace,
-        component=settings.component,
-        endpoint=settings.endpoint,
         worker_type=WorkerType.AGGREGATED,
-        nats_server=settings.nats_server,
-        nats_options=settings.nats_options,
-        lease_ttl=settings.lease_ttl,
         drain_timeout_s=settings.drain_timeout,
-        migration_limit=settings.migration_limit,
-        publish_kv_events=settings.publish_kv_events,
-        max_inflight_requests=settings.max_inflight_requests,
     )
     backend = MockerBackend(engine_config, speculative_method=settings.speculative_method)
     return ServedWorker(backend, registration, name=name)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.exceptions import MaxQueuedTokensError, QueueOverflowError, VLLMClientError
@@ -63,6 +64,7 @@ class RequestCounters:
         self.finished[reason] = self.finished.get(reason, 0) + 1
 
 
+@dataclass(eq=False)
 class GenerateHandler:
     """Serves `generate` for one worker type.
 
@@ -73,28 +75,29 @@ class GenerateHandler:
       connector's `kv_transfer_params`, and its KV layout, as `disaggregated_params`.
     """
 
-    def __init__(
-        self,
-        engine: VllmEngine,
-        worker_type: WorkerType,
-        *,
-        on_engine_dead: Callable[[BaseException], None],
-        counters: RequestCounters | None = None,
-        kv_janitor: KvTransferJanitor | None = None,
-        kv_probe: KvStorageProbe | None = None,
-        storage_check: SharedStorageCheck | None = None,
-    ) -> None:
-        self.engine = engine
-        self.worker_type = worker_type
-        self.on_engine_dead = on_engine_dead
-        self.counters = counters or RequestCounters()
-        # Decode side of the disk-based (CPU) connector: deletes consumed KV entries.
-        self.kv_janitor = kv_janitor if worker_type is not WorkerType.PREFILL else None
-        self.layout_check = KvLayoutCheck(engine.facts.kv_layout if engine.facts else "")
-        # Disk-based connector: the prefill side names its directory's probe in each
-        # result, the decode side refuses results from a directory it cannot see.
-        self.kv_probe = kv_probe if worker_type is WorkerType.PREFILL else None
-        self.storage_check = storage_check if worker_type is not WorkerType.PREFILL else None
+    engine: VllmEngine
+    worker_type: WorkerType
+    on_engine_dead: Callable[[BaseException], None] = field(kw_only=True)
+    counters: RequestCounters = field(default_factory=RequestCounters, kw_only=True)
+    """Shared with the worker's /metrics; by default (or given None) the handler's own."""
+    kv_janitor: KvTransferJanitor | None = field(default=None, kw_only=True)
+    """Decode side of the disk-based (CPU) connector: deletes consumed KV entries."""
+    kv_probe: KvStorageProbe | None = field(default=None, kw_only=True)
+    storage_check: SharedStorageCheck | None = field(default=None, kw_only=True)
+    """Disk-based connector: the prefill side names its directory's probe (`kv_probe`) in
+    each result, the decode side refuses results from a directory it cannot see."""
+    layout_check: KvLayoutCheck = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.counters is None:  # callers may pass None for "its own"
+            self.counters = RequestCounters()
+        # Each side keeps only what it uses.
+        if self.worker_type is WorkerType.PREFILL:
+            self.kv_janitor = self.storage_check = None
+        else:
+            self.kv_probe = None
+        facts = self.engine.facts
+        self.layout_check = KvLayoutCheck(facts.kv_layout if facts else "")
 
     def _kv_transfer_params(self, request: PreprocessedRequest) -> dict[str, Any] | None:
         if self.worker_type is WorkerType.PREFILL:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -30,20 +31,14 @@ runs): the collector is registered before the engine starts, the monitor only af
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class VllmWorkerCollector(Collector):
     """Worker-level series; `labels` identify the worker (model, worker type, instance)."""
 
-    def __init__(
-        self,
-        stats: EngineStats,
-        counters: RequestCounters,
-        labels: dict[str, str],
-        monitor: MonitorSource | None = None,
-    ) -> None:
-        self.stats = stats
-        self.counters = counters
-        self.labels = labels
-        self.monitor = monitor
+    stats: EngineStats
+    counters: RequestCounters
+    labels: dict[str, str]
+    monitor: MonitorSource | None = None
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(name, doc, labels=list(self.labels))

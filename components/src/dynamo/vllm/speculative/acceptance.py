@@ -27,6 +27,28 @@ class DecayedRate:
         return self.hits / self.trials if self.trials > 1e-9 else default
 
 
+@dataclass(frozen=True)
+class VerificationStep:
+    """One verification step, summed over the batch: at each position, the drafts that
+    reached it with every earlier token accepted, and those whose token there was accepted
+    too; the sequences that were asked for drafts and those that got any."""
+
+    reached_per_position: Sequence[int]
+    accepted_per_position: Sequence[int]
+    sequences_asked: int
+    sequences_drafted: int
+
+    def one_draft_tokens(self) -> float | None:
+        """Tokens per sequence-step had each sequence drafted one token, accepted as often
+        as the first position was in this step alone; None when no sequence was asked."""
+        if self.sequences_asked <= 0:
+            return None
+        reached = self.reached_per_position[0] if self.reached_per_position else 0
+        first = min(self.accepted_per_position[0], reached) / reached if reached else 0.0
+        drafted = min(self.sequences_drafted, self.sequences_asked) / self.sequences_asked
+        return 1.0 + drafted * first
+
+
 @dataclass
 class AcceptanceEstimate:
     """Per-position acceptance and the drafted fraction, warm-started from a profile."""
@@ -48,24 +70,17 @@ class AcceptanceEstimate:
             decay=1.0 - 1.0 / window_steps,
         )
 
-    def observe(
-        self,
-        reached_per_position: Sequence[int],
-        accepted_per_position: Sequence[int],
-        sequences_asked: int,
-        sequences_drafted: int,
-    ) -> None:
-        """One verification step, summed over the batch: at each position, the drafts that
-        reached it with every earlier token accepted, and those whose token there was
-        accepted too; the sequences that were asked for drafts and those that got any."""
+    def observe(self, step: VerificationStep) -> None:
+        """Count one verification step (after fading the older ones)."""
         self.fade()
         for i, (reached, accepted) in enumerate(
-            zip(reached_per_position, accepted_per_position, strict=True)
+            zip(step.reached_per_position, step.accepted_per_position, strict=True)
         ):
             if i < len(self.conditional) and reached > 0:
                 self.conditional[i].add(min(accepted, reached), reached)
-        if sequences_asked > 0:
-            self.drafted.add(min(sequences_drafted, sequences_asked), sequences_asked)
+        asked = step.sequences_asked
+        if asked > 0:
+            self.drafted.add(min(step.sequences_drafted, asked), asked)
 
     def fade(self) -> None:
         """One decoding step has passed: older counts weigh less."""

@@ -66,7 +66,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dynamo.vllm.speculative.acceptance import AcceptanceEstimate
+from dynamo.vllm.speculative.acceptance import AcceptanceEstimate, VerificationStep
 from dynamo.vllm.speculative.profile import SpeculationProfile, load_profile
 from dynamo.vllm.speculative.step_cost import StepCost
 
@@ -266,15 +266,14 @@ class AdaptiveK:
         sequences_asked: int,
         sequences_drafted: int,
     ) -> None:
-        """See `AcceptanceEstimate.observe`."""
-        if sequences_asked > 0:
-            reached = reached_per_position[0] if reached_per_position else 0
-            first = min(accepted_per_position[0], reached) / reached if reached else 0.0
-            drafted = min(sequences_drafted, sequences_asked) / sequences_asked
-            self._last_tokens_per_step = 1.0 + drafted * first
-        self.acceptance.observe(
+        """See `VerificationStep`; the step alone also decides `_last_step_pays`."""
+        step = VerificationStep(
             reached_per_position, accepted_per_position, sequences_asked, sequences_drafted
         )
+        tokens = step.one_draft_tokens()
+        if tokens is not None:
+            self._last_tokens_per_step = tokens
+        self.acceptance.observe(step)
 
     def observe_step(self, k: int, batch: int, measured_ms: float) -> None:
         if self.settings.adapt_step_times:
