@@ -26,7 +26,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 SAMPLE_RATE = 500  # per second: py-spy counts only busy samples, so ~CPU seconds x 500
@@ -59,12 +59,8 @@ class FlameSummary:
     inclusive: list[tuple[str, float]]
 
     def as_dict(self) -> dict[str, object]:
-        return {
-            "samples": self.samples,
-            "areas": self.areas,
-            "own": self.own,
-            "inclusive": self.inclusive,
-        }
+        """Every field, for the benchmark's JSON."""
+        return asdict(self)
 
 
 def py_spy() -> str:

@@ -171,6 +171,16 @@ def levels_arg(text: str, known: Collection[int]) -> list[int]:
     return levels
 
 
+def levels_type(known: Collection[int]) -> Callable[[str], list[int]]:
+    """The `type=` of a `--concurrency` option whose levels are among `known`
+    (`levels_arg`)."""
+
+    def levels(text: str) -> list[int]:
+        return levels_arg(text, known)
+
+    return levels
+
+
 def warn_if_busy(threshold: float = 0.5) -> float:
     """Print a warning when the 1-minute load average says other work is running;
     returns the load average."""

@@ -105,6 +105,7 @@ from dynamo.testing.command_lines import worker_argv
 from dynamo.testing.http import fetch_json, http_get, metric_values
 from dynamo.testing.mocker_command_line import mocker_argv
 from dynamo.testing.processes import FrontendProcess, ManagedProcess, running, wait_for_instances
+from dynamo.testing.sse import sse_data
 from dynamo_reference import (
     DEFAULT_VENV,
     MockerShape,
@@ -319,11 +320,10 @@ async def run_one(
     usage: dict[str, Any] = {}
     async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
         resp.raise_for_status()
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for data in sse_data(resp.content):
+            if data == "[DONE]":
                 continue
-            chunk = json.loads(line[6:])
+            chunk = json.loads(data)
             if ttft is None and any(c["delta"].get("content") for c in chunk.get("choices", [])):
                 ttft = time.perf_counter() - start
             usage = chunk.get("usage") or usage
@@ -722,11 +722,10 @@ async def run_completion(
             raise BenchError(
                 f"POST {base}/v1/completions: {resp.status} {(await resp.text())[:300]}"
             )
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for data in sse_data(resp.content):
+            if data == "[DONE]":
                 continue
-            chunk = json.loads(line[6:])
+            chunk = json.loads(data)
             if "error" in chunk:
                 raise BenchError(f"{base}: error in the stream: {str(chunk['error'])[:300]}")
             if ttft is None and any(c.get("text") for c in chunk.get("choices") or []):

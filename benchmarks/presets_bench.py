@@ -38,7 +38,7 @@ from harness import (
     guarded,
     host_info,
     launch_stack,
-    levels_arg,
+    levels_type,
     log_dir,
     resolve_model_arg,
     results_path,
@@ -186,10 +186,6 @@ def preset_list(text: str) -> list[str]:
     return chosen
 
 
-def levels(text: str) -> list[int]:
-    return levels_arg(text, SIZES)
-
-
 def main() -> int:
     parser = serving_parser(__doc__, "spec_presets.json")
     parser.add_argument(
@@ -209,7 +205,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--concurrency",
-        type=levels,
+        type=levels_type(SIZES),
         default=None,
         help=f"comma-separated subset of the levels {','.join(map(str, SIZES))} "
         "(e.g. 32 with more --rounds, to tell a 2%% gap from the host's drift); a partial "

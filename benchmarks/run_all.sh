@@ -62,6 +62,16 @@ run() {
   fi
 }
 
+# serving NAME SUMMARY_REGEX SCRIPT RESULT_FLAG [ARGS...]: `run` the serving benchmark
+# benchmarks/SCRIPT with the mode's SERVING_ARGS and ARGS, its JSON written to
+# $OUT/NAME.json (RESULT_FLAG names that file to SCRIPT: --json or --out).
+serving() {
+  local name=$1 marker=$2 script=$3 result_flag=$4
+  shift 4
+  run "$name" "$marker" \
+    "$PY" "benchmarks/$script" "${SERVING_ARGS[@]}" "$@" "$result_flag" "$OUT/$name.json"
+}
+
 summary() {
   local name=$1
   printf '\n--- %s\n' "$name"
@@ -79,31 +89,21 @@ run runtime '^runtime benchmark' \
 cp "$OUT/runtime.log" "$OUT/runtime.txt"
 run kv_indexer '^KV indexer' \
   "$PY" benchmarks/kv_indexer_bench.py "${INDEXER_ARGS[@]}" --output "$OUT/kv_indexer.json"
-run overhead '^metric ' \
-  "$PY" benchmarks/overhead_bench.py "${SERVING_ARGS[@]}" --json "$OUT/overhead.json"
+serving overhead '^metric ' overhead_bench.py --json
 # The stack's own cost on nearly free mockers, against ai-dynamo 1.6.1 when it installs.
-run scale '^scale bench results' \
-  "$PY" benchmarks/scale_bench.py "${SERVING_ARGS[@]}" --json "$OUT/scale.json"
-run kv_routing '^kv vs round-robin' \
-  "$PY" benchmarks/kv_routing_bench.py "${SERVING_ARGS[@]}" --out "$OUT/kv_routing.json"
+serving scale '^scale bench results' scale_bench.py --json
+serving kv_routing '^kv vs round-robin' kv_routing_bench.py --out
 # The same with two requests in flight: the router now trades cache hits for load balance.
-run kv_routing_c2 '^kv vs round-robin' \
-  "$PY" benchmarks/kv_routing_bench.py "${SERVING_ARGS[@]}" --concurrency 2 --out "$OUT/kv_routing_c2.json"
-run disagg '^disaggregated vs aggregated' \
-  "$PY" benchmarks/disagg_bench.py "${SERVING_ARGS[@]}" --json "$OUT/disagg.json"
+serving kv_routing_c2 '^kv vs round-robin' kv_routing_bench.py --out --concurrency 2
+serving disagg '^disaggregated vs aggregated' disagg_bench.py --json
 # The same with the prefill and decode engines on separate halves of the cores.
-run disagg_split '^disaggregated vs aggregated' \
-  "$PY" benchmarks/disagg_bench.py "${SERVING_ARGS[@]}" --split-cores --json "$OUT/disagg_split.json"
-run structured_output '^structured output vs' \
-  "$PY" benchmarks/structured_output_bench.py "${SERVING_ARGS[@]}" --json "$OUT/structured_output.json"
-run beam_search '^beam search: this stack' \
-  "$PY" benchmarks/beam_search_bench.py "${SERVING_ARGS[@]}" --json "$OUT/beam_search.json"
-run spec_decode '^speculative decoding vs none' \
-  "$PY" benchmarks/spec_decode_bench.py "${SERVING_ARGS[@]}" --json "$OUT/spec_decode.json"
+serving disagg_split '^disaggregated vs aggregated' disagg_bench.py --json --split-cores
+serving structured_output '^structured output vs' structured_output_bench.py --json
+serving beam_search '^beam search: this stack' beam_search_bench.py --json
+serving spec_decode '^speculative decoding vs none' spec_decode_bench.py --json
 # None vs static K vs the profiled K schedule at c=1..32 (profiles first, once, when
 # engine_configs/profiles/smollm2-135m-instruct/eagle3.profile.json is missing).
-run spec_dynamic '^dynamic speculation' \
-  "$PY" benchmarks/spec_decode_bench.py --dynamic "${SERVING_ARGS[@]}" --json "$OUT/spec_dynamic.json"
+serving spec_dynamic '^dynamic speculation' spec_decode_bench.py --json --dynamic
 
 printf '\n=================== summaries (%s runs, %s cores, load average %s)\n' \
   "$MODE" "$(nproc)" "$(cut -d' ' -f1-3 /proc/loadavg)"

@@ -73,7 +73,7 @@ from harness import (
     format_table,
     guarded,
     host_info,
-    levels_arg,
+    levels_type,
     log_dir,
     resolve_model_arg,
     results_path,
@@ -927,11 +927,6 @@ def drafter_setups(drafter: str, profile: Path, static_k: int, kinds: set[str]) 
     return [("none", None, [], False), *(v for k, v in by_kind.items() if k in kinds)]
 
 
-def concurrency_levels(text: str) -> list[int]:
-    """`--concurrency`: levels of the adaptive run, each one it knows."""
-    return levels_arg(text, ADAPTIVE_SIZES)
-
-
 def main() -> int:
     parser = serving_parser(__doc__, "spec_decode.json")
     parser.add_argument(
@@ -983,7 +978,7 @@ def main() -> int:
     )
     dynamic.add_argument(
         "--concurrency",
-        type=concurrency_levels,
+        type=levels_type(ADAPTIVE_SIZES),
         default=None,
         help="with --adaptive: comma-separated subset of the levels "
         f"{','.join(map(str, ADAPTIVE_SIZES))} to measure (e.g. 16,32 to look at one "

@@ -31,6 +31,8 @@ from typing import Any
 
 import aiohttp
 
+from dynamo.testing.chat_bodies import PEOPLE_TO_DESCRIBE
+from dynamo.testing.sse import sse_data
 from harness import (
     CPU_ENGINE_FLAGS,
     BenchError,
@@ -53,16 +55,7 @@ SCHEMA = {
     "required": ["name", "age", "city", "skills"],
     "additionalProperties": False,
 }
-SUBJECTS = [
-    "a retired baker from Lyon",
-    "a young pilot from Oslo",
-    "a teacher living in Madrid",
-    "a farmer near Nairobi",
-    "a student in Tokyo",
-    "a painter from Florence",
-    "a sailor from Lisbon",
-    "a chef in Bangkok",
-]
+SUBJECTS = PEOPLE_TO_DESCRIBE
 MAX_TOKENS = 128
 
 
@@ -101,11 +94,10 @@ async def _one(
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
             raise BenchError(f"request failed: {resp.status} {await resp.text()}")
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for data in sse_data(resp.content):
+            if data == "[DONE]":
                 continue
-            chunk = json.loads(line[6:])
+            chunk = json.loads(data)
             if first is None and chunk.get("choices"):
                 first = time.perf_counter()
             if chunk.get("usage"):

@@ -41,7 +41,13 @@ from dynamo.llm.protocols import (
     WorkerType,
 )
 from dynamo.runtime import DistributedRuntime
-from dynamo.testing.http import http_post_json, kv_router_views, routed_totals
+from dynamo.testing.http import (
+    http_post_json,
+    kv_router_views,
+    routed_one_more,
+    routed_totals,
+    wait_prefix_indexed,
+)
 from dynamo.testing.processes import FrontendProcess, WorkerProcess, stop_all
 from dynamo.testing.waiting import wait_until, wait_until_async
 from dynamo.vllm.kv_transfer.janitor import entry_name, transferred_tokens
@@ -350,18 +356,12 @@ def test_prefill_legs_follow_the_prefill_worker_that_caches_the_prefix(disagg):
         context = " ".join(f"Fact {i} about {topic}: it is item number {i}." for i in range(40))
         before = prefill_routed(frontend)
         first = chat(frontend, f"{context}\n\nQuestion: name one.", max_tokens=4)
-        after = prefill_routed(frontend)
-        owners = [w for w, n in after.items() if n > before.get(w, 0)]
-        assert len(owners) == 1, (before, after)
-        owner = owners[0]
-        blocks = first["usage"]["prompt_tokens"] // 32
-        assert blocks >= 10, "the shared prefix spans many blocks"
-        # The prefill worker's stored blocks must reach the index before the next decision.
-        wait_until(
-            lambda o=owner, n=blocks: prefill_indexed(frontend, o) >= n,
-            timeout=10,
+        owner = routed_one_more(before, prefill_routed(frontend))
+        blocks = wait_prefix_indexed(
+            lambda o=owner: prefill_indexed(frontend, o),
+            first["usage"]["prompt_tokens"],
+            32,
             interval=POLL_S,
-            what=f"{blocks} blocks of {topic} indexed for prefill worker {owner}",
         )
         for question in ("name another.", "which is the most famous?"):
             reused_before = sum(
@@ -369,11 +369,8 @@ def test_prefill_legs_follow_the_prefill_worker_that_caches_the_prefix(disagg):
             )
             before = prefill_routed(frontend)
             chat(frontend, f"{context}\n\nQuestion: {question}", max_tokens=4)
-            after = prefill_routed(frontend)
-            chosen = [w for w, n in after.items() if n > before.get(w, 0)]
-            assert chosen == [owner], (
-                f"{topic}: {question!r} prefilled on {chosen}, cache on {owner}"
-            )
+            chosen = routed_one_more(before, prefill_routed(frontend))
+            assert chosen == owner, f"{topic}: {question!r} prefilled on {chosen}, cache on {owner}"
             reused = sum(w.metric("dynamo_worker_cached_prompt_tokens_total") for w in prefills)
             assert reused - reused_before >= (blocks - 2) * 32, "the prefix was recomputed"
 

@@ -16,7 +16,13 @@ from typing import Any
 import openai
 import pytest
 
-from dynamo.testing.http import kv_router_views, predicted_hit_rate, routed_totals
+from dynamo.testing.http import (
+    kv_router_views,
+    predicted_hit_rate,
+    routed_one_more,
+    routed_totals,
+    wait_prefix_indexed,
+)
 from dynamo.testing.processes import FrontendProcess, WorkerProcess, stop_all
 from dynamo.testing.waiting import wait_until
 
@@ -88,10 +94,7 @@ def send_and_locate(frontend: FrontendProcess, system: str, question: str) -> tu
     """Send one chat request; return the worker it was routed to and the response."""
     before = routed_counts(frontend)
     response = chat(frontend, system, question)
-    after = routed_counts(frontend)
-    chosen = [w for w, n in after.items() if n > before.get(w, 0)]
-    assert len(chosen) == 1, (before, after)
-    return chosen[0], response
+    return routed_one_more(before, routed_counts(frontend)), response
 
 
 def cached_tokens(response: Any) -> int:
@@ -106,14 +109,11 @@ def test_a_shared_prefix_follows_the_worker_that_caches_it(
     for topic in ("volcanoes", "sailing", "bread"):
         system = system_prompt(topic)
         owner, first = send_and_locate(frontend, system, "Name one.")
-        prompt_blocks = first.usage.prompt_tokens // BLOCK
-        assert prompt_blocks >= 10, "the shared prefix spans many blocks"
-        # The worker's stored blocks must reach the index before the next decision.
-        wait_until(
-            lambda o=owner, n=prompt_blocks: cached_blocks(frontend, o) >= n,
-            timeout=10,
+        prompt_blocks = wait_prefix_indexed(
+            lambda o=owner: cached_blocks(frontend, o),
+            first.usage.prompt_tokens,
+            BLOCK,
             interval=POLL_S,
-            what=f"{prompt_blocks} blocks of {topic} indexed for worker {owner}",
         )
         for question in ("Name another.", "Which is the most famous?"):
             worker, response = send_and_locate(frontend, system, question)

@@ -126,34 +126,25 @@ def check_shape(stats: dict[str, Any], completion_tokens: int) -> None:
     assert completion_tokens >= steps + stats["num_accepted_draft_tokens"]
 
 
-def test_unary_stats_equal_the_change_of_the_worker_counters(
-    served: tuple[WorkerProcess, FrontendProcess],
+@pytest.mark.parametrize(
+    "stream", [False, True], ids=["unary-in-the-body", "streamed-on-the-final-usage-chunk"]
+)
+def test_stats_equal_the_change_of_the_worker_counters(
+    served: tuple[WorkerProcess, FrontendProcess], stream: bool
 ) -> None:
+    """Unary, the statistics are in the body; streamed, they ride on the final usage chunk."""
     worker, frontend = served
     before = counters(worker)
+    streaming = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
     status, text = http_post_json(
         f"{frontend.base_url}/v1/chat/completions",
-        request_body(return_spec_stats=True),
+        request_body(return_spec_stats=True, **streaming),
         timeout=120,
     )
     assert status == 200, text
-    reply = json.loads(text)
+    reply = final_usage_chunk(text) if stream else json.loads(text)
     stats = reply["metrics"]["speculative_decoding"]
     check_shape(stats, reply["usage"]["completion_tokens"])
-    check_against_counters(worker, before, stats)
-
-
-def test_streamed_stats_ride_on_the_final_usage_chunk(
-    served: tuple[WorkerProcess, FrontendProcess],
-) -> None:
-    worker, frontend = served
-    before = counters(worker)
-    body = request_body(return_spec_stats=True, stream=True, stream_options={"include_usage": True})
-    status, text = http_post_json(f"{frontend.base_url}/v1/chat/completions", body, timeout=120)
-    assert status == 200, text
-    final = final_usage_chunk(text)
-    stats = final["metrics"]["speculative_decoding"]
-    check_shape(stats, final["usage"]["completion_tokens"])
     check_against_counters(worker, before, stats)
 
 

@@ -28,6 +28,7 @@ from e2e_prompts import chat_ids, greedy_request
 from dynamo.llm.models import DEFAULT_MODEL
 from dynamo.llm.protocols import LLMEngineOutput, StructuredOutput
 from dynamo.runtime import DistributedRuntime
+from dynamo.testing.chat_bodies import PEOPLE_TO_DESCRIBE
 from dynamo.testing.processes import FrontendProcess, WorkerProcess
 
 MODEL = DEFAULT_MODEL
@@ -52,14 +53,7 @@ PEOPLE = [
     "Nikola Tesla, Smiljan",
     "Rosalind Franklin, London",
     "Niels Bohr of Copenhagen",
-    "a retired baker from Lyon",
-    "a young pilot from Oslo",
-    "a teacher living in Madrid",
-    "a farmer near Nairobi",
-    "a student in Tokyo",
-    "a painter from Florence",
-    "a sailor from Lisbon",
-    "a chef in Bangkok",
+    *PEOPLE_TO_DESCRIBE,
     "a doctor in Toronto",
     "a poet from Dublin",
 ]

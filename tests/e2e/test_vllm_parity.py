@@ -18,6 +18,7 @@ here, vLLM's `BadRequestError`).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -226,11 +227,27 @@ def diff_top(theirs: dict[str, float], ours: dict[str, float], where: str) -> li
     return problems  # fmt: skip
 
 
+Diff = Callable[[Any, Any], list[str]]
+
+
+def present_on_both_sides(field: str) -> Callable[[Diff], Diff]:
+    """Wrap a diff of `field` (anchor's value, ours) so that it runs only when both sides
+    have the field: on one side only that is the one problem, on neither there is none."""
+
+    def wrap(diff: Diff) -> Diff:
+        @functools.wraps(diff)
+        def diff_present(theirs: Any, ours: Any) -> list[str]:
+            if (theirs is None) != (ours is None):
+                return [f"{field} {'absent' if ours is None else 'extra'} here"]
+            return [] if theirs is None else diff(theirs, ours)
+
+        return diff_present
+
+    return wrap
+
+
+@present_on_both_sides("logprobs")
 def diff_completion_logprobs(theirs: Any, ours: Any) -> list[str]:
-    if (theirs is None) != (ours is None):
-        return [f"logprobs {'absent' if ours is None else 'extra'} here"]
-    if theirs is None:
-        return []
     if theirs["tokens"] != ours["tokens"]:
         return [f"logprob tokens {theirs['tokens']} / {ours['tokens']}"]
     problems = [
@@ -250,11 +267,8 @@ def diff_completion_logprobs(theirs: Any, ours: Any) -> list[str]:
     return problems  # fmt: skip
 
 
+@present_on_both_sides("logprobs")
 def diff_chat_logprobs(theirs: Any, ours: Any) -> list[str]:
-    if (theirs is None) != (ours is None):
-        return [f"logprobs {'absent' if ours is None else 'extra'} here"]
-    if theirs is None:
-        return []
     a, b = theirs["content"], ours["content"]
     if [e["token"] for e in a] != [e["token"] for e in b]:
         return [f"logprob tokens {[e['token'] for e in a]} / {[e['token'] for e in b]}"]
@@ -267,11 +281,8 @@ def diff_chat_logprobs(theirs: Any, ours: Any) -> list[str]:
     return problems
 
 
+@present_on_both_sides("prompt_logprobs")
 def diff_prompt_logprobs(theirs: Any, ours: Any) -> list[str]:
-    if (theirs is None) != (ours is None):
-        return [f"prompt_logprobs {'absent' if ours is None else 'extra'} here"]
-    if theirs is None:
-        return []
     if len(theirs) != len(ours):
         return [f"prompt_logprobs: {len(theirs)} / {len(ours)} positions"]
     problems = []

@@ -78,6 +78,7 @@ from dynamo.runtime.events import EventStream, StreamSubscription
 from dynamo.testing.http import kv_router_views
 from dynamo.testing.mocker_command_line import mocker_argv
 from dynamo.testing.processes import FrontendProcess, ManagedProcess
+from dynamo.testing.sse import sse_data
 from dynamo.testing.waiting import wait_until_async
 
 LEASE_TTL = 1.0
@@ -565,11 +566,7 @@ async def stream_chat(
             if response.status != 200:
                 out.error = await response.text()
                 return out
-            async for raw in response.content:
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:") :].strip()
+            async for data in sse_data(response.content):
                 if data == "[DONE]":
                     out.done = True
                     continue

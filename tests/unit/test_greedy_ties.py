@@ -3,6 +3,8 @@ from it only onto an alternative the reference found within rounding of its choi
 
 from __future__ import annotations
 
+import pytest
+
 from dynamo.testing.greedy import (
     BF16_TIE_NATS,
     ReferenceToken,
@@ -147,61 +149,51 @@ def assert_refused_at(reference: list[ReferenceToken], text: str, *, token_index
     assert problem is not None and f"token {token_index}" in problem and "3.000 nats" in problem
 
 
-def test_parting_onto_a_longer_alternative_that_the_reference_token_begins_is_judged_there() -> (
-    None
-):
-    """The reference chose " a" then " way"; the other text chose " and" (a near tie) at
-    the same position. Their bytes part one token later (after " a"), but the choice was
-    made at " a", and it is judged there (seen on a loaded machine with Eagle3)."""
-    reference = reference_from_chat_logprobs(
-        [
-            entry("Art", -0.1, ("Music", -3.0)),
-            entry(",", -0.05, (" is", -4.0)),
-            entry(" a", -0.9, (" and", -1.1), (" the", -2.5)),
-            entry(" way", -0.2, (" form", -1.9)),
-            entry(" of", -0.01, (" to", -5.0)),
-        ]
-    )
-    text = "Art, and it shows."
-    assert_tie_accepted(reference, text, token_index=2, lead=0.2)
-    # The same parting onto a distant alternative still fails, at the same token.
-    far = reference_from_chat_logprobs(
-        [
-            entry("Art", -0.1, ("Music", -3.0)),
-            entry(",", -0.05, (" is", -4.0)),
+@pytest.mark.parametrize(
+    ("tied", "text", "lead", "confident"),
+    [
+        # The reference chose " a" then " way"; the other text chose " and" (a near tie) at
+        # the same position. Their bytes part one token later (after " a"), but the choice
+        # was made at " a", and it is judged there (seen on a loaded machine with Eagle3).
+        pytest.param(
+            [
+                entry("Art", -0.1, ("Music", -3.0)),
+                entry(",", -0.05, (" is", -4.0)),
+                entry(" a", -0.9, (" and", -1.1), (" the", -2.5)),
+                entry(" way", -0.2, (" form", -1.9)),
+                entry(" of", -0.01, (" to", -5.0)),
+            ],
+            "Art, and it shows.",
+            0.2,
             entry(" a", -0.1, (" and", -3.1)),
-            entry(" way", -0.2, (" form", -1.9)),
-        ]
-    )
-    assert_refused_at(far, text, token_index=2)
-
-
-def test_parting_onto_a_shorter_alternative_that_begins_the_reference_token_is_judged_there() -> (
-    None
-):
-    """The reference chose " an" (then " expert"); the other text chose " a" (then
-    " professional"), which the target scored exactly as high. The bytes part inside
-    " an", after the " a" both begin with, and the choice was made at that token (seen in
-    the Eagle3 head's module: "You don't need to be a professional")."""
-    reference = reference_from_chat_logprobs(
-        [
-            entry(" to", -0.134, (" a", -2.634)),
-            entry(" be", -1.413, (" know", -2.038)),
-            entry(" an", -0.831, (" a", -0.831), (" super", -4.581)),
-            entry(" expert", -1.1, (" engineer", -2.0)),
-        ]
-    )
-    text = " to be a professional"
-    assert_tie_accepted(reference, text, token_index=2, lead=0.0)
-    # A shorter alternative the target put far below its choice still fails there.
-    far = reference_from_chat_logprobs(
-        [
-            entry(" to", -0.134, (" a", -2.634)),
-            entry(" be", -1.413, (" know", -2.038)),
+            id="onto-a-longer-alternative-that-the-reference-token-begins",
+        ),
+        # The reference chose " an" (then " expert"); the other text chose " a" (then
+        # " professional"), which the target scored exactly as high. The bytes part inside
+        # " an", after the " a" both begin with, and the choice was made at that token (seen
+        # in the Eagle3 head's module: "You don't need to be a professional").
+        pytest.param(
+            [
+                entry(" to", -0.134, (" a", -2.634)),
+                entry(" be", -1.413, (" know", -2.038)),
+                entry(" an", -0.831, (" a", -0.831), (" super", -4.581)),
+                entry(" expert", -1.1, (" engineer", -2.0)),
+            ],
+            " to be a professional",
+            0.0,
             entry(" an", -0.1, (" a", -3.1)),
-            entry(" expert", -1.1, (" engineer", -2.0)),
-        ]
-    )
+            id="onto-a-shorter-alternative-that-begins-the-reference-token",
+        ),
+    ],
+)
+def test_parting_inside_the_reference_token_is_judged_at_that_token(
+    tied: list[dict], text: str, lead: float, confident: dict
+) -> None:
+    """The bytes of `text` part from the reference's inside its token 2, where the choice
+    was made: a near tie there (led by `lead` nats) matches. The same parting where the
+    reference chose `confident` instead (3 nats ahead) still fails, at the same token."""
+    assert_tie_accepted(reference_from_chat_logprobs(tied), text, token_index=2, lead=lead)
+    far = reference_from_chat_logprobs([*tied[:2], confident, tied[3]])
     assert_refused_at(far, text, token_index=2)
 
 

@@ -19,6 +19,7 @@ import json
 import signal
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -44,8 +45,10 @@ class Stack:
     def key(self) -> str:
         return f"{self.namespace}/backend/generate"
 
-    def frontend(self, name: str) -> FrontendProcess:
-        """A kv-mode frontend of two processes, serving the model with both."""
+    @contextmanager
+    def frontend(self, name: str) -> Iterator[FrontendProcess]:
+        """A kv-mode frontend of two processes, serving the model with both, stopped when
+        the block exits."""
         frontend = FrontendProcess(
             name,
             self.nats_url,
@@ -61,10 +64,9 @@ class Stack:
                 what="both http workers to route with a peer",
                 retry_on=(OSError, ValueError, KeyError),
             )
-        except BaseException:
+            yield frontend
+        finally:
             frontend.stop()
-            raise
-        return frontend
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +95,14 @@ def gone(pid: int) -> bool:
         return True
 
 
-def started_again(
-    frontend: FrontendProcess, victim: psutil.Process, other: psutil.Process
-) -> psutil.Process:
-    """The child the supervisor starts after `victim` was killed. (A killed child stays
-    listed, as a zombie, until the supervisor reaps it: a count of children cannot tell.)"""
+def killed_and_started_again(
+    frontend: FrontendProcess,
+) -> tuple[psutil.Process, psutil.Process, psutil.Process]:
+    """SIGKILL one of `frontend`'s two children; returns it, the other one and the child
+    the supervisor starts in its place. (A killed child stays listed, as a zombie, until
+    the supervisor reaps it: a count of children cannot tell.)"""
+    victim, other = children(frontend)
+    victim.kill()
 
     def new_child() -> psutil.Process | None:
         started = [c for c in children(frontend) if c.pid not in (victim.pid, other.pid)]
@@ -111,7 +116,7 @@ def started_again(
     )
     new = new_child()
     assert new is not None
-    return new
+    return victim, other, new
 
 
 def router_view(frontend: FrontendProcess, key: str) -> dict:
@@ -140,9 +145,8 @@ def complete(frontend: FrontendProcess, i: int) -> None:
 
 
 def test_two_processes_serve_one_port_and_stop_on_sigterm(stack: Stack) -> None:
-    frontend = stack.frontend("frontend-serve")
-    pids = [child.pid for child in children(frontend)]
-    try:
+    with stack.frontend("frontend-serve") as frontend:
+        pids = [child.pid for child in children(frontend)]
         assert len(pids) == 2
         for i in range(REQUESTS):  # a new connection each: the kernel spreads them
             complete(frontend, i)
@@ -169,16 +173,11 @@ def test_two_processes_serve_one_port_and_stop_on_sigterm(stack: Stack) -> None:
         frontend.popen.send_signal(signal.SIGTERM)
         assert frontend.popen.wait(STOP_TIMEOUT_S) == 0
         assert all(gone(pid) for pid in pids), pids
-    finally:
-        frontend.stop()
 
 
 def test_a_killed_child_is_started_again_while_the_other_serves(stack: Stack) -> None:
-    frontend = stack.frontend("frontend-child-killed")
-    try:
-        victim, other = children(frontend)
-        victim.kill()
-        started_again(frontend, victim, other)
+    with stack.frontend("frontend-child-killed") as frontend:
+        victim, other, _ = killed_and_started_again(frontend)
         assert frontend.alive() and other.is_running()
         wait_until(
             lambda: both_children_route(frontend, stack.key),
@@ -194,16 +193,11 @@ def test_a_killed_child_is_started_again_while_the_other_serves(stack: Stack) ->
             assert status == 200, text
         log = frontend.log_path.read_text()
         assert f"(pid {victim.pid}) exited with signal SIGKILL; starting it again" in log
-    finally:
-        frontend.stop()
 
 
 def test_a_child_started_again_knows_the_models_before_it_answers(stack: Stack) -> None:
-    frontend = stack.frontend("frontend-child-answers-late")
-    try:
-        victim, other = children(frontend)
-        victim.kill()
-        new = started_again(frontend, victim, other)
+    with stack.frontend("frontend-child-answers-late") as frontend:
+        _, _, new = killed_and_started_again(frontend)
         # Fresh connections, spread over both children by the kernel, from the moment the
         # new child exists: the first answer it gives must already list the model.
         first_answer = None
@@ -224,5 +218,3 @@ def test_a_child_started_again_knows_the_models_before_it_answers(stack: Stack) 
             retry_on=(OSError, ValueError, KeyError),
         )
         assert first_answer is not None and MODEL in first_answer["models"], first_answer
-    finally:
-        frontend.stop()

@@ -22,15 +22,17 @@ told to go silent after N tokens while it keeps heartbeating (a hung engine). Cl
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from dynamo.frontend.http.settings import HttpSettings
 from dynamo.frontend.service import FrontendConfig
@@ -164,6 +166,16 @@ async def cluster(
         await observer.shutdown(drain_timeout=0)
 
 
+ScriptedCluster = Callable[..., AbstractAsyncContextManager[Cluster]]
+
+
+@pytest.fixture
+def scripted(nats_url: str, embedded_model: Path, tmp_path: Path) -> ScriptedCluster:
+    """`cluster` over the session's nats-server and embedded model, in the test's own
+    directory: call it with the workers' arguments and the deadlines."""
+    return functools.partial(cluster, nats_url, embedded_model, tmp_path)
+
+
 def _expected_text(model_dir: Path, count: int) -> str:
     from transformers import AutoTokenizer
 
@@ -179,9 +191,9 @@ async def _wait_cancelled(c: Cluster, instance_id: int) -> None:
 
 
 async def test_sigkill_of_the_only_worker_ends_the_stream_within_the_lease_window(
-    nats_url: str, embedded_model: Path, tmp_path: Path
+    scripted: ScriptedCluster,
 ) -> None:
-    async with cluster(nats_url, embedded_model, tmp_path, [[]]) as c:
+    async with scripted([[]]) as c:
         killed_at: list[float] = []
 
         def kill_after_five(outcome: StreamOutcome) -> None:
@@ -199,9 +211,9 @@ async def test_sigkill_of_the_only_worker_ends_the_stream_within_the_lease_windo
 
 
 async def test_last_worker_killed_after_its_card_went_is_still_noticed(
-    nats_url: str, embedded_model: Path, tmp_path: Path
+    scripted: ScriptedCluster,
 ) -> None:
-    async with cluster(nats_url, embedded_model, tmp_path, [["--drop-card-after", "3"]]) as c:
+    async with scripted([["--drop-card-after", "3"]]) as c:
         streaming = asyncio.ensure_future(c.stream(max_tokens=90))
 
         async def model_dropped_mid_stream() -> bool:
@@ -224,14 +236,12 @@ async def test_last_worker_killed_after_its_card_went_is_still_noticed(
 
 
 async def test_a_silent_worker_is_cut_and_the_stream_migrates(
-    nats_url: str, embedded_model: Path, tmp_path: Path
+    scripted: ScriptedCluster, embedded_model: Path
 ) -> None:
     """Both workers go silent after 5 tokens of a fresh request, but serve continuations:
     whichever gets the request stalls, the other finishes it."""
     stall = ["--stall-after", "5"]
-    async with cluster(
-        nats_url, embedded_model, tmp_path, [stall, stall], inter_token_s=DEADLINE
-    ) as c:
+    async with scripted([stall, stall], inter_token_s=DEADLINE) as c:
         outcome = await c.stream(max_tokens=30)
         assert outcome.completed, outcome.error
         assert outcome.text == _expected_text(embedded_model, 30)
@@ -246,15 +256,13 @@ async def test_a_silent_worker_is_cut_and_the_stream_migrates(
 
 
 async def test_a_constrained_stream_fails_cleanly_instead_of_migrating(
-    nats_url: str, embedded_model: Path, tmp_path: Path
+    scripted: ScriptedCluster,
 ) -> None:
     """As above, but the request carries structured output: a continuation would start a
     second document after the first one's prefix (the engine applies the grammar to new
     output only), so the stream ends with an error naming why, and nothing migrates."""
     stall = ["--stall-after", "5"]
-    async with cluster(
-        nats_url, embedded_model, tmp_path, [stall, stall], inter_token_s=DEADLINE
-    ) as c:
+    async with scripted([stall, stall], inter_token_s=DEADLINE) as c:
         outcome = await c.stream(max_tokens=30, response_format={"type": "json_object"})
         assert outcome.status == 200 and outcome.done
         assert outcome.error is not None, f"completed: {outcome.text!r}"
@@ -266,11 +274,9 @@ async def test_a_constrained_stream_fails_cleanly_instead_of_migrating(
 
 
 async def test_a_silent_only_worker_ends_the_stream_with_an_error(
-    nats_url: str, embedded_model: Path, tmp_path: Path
+    scripted: ScriptedCluster,
 ) -> None:
-    async with cluster(
-        nats_url, embedded_model, tmp_path, [["--stall-after", "5"]], inter_token_s=DEADLINE
-    ) as c:
+    async with scripted([["--stall-after", "5"]], inter_token_s=DEADLINE) as c:
         outcome = await c.stream(max_tokens=30)
         assert outcome.status == 200 and outcome.done
         assert outcome.error is not None
@@ -283,12 +289,8 @@ async def test_a_silent_only_worker_ends_the_stream_with_an_error(
         await _wait_cancelled(c, c.workers[0].instance_id)
 
 
-async def test_no_first_token_in_time_is_an_error_not_a_hang(
-    nats_url: str, embedded_model: Path, tmp_path: Path
-) -> None:
-    async with cluster(
-        nats_url, embedded_model, tmp_path, [["--stall-after", "0"]], first_token_s=DEADLINE
-    ) as c:
+async def test_no_first_token_in_time_is_an_error_not_a_hang(scripted: ScriptedCluster) -> None:
+    async with scripted([["--stall-after", "0"]], first_token_s=DEADLINE) as c:
         started = time.monotonic()
         outcome = await c.stream(max_tokens=30)
         assert outcome.status == 500

@@ -25,6 +25,7 @@ from dynamo.mocker.backend import MockerBackend
 from dynamo.testing.mocker_clusters import (
     bad_request_of,
     openai_client_fixture,
+    refused_before_the_worker,
     served_mocker_fixture,
 )
 
@@ -63,19 +64,18 @@ async def test_the_mocker_refuses_structured_output_with_a_400(
 async def test_invalid_schema_is_refused_before_the_worker(
     client: openai.AsyncOpenAI, served: tuple[str, ServedWorker[MockerBackend]]
 ) -> None:
-    engine = served[1].backend.engine
-    before = engine.counters.requests
-    with pytest.raises(openai.BadRequestError) as info:
-        await client.chat.completions.create(
+    error = await refused_before_the_worker(
+        served,
+        client.chat.completions.create(
             model=MODEL,
             messages=MESSAGES,
             response_format={
                 "type": "json_schema",
                 "json_schema": {"name": "p", "schema": {"type": "object", "required": "name"}},
             },
-        )
-    assert "not a valid JSON schema" in str(info.value)
-    assert engine.counters.requests == before
+        ),
+    )
+    assert "not a valid JSON schema" in str(error)
 
 
 async def test_unconstrained_requests_are_served(client: openai.AsyncOpenAI) -> None:

@@ -25,7 +25,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-import pytest_asyncio
 
 from dynamo.frontend.engine.routing import RouterMode, RouterSettings
 from dynamo.frontend.http.settings import HttpSettings
@@ -33,8 +32,7 @@ from dynamo.frontend.service import FrontendConfig
 from dynamo.mocker.timing import TimingModel
 from dynamo.runtime.ports import free_port
 from dynamo.testing.frontends import InLoopFrontend
-from dynamo.testing.mocker_clusters import MockerCluster, mockers_behind_frontend
-from dynamo.testing.mocker_stacks import mock_engine_config
+from dynamo.testing.mocker_clusters import MockerCluster, mocker_cluster_fixture
 from dynamo.testing.waiting import wait_until_async
 
 MODEL = "mock-refusals"
@@ -44,37 +42,23 @@ TIMEOUT_S = 20.0
 
 @dataclass
 class Cluster(MockerCluster):
-    nats_url: str
-    tokenizer_cache: Path
-
     def running(self) -> list[int]:
         return [w.backend.engine.num_running + w.backend.engine.num_waiting for w in self.workers]
 
 
-@pytest_asyncio.fixture(scope="module")
-async def cluster(
-    nats_url: str, embedded_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Cluster]:
-    engine_config = mock_engine_config(
-        embedded_model,
-        num_gpu_blocks=1024,
-        max_model_len=4096,
-        max_logprobs=MAX_LOGPROBS,
+cluster = mocker_cluster_fixture(
+    Cluster,
+    MODEL,
+    {
+        "num_gpu_blocks": 1024,
+        "max_model_len": 4096,
+        "max_logprobs": MAX_LOGPROBS,
         # ~20 ms per token: a long request stays in flight while the test works.
-        timing=TimingModel(prefill_ms_per_token=0.001, decode_ms_per_step=20.0),
-    )
-    async with mockers_behind_frontend(
-        nats_url,
-        embedded_model,
-        tmp_path_factory.mktemp("tok"),
-        model=MODEL,
-        engine_config=engine_config,
-        namespace_prefix="refuse",
-        max_inflight_requests=1,
-    ) as stack:
-        yield Cluster(
-            stack.base, stack.workers, stack.namespace, nats_url, tmp_path_factory.mktemp("tok-kv")
-        )
+        "timing": TimingModel(prefill_ms_per_token=0.001, decode_ms_per_step=20.0),
+    },
+    namespace_prefix="refuse",
+    max_inflight_requests=1,
+)
 
 
 def chat(content: str, **fields: Any) -> dict[str, Any]:
@@ -177,7 +161,9 @@ async def test_parameters_a_worker_refuses_are_a_400_with_its_reason(
     )
 
 
-async def test_a_kv_router_refuses_when_every_worker_is_busy(cluster: Cluster) -> None:
+async def test_a_kv_router_refuses_when_every_worker_is_busy(
+    cluster: Cluster, tmp_path: Path
+) -> None:
     await settled(cluster)
     kv = InLoopFrontend(
         FrontendConfig(
@@ -185,7 +171,7 @@ async def test_a_kv_router_refuses_when_every_worker_is_busy(cluster: Cluster) -
             router=RouterSettings(mode=RouterMode.KV, busy_kv_usage=0.1),
             namespace=cluster.namespace,
             nats_server=cluster.nats_url,
-            tokenizer_cache=cluster.tokenizer_cache,
+            tokenizer_cache=tmp_path / "tok-kv",
         )
     )
     endpoint = cluster.endpoint_key

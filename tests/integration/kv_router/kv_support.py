@@ -5,7 +5,7 @@ by the worker's own glue (`dynamo.vllm.serving.publishers`), no engine needed.""
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,12 @@ COMPONENT = "backend"
 ENDPOINT = "generate"
 LEASE_TTL = 1.0
 EVENT_TIMEOUT_S = 10.0  # for an event to go through NATS and reach whoever awaits it
+
+
+async def events_arrive(condition: Callable[[], bool], what: str) -> None:
+    """Wait until `condition` holds, as long as an event may take through NATS
+    (`EVENT_TIMEOUT_S`); `what` names the wait in the timeout's message."""
+    await wait_until_async(condition, timeout=EVENT_TIMEOUT_S, what=what)
 
 
 def new_namespace() -> str:
@@ -116,10 +122,9 @@ class SimWorker:
         `AllBlocksCleared`) is acknowledged by the JetStream stream."""
         relay = self.relay
         assert relay is not None
-        await wait_until_async(
+        await events_arrive(
             lambda: relay.stats.events_out >= 1 + self._step,
-            timeout=EVENT_TIMEOUT_S,
-            what=f"the relay of worker {self.instance_id:x} to publish {1 + self._step} events",
+            f"the relay of worker {self.instance_id:x} to publish {1 + self._step} events",
         )
 
     async def leave(self) -> None:

@@ -23,7 +23,7 @@ import openai
 
 from dynamo.frontend.engine.routing import RouterMode, RouterSettings
 from dynamo.mocker.timing import TimingModel
-from dynamo.testing.http import fetch_json
+from dynamo.testing.http import fetch_json, routed_one_more
 from dynamo.testing.mocker_clusters import mockers_behind_frontend
 from dynamo.testing.mocker_stacks import mock_engine_config
 
@@ -76,12 +76,6 @@ async def debug_state(base: str, key: str) -> dict[str, Any]:
     return (await fetch_json(f"{base}/debug/kv"))["models"][MODEL][key]
 
 
-def worker_that_got_one_more(before: dict[str, int], after: dict[str, int]) -> str:
-    grown = [w for w in after if after[w] > before.get(w, 0)]
-    assert len(grown) == 1, (before, after)
-    return grown[0]
-
-
 async def test_two_requests_of_a_new_prefix_sent_at_once_share_a_worker(
     nats_url: str, embedded_model: Path, tmp_path: Path
 ) -> None:
@@ -113,7 +107,7 @@ async def test_without_events_a_tenant_returns_to_the_worker_that_served_it(
                 before = await debug_state(base, key)
                 await complete(client, tenant_prompt(tenant, f"What is fact {round_}?"))
                 after = await debug_state(base, key)
-                worker = worker_that_got_one_more(requests_of(before), requests_of(after))
+                worker = routed_one_more(requests_of(before), requests_of(after))
                 assert homes.setdefault(tenant, worker) == worker, (tenant, round_)
                 found = after["routing"]["overlap_blocks"] - before["routing"]["overlap_blocks"]
                 assert found >= 10, f"{tenant}: {found} blocks of its prefix found"

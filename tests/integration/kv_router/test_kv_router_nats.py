@@ -19,9 +19,9 @@ import pytest
 from kv_support import (
     COMPONENT,
     ENDPOINT,
-    EVENT_TIMEOUT_S,
     B,
     SimWorker,
+    events_arrive,
     new_namespace,
     prompt,
 )
@@ -85,6 +85,15 @@ async def routing_to(
         await router.close()
 
 
+@pytest.fixture
+async def routed(
+    frontend_rt: DistributedRuntime, workers: list[SimWorker]
+) -> AsyncIterator[tuple[Client, KvRouter]]:
+    """`routing_to` both workers, for the first one's model, before anything is stored."""
+    async with routing_to(frontend_rt, workers[0], 2) as opened:
+        yield opened
+
+
 def request(request_id: str, tokens: list[int]) -> PreprocessedRequest:
     return PreprocessedRequest(request_id=request_id, model="sim", token_ids=tokens)
 
@@ -107,39 +116,32 @@ def load_seen(router: KvRouter, worker: SimWorker) -> dict[str, Any]:
 
 
 async def test_stored_blocks_attract_requests_and_removed_ones_are_forgotten(
-    frontend_rt: DistributedRuntime, workers: list[SimWorker]
+    workers: list[SimWorker], routed: tuple[Client, KvRouter]
 ) -> None:
-    a, b = workers
-    async with routing_to(frontend_rt, a, 2) as (client, router):
-        tokens = prompt(6)
-        vllm_hashes = a.store(tokens)
-        await wait_until_async(
-            lambda: blocks_of(router, a) == 6,
-            timeout=EVENT_TIMEOUT_S,
-            what="the router to index a's 6 blocks",
-        )
-        index = router.scheduler.indexer
-        assert index.find_matches_for_tokens(tokens).scores == {a.instance_id: 6}
+    (a, b), (client, router) = workers, routed
+    tokens = prompt(6)
+    vllm_hashes = a.store(tokens)
+    await events_arrive(lambda: blocks_of(router, a) == 6, "the router to index a's 6 blocks")
+    index = router.scheduler.indexer
+    assert index.find_matches_for_tokens(tokens).scores == {a.instance_id: 6}
 
-        # Shares 4 blocks with what `a` caches, then diverges: `a` is cheaper.
-        shared = request("r1", tokens[: 4 * B] + [90_000 + i for i in range(2 * B)])
-        assert await router.select(shared, client.instance_ids()) == a.instance_id
-        assert shared.routing is not None and shared.routing.overlap_blocks == 4
-        # Nothing cached anywhere, and `a` now carries r1's blocks: `b` wins.
-        fresh = request("r2", prompt(6, offset=50_000))
-        assert await router.select(fresh, client.instance_ids()) == b.instance_id
-        router.on_finished("r1")
-        router.on_finished("r2")
+    # Shares 4 blocks with what `a` caches, then diverges: `a` is cheaper.
+    shared = request("r1", tokens[: 4 * B] + [90_000 + i for i in range(2 * B)])
+    assert await router.select(shared, client.instance_ids()) == a.instance_id
+    assert shared.routing is not None and shared.routing.overlap_blocks == 4
+    # Nothing cached anywhere, and `a` now carries r1's blocks: `b` wins.
+    fresh = request("r2", prompt(6, offset=50_000))
+    assert await router.select(fresh, client.instance_ids()) == b.instance_id
+    router.on_finished("r1")
+    router.on_finished("r2")
 
-        a.remove(vllm_hashes[3:])  # evicting a block evicts its descendants' matches
-        await wait_until_async(
-            lambda: blocks_of(router, a) == 3,
-            timeout=EVENT_TIMEOUT_S,
-            what="the router to forget a's 3 evicted blocks",
-        )
-        assert index.find_matches_for_tokens(tokens).scores == {a.instance_id: 3}
-        feed = router.debug_state()["feed"]
-        assert feed["events"] >= 4 and feed["events_malformed"] == 0
+    a.remove(vllm_hashes[3:])  # evicting a block evicts its descendants' matches
+    await events_arrive(
+        lambda: blocks_of(router, a) == 3, "the router to forget a's 3 evicted blocks"
+    )
+    assert index.find_matches_for_tokens(tokens).scores == {a.instance_id: 3}
+    feed = router.debug_state()["feed"]
+    assert feed["events"] >= 4 and feed["events_malformed"] == 0
 
 
 async def test_a_router_started_later_rebuilds_the_index_from_the_stream(
@@ -163,28 +165,24 @@ async def test_a_router_started_later_rebuilds_the_index_from_the_stream(
 
 
 async def test_a_worker_that_leaves_loses_its_blocks(
-    frontend_rt: DistributedRuntime, workers: list[SimWorker]
+    workers: list[SimWorker], routed: tuple[Client, KvRouter]
 ) -> None:
-    a, b = workers
-    async with routing_to(frontend_rt, a, 2) as (_, router):
-        tokens = prompt(4)
-        a.store(tokens)
-        b.store(tokens)
-        await wait_until_async(
-            lambda: blocks_of(router, a) == 4 and blocks_of(router, b) == 4,
-            timeout=EVENT_TIMEOUT_S,
-            what="the router to index 4 blocks of each worker",
-        )
+    (a, b), (_, router) = workers, routed
+    tokens = prompt(4)
+    a.store(tokens)
+    b.store(tokens)
+    await events_arrive(
+        lambda: blocks_of(router, a) == 4 and blocks_of(router, b) == 4,
+        "the router to index 4 blocks of each worker",
+    )
 
-        await a.leave()
-        index = router.scheduler.indexer
-        await wait_until_async(
-            lambda: a.instance_id not in index.workers(),
-            timeout=EVENT_TIMEOUT_S,
-            what="the router to drop the worker that left",
-        )
-        assert index.find_matches_for_tokens(tokens).scores == {b.instance_id: 4}
-        assert router.debug_state()["feed"]["workers_removed"] == 1
+    await a.leave()
+    index = router.scheduler.indexer
+    await events_arrive(
+        lambda: a.instance_id not in index.workers(), "the router to drop the worker that left"
+    )
+    assert index.find_matches_for_tokens(tokens).scores == {b.instance_id: 4}
+    assert router.debug_state()["feed"]["workers_removed"] == 1
 
 
 async def test_history_of_a_dead_worker_is_dropped_after_replay(
@@ -199,10 +197,8 @@ async def test_history_of_a_dead_worker_is_dropped_after_replay(
     await a.leave()  # its events stay in the stream; its instance record is gone
 
     client = await client_for(frontend_rt, namespace, 1)
-    await wait_until_async(
-        lambda: client.instance_ids() == [b.instance_id],
-        timeout=EVENT_TIMEOUT_S,
-        what="the client to see only the live worker",
+    await events_arrive(
+        lambda: client.instance_ids() == [b.instance_id], "the client to see only the live worker"
     )
     router = await create_kv_router(frontend_rt, b.card(), client, grace_s=0.3)
     try:
@@ -247,10 +243,9 @@ async def test_load_reports_reach_the_cost_function(
     ).start()
     try:
         async with routing_to(frontend_rt, a, 2) as (_, router):
-            await wait_until_async(
+            await events_arrive(
                 lambda: router.debug_state()["feed"]["load_reports"] > 0,
-                timeout=EVENT_TIMEOUT_S,
-                what="a load report to reach the router",
+                "a load report to reach the router",
             )
             tokens = prompt(3, offset=123)
             scores = scores_by_worker(router, tokens, workers)

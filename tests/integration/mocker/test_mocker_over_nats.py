@@ -14,15 +14,12 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
-import pytest
-import pytest_asyncio
 from prometheus_client import CollectorRegistry
 
 from dynamo.frontend.engine.routing import RouterMode, RouterSettings
@@ -38,8 +35,7 @@ from dynamo.mocker.timing import TimingModel
 from dynamo.runtime import DistributedRuntime
 from dynamo.runtime.system_server import SystemServer
 from dynamo.testing.http import fetch_json
-from dynamo.testing.mocker_clusters import MockerCluster, mockers_behind_frontend
-from dynamo.testing.mocker_stacks import mock_engine_config
+from dynamo.testing.mocker_clusters import MockerCluster, mocker_cluster_fixture
 from dynamo.testing.waiting import wait_until_async
 
 MODEL = "mock-smollm2"
@@ -66,32 +62,23 @@ class Cluster(MockerCluster):
         )
 
 
-@pytest_asyncio.fixture(scope="module")
-async def cluster(
-    nats_url: str, embedded_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Cluster]:
-    engine_config = mock_engine_config(
-        embedded_model,
-        block_size=BLOCK,
-        num_gpu_blocks=2048,
-        max_model_len=4096,
-        num_speculative_tokens=K,
+# A long lease (the helper's 10 s): a heavily loaded test host can miss heartbeats, and
+# nothing here depends on how fast a dead worker expires.
+cluster = mocker_cluster_fixture(
+    Cluster,
+    MODEL,
+    {
+        "block_size": BLOCK,
+        "num_gpu_blocks": 2048,
+        "max_model_len": 4096,
+        "num_speculative_tokens": K,
         # ~2 ms per step: long streams stay in flight while the test cancels them.
-        timing=TimingModel(prefill_ms_per_token=0.001, decode_ms_per_step=2.0),
-    )
-    # A long lease (the helper's 10 s): a heavily loaded test host can miss heartbeats,
-    # and nothing here depends on how fast a dead worker expires.
-    async with mockers_behind_frontend(
-        nats_url,
-        embedded_model,
-        tmp_path_factory.mktemp("tok"),
-        model=MODEL,
-        engine_config=engine_config,
-        router=RouterSettings(mode=RouterMode.KV),
-        worker_name="mocker-{}",
-        interval=0.02,
-    ) as stack:
-        yield Cluster(stack.base, stack.workers, stack.namespace)
+        "timing": TimingModel(prefill_ms_per_token=0.001, decode_ms_per_step=2.0),
+    },
+    router=RouterSettings(mode=RouterMode.KV),
+    worker_name="mocker-{}",
+    interval=0.02,
+)
 
 
 async def test_shared_prefixes_land_on_the_mocker_holding_them(cluster: Cluster) -> None:

@@ -88,14 +88,28 @@ def meet(a: Replica, b: Replica) -> None:
             x.books.receive(y.message(answer))
 
 
+def met(clock: FakeClock) -> tuple[Replica, Replica]:
+    """Replicas "a" and "b" that have heard each other."""
+    a, b = Replica("a", clock), Replica("b", clock)
+    meet(a, b)
+    return a, b
+
+
+def booked_on_both(a: Replica, b: Replica) -> int:
+    """Schedule "cmpl-1" (`PROMPT`) on `a` and deliver its booking to `b`; returns the
+    worker it was booked on."""
+    worker = a.scheduler.schedule("cmpl-1", PROMPT, WORKERS).worker_id
+    a.send_to(b)
+    return worker
+
+
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
 
 
 def test_a_remote_booking_steers_the_next_request_to_another_worker(clock: FakeClock) -> None:
-    a, b = Replica("a", clock), Replica("b", clock)
-    meet(a, b)
+    a, b = met(clock)
     first = a.scheduler.schedule("cmpl-1", PROMPT, WORKERS)
     a.send_to(b)
     assert b.active(first.worker_id) == a.active(first.worker_id) == (1, 4)
@@ -108,8 +122,7 @@ def test_a_remote_booking_steers_the_next_request_to_another_worker(clock: FakeC
 
 
 def test_prefill_and_free_of_a_remote_request_apply(clock: FakeClock) -> None:
-    a, b = Replica("a", clock), Replica("b", clock)
-    meet(a, b)
+    a, b = met(clock)
     worker = a.scheduler.schedule("cmpl-1", PROMPT, WORKERS).worker_id
     a.scheduler.mark_prefill_completed("cmpl-1", 1)
     a.send_to(b)
@@ -122,8 +135,7 @@ def test_prefill_and_free_of_a_remote_request_apply(clock: FakeClock) -> None:
 
 
 def test_own_messages_change_nothing(clock: FakeClock) -> None:
-    a, b = Replica("a", clock), Replica("b", clock)
-    meet(a, b)
+    a, _ = met(clock)
     a.scheduler.schedule("cmpl-1", PROMPT, WORKERS)
     echoed = a.outbox[0]
     assert a.books.receive(a.message(echoed)) == []
@@ -133,8 +145,7 @@ def test_own_messages_change_nothing(clock: FakeClock) -> None:
 
 
 def test_equal_request_ids_of_two_replicas_do_not_collide(clock: FakeClock) -> None:
-    a, b = Replica("a", clock), Replica("b", clock)
-    meet(a, b)
+    a, b = met(clock)
     a.scheduler.schedule("cmpl-1", PROMPT, WORKERS)
     a.send_to(b)
     b.scheduler.schedule("cmpl-1", PROMPT, WORKERS)
@@ -144,10 +155,8 @@ def test_equal_request_ids_of_two_replicas_do_not_collide(clock: FakeClock) -> N
 
 
 def test_a_replica_that_stops_beating_loses_its_bookings(clock: FakeClock) -> None:
-    a, b = Replica("a", clock), Replica("b", clock)
-    meet(a, b)
-    worker = a.scheduler.schedule("cmpl-1", PROMPT, WORKERS).worker_id
-    a.send_to(b)
+    a, b = met(clock)
+    worker = booked_on_both(a, b)
     for _ in range(5):  # beating: kept
         clock.now += 1.0
         b.books.receive(a.message(a.books.heartbeat()))
@@ -162,10 +171,8 @@ def test_a_replica_that_stops_beating_loses_its_bookings(clock: FakeClock) -> No
 
 
 def test_a_leaving_replica_is_dropped_at_once(clock: FakeClock) -> None:
-    a, b = Replica("a", clock), Replica("b", clock)
-    meet(a, b)
-    worker = a.scheduler.schedule("cmpl-1", PROMPT, WORKERS).worker_id
-    a.send_to(b)
+    a, b = met(clock)
+    worker = booked_on_both(a, b)
     assert b.books.receive(a.message(ReplicaLeaving())) == []
     assert b.active(worker) == (0, 0) and b.books.replicas() == {}
 
@@ -193,8 +200,7 @@ def test_a_late_replica_starts_with_the_others_bookings(clock: FakeClock) -> Non
 
 
 def test_a_disagreeing_heartbeat_repairs_the_books(clock: FakeClock) -> None:
-    a, b = Replica("a", clock), Replica("b", clock)
-    meet(a, b)
+    a, b = met(clock)
     a.scheduler.schedule("cmpl-1", PROMPT, WORKERS)
     a.scheduler.schedule("cmpl-2", list(range(9000, 9000 + 3 * B)), WORKERS)
     a.scheduler.free("cmpl-1")
@@ -215,10 +221,8 @@ def test_a_disagreeing_heartbeat_repairs_the_books(clock: FakeClock) -> None:
 
 
 def test_a_worker_leaving_releases_remote_and_own_bookings(clock: FakeClock) -> None:
-    a, b = Replica("a", clock), Replica("b", clock)
-    meet(a, b)
-    worker = a.scheduler.schedule("cmpl-1", PROMPT, WORKERS).worker_id
-    a.send_to(b)
+    a, b = met(clock)
+    worker = booked_on_both(a, b)
     a.scheduler.remove_worker(worker)
     b.scheduler.remove_worker(worker)
     assert b.outbox == []  # a remote key is not b's to announce

@@ -431,6 +431,14 @@ def three_token_stream(
     return llm, worker, worker.generate(make_request())
 
 
+def assert_aborted_as_cancelled(llm: FakeAsyncLLM, worker: Worker) -> None:
+    """The engine was told to abort the worker's one request, which the worker counted once,
+    as cancelled, and no longer has in flight."""
+    assert llm.aborted == [worker.ctx.id]
+    assert worker.counters.finished == {"cancelled": 1}
+    assert worker.counters.in_flight == 0
+
+
 async def test_a_client_cancel_aborts_and_ends_with_a_cancelled_output(tiny_model: Path) -> None:
     llm, worker, stream = three_token_stream(tiny_model)
     first = await anext(stream)
@@ -441,9 +449,7 @@ async def test_a_client_cancel_aborts_and_ends_with_a_cancelled_output(tiny_mode
     assert rest == [
         LLMEngineOutput(finish_reason=FinishReason.CANCELLED, completion_usage=usage(1))
     ]
-    assert llm.aborted == [worker.ctx.id]
-    assert worker.counters.finished == {"cancelled": 1}
-    assert worker.counters.in_flight == 0
+    assert_aborted_as_cancelled(llm, worker)
 
 
 async def test_closing_the_stream_on_the_cancelled_output_counts_it_once(
@@ -456,7 +462,7 @@ async def test_closing_the_stream_on_the_cancelled_output_counts_it_once(
     assert last.finish_reason is FinishReason.CANCELLED
     await stream.aclose()
 
-    assert (worker.counters.finished, llm.aborted) == ({"cancelled": 1}, [worker.ctx.id])
+    assert_aborted_as_cancelled(llm, worker)
 
 
 async def test_the_runtime_closing_the_stream_aborts_the_request(tiny_model: Path) -> None:
@@ -464,9 +470,7 @@ async def test_the_runtime_closing_the_stream_aborts_the_request(tiny_model: Pat
     await anext(stream)
     await stream.aclose()
 
-    assert llm.aborted == [worker.ctx.id]
-    assert worker.counters.finished == {"cancelled": 1}
-    assert worker.counters.in_flight == 0
+    assert_aborted_as_cancelled(llm, worker)
 
 
 async def test_a_cancelled_task_waiting_on_the_engine_aborts_the_request(
@@ -490,9 +494,7 @@ async def test_a_cancelled_task_waiting_on_the_engine_aborts_the_request(
         await task
 
     assert [out.token_ids for out in received] == [[5]]
-    assert llm.aborted == [worker.ctx.id]
-    assert worker.counters.finished == {"cancelled": 1}
-    assert worker.counters.in_flight == 0
+    assert_aborted_as_cancelled(llm, worker)
 
 
 # --------------------------------------------------------------------------- engine dead

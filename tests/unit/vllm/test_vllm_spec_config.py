@@ -154,38 +154,37 @@ def test_engine_file_must_be_a_mapping(write_yaml) -> None:
 # --------------------------------------------------------------------------- decoding types
 
 
-def test_eagle_with_eagle3_draft_becomes_eagle3(eagle3_draft: Path) -> None:
+@pytest.mark.parametrize(
+    ("draft", "weights_key", "k", "one_model", "method"),
+    [
+        ("eagle3_draft", "speculative_model_dir", 3, True, "eagle3"),
+        ("eagle1_draft", "pytorch_weights_path", 2, False, "eagle"),
+    ],
+)
+def test_eagle_becomes_the_generation_of_its_draft(
+    request: pytest.FixtureRequest,
+    draft: str,
+    weights_key: str,
+    k: int,
+    one_model: bool,
+    method: str,
+) -> None:
+    """TensorRT-LLM's one "Eagle" decoding type becomes vLLM's eagle or eagle3 by the draft
+    checkpoint's config, wherever the file names the draft (`eagle3_one_model` is
+    informational, not warned about)."""
+    path = str(request.getfixturevalue(draft))
     out = translate_spec(
         {
             "decoding_type": "Eagle",
-            "max_draft_len": 3,
-            "speculative_model_dir": str(eagle3_draft),
-            "eagle3_one_model": True,
+            "max_draft_len": k,
+            weights_key: path,
+            "eagle3_one_model": one_model,
         }
     )
-    assert out.speculative == {
-        "model": str(eagle3_draft),
-        "num_speculative_tokens": 3,
-        "method": "eagle3",
-    }
-    assert out.ignored == []  # eagle3_one_model is informational, not warned about
-    assert any("eagle3" in note and "LlamaForCausalLMEagle3" in note for note in out.notes)
-
-
-def test_eagle_with_eagle1_draft_becomes_eagle(eagle1_draft: Path) -> None:
-    out = translate_spec(
-        {
-            "decoding_type": "Eagle",
-            "max_draft_len": 2,
-            "pytorch_weights_path": str(eagle1_draft),
-            "eagle3_one_model": False,
-        }
-    )
-    assert out.speculative == {
-        "model": str(eagle1_draft),
-        "num_speculative_tokens": 2,
-        "method": "eagle",
-    }
+    assert out.speculative == {"model": path, "num_speculative_tokens": k, "method": method}
+    assert out.ignored == []
+    if method == "eagle3":
+        assert any("eagle3" in note and "LlamaForCausalLMEagle3" in note for note in out.notes)
 
 
 @pytest.mark.parametrize(
@@ -218,114 +217,97 @@ def test_eagle_without_a_draft_is_an_error() -> None:
         translate_spec({"decoding_type": "Eagle", "max_draft_len": 3})
 
 
-def test_eagle3_decoding_type_and_newer_model_key() -> None:
-    out = translate_spec(
-        {
-            "decoding_type": "Eagle3",
-            "max_draft_len": 4,
-            "speculative_model": "/models/any-draft",
-            "eagle3_layers_to_capture": [1, 2, 3],
-        }
-    )
-    assert out.speculative == {
-        "model": "/models/any-draft",
-        "num_speculative_tokens": 4,
-        "method": "eagle3",
-    }
-    assert out.ignored == ["speculative_config.eagle3_layers_to_capture"]
+@pytest.mark.parametrize(
+    ("speculative_config", "speculative", "ignored"),
+    [
+        pytest.param(
+            {"decoding_type": "Eagle3", "max_draft_len": 4, "speculative_model": "/models/any-draft",
+             "eagle3_layers_to_capture": [1, 2, 3]},
+            {"model": "/models/any-draft", "num_speculative_tokens": 4, "method": "eagle3"},
+            ["speculative_config.eagle3_layers_to_capture"],
+            id="eagle3-with-the-newer-model-key",
+        ),
+        pytest.param(
+            {"decoding_type": "MTP", "num_nextn_predict_layers": 2,
+             "use_relaxed_acceptance_for_thinking": True},
+            {"method": "mtp", "num_speculative_tokens": 2},  # native MTP, never n-gram
+            ["speculative_config.use_relaxed_acceptance_for_thinking"],
+            id="mtp",
+        ),
+        pytest.param(
+            {"decoding_type": "NGram", "max_draft_len": 4, "max_matching_ngram_size": 3},
+            {"num_speculative_tokens": 4, "method": "ngram", "prompt_lookup_max": 3,
+             "prompt_lookup_min": 1},
+            [],
+            id="ngram",
+        ),
+        pytest.param(
+            {"decoding_type": "ngram", "prompt_lookup_num_tokens": 2},
+            {"method": "ngram", "num_speculative_tokens": 2},
+            [],
+            id="ngram-older-spelling",
+        ),
+        pytest.param(
+            {"decoding_type": "NGram", "max_draft_len": 2, "speculative_model_dir": "/x"},
+            {"num_speculative_tokens": 2, "method": "ngram"},  # the draft path is not used
+            ["speculative_config.speculative_model_dir"],
+            id="ngram-draft-path-reported",
+        ),
+        pytest.param(
+            {"decoding_type": "DraftTarget", "max_draft_len": 2,
+             "speculative_model_dir": "/models/small"},
+            {"model": "/models/small", "num_speculative_tokens": 2, "method": "draft_model"},
+            [],
+            id="draft-target-becomes-draft-model",
+        ),
+    ],
+)  # fmt: skip
+def test_decoding_types_translate_to_vllm_keys(
+    speculative_config: dict, speculative: dict, ignored: list[str]
+) -> None:
+    """Each decoding type's keys become vLLM's; keys without vLLM meaning are reported."""
+    out = translate_spec(speculative_config)
+    assert out.speculative == speculative
+    assert out.ignored == ignored
 
 
-def test_two_different_draft_paths_are_an_error() -> None:
-    with pytest.raises(ConfigError, match="speculative_model_dir='/a' contradicts"):
-        translate_spec(
-            {
-                "decoding_type": "Eagle3",
-                "max_draft_len": 3,
-                "speculative_model_dir": "/a",
-                "pytorch_weights_path": "/b",
-            }
-        )
-
-
-def test_mtp_becomes_native_mtp_never_ngram() -> None:
-    out = translate_spec(
-        {
-            "decoding_type": "MTP",
-            "num_nextn_predict_layers": 2,
-            "use_relaxed_acceptance_for_thinking": True,
-        }
-    )
-    assert out.speculative == {"method": "mtp", "num_speculative_tokens": 2}
-    assert out.ignored == ["speculative_config.use_relaxed_acceptance_for_thinking"]
+@pytest.mark.parametrize(
+    ("speculative_config", "message"),
+    [
+        pytest.param(
+            {"decoding_type": "Eagle3", "max_draft_len": 3, "speculative_model_dir": "/a",
+             "pytorch_weights_path": "/b"},
+            "speculative_model_dir='/a' contradicts",
+            id="two-different-draft-paths",
+        ),
+        pytest.param(
+            {"decoding_type": "MTP", "max_draft_len": 3, "num_nextn_predict_layers": 1},
+            "max_draft_len=3 contradicts num_nextn_predict_layers=1",
+            id="mtp-layer-count-contradicting-max-draft-len",
+        ),
+        pytest.param(
+            {"decoding_type": "NGram", "max_matching_ngram_size": 2},
+            "NGram needs max_draft_len",
+            id="ngram-without-length",
+        ),
+        pytest.param(
+            {"decoding_type": "DraftTarget", "max_draft_len": 2},
+            "DraftTarget needs speculative_model_dir",
+            id="draft-target-without-draft",
+        ),
+    ],
+)  # fmt: skip
+def test_incomplete_or_contradicting_speculative_configs_are_errors(
+    speculative_config: dict, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        translate_spec(speculative_config)
 
 
 def test_mtp_without_layer_count_uses_trtllm_default_of_one() -> None:
     out = translate_spec({"decoding_type": "MTP"})
     assert out.speculative == {"method": "mtp", "num_speculative_tokens": 1}
     assert any("num_nextn_predict_layers" in note for note in out.notes)
-
-
-def test_mtp_layer_count_contradicting_max_draft_len_is_an_error() -> None:
-    with pytest.raises(ConfigError, match="max_draft_len=3 contradicts num_nextn_predict_layers=1"):
-        translate_spec(
-            {
-                "decoding_type": "MTP",
-                "max_draft_len": 3,
-                "num_nextn_predict_layers": 1,
-            }
-        )
-
-
-def test_ngram_translation() -> None:
-    out = translate_spec(
-        {
-            "decoding_type": "NGram",
-            "max_draft_len": 4,
-            "max_matching_ngram_size": 3,
-        }
-    )
-    assert out.speculative == {
-        "num_speculative_tokens": 4,
-        "method": "ngram",
-        "prompt_lookup_max": 3,
-        "prompt_lookup_min": 1,
-    }
-
-
-def test_ngram_older_spelling_and_missing_length() -> None:
-    out = translate_spec({"decoding_type": "ngram", "prompt_lookup_num_tokens": 2})
-    assert out.speculative == {"method": "ngram", "num_speculative_tokens": 2}
-    with pytest.raises(ConfigError, match="NGram needs max_draft_len"):
-        translate_spec({"decoding_type": "NGram", "max_matching_ngram_size": 2})
-
-
-def test_ngram_draft_path_is_reported_not_used() -> None:
-    out = translate_spec(
-        {
-            "decoding_type": "NGram",
-            "max_draft_len": 2,
-            "speculative_model_dir": "/x",
-        }
-    )
-    assert "model" not in out.speculative
-    assert out.ignored == ["speculative_config.speculative_model_dir"]
-
-
-def test_draft_target_becomes_draft_model() -> None:
-    out = translate_spec(
-        {
-            "decoding_type": "DraftTarget",
-            "max_draft_len": 2,
-            "speculative_model_dir": "/models/small",
-        }
-    )
-    assert out.speculative == {
-        "model": "/models/small",
-        "num_speculative_tokens": 2,
-        "method": "draft_model",
-    }
-    with pytest.raises(ConfigError, match="DraftTarget needs speculative_model_dir"):
-        translate_spec({"decoding_type": "DraftTarget", "max_draft_len": 2})
 
 
 @pytest.mark.parametrize("decoding_type", ["Medusa", "Lookahead", "UserProvided", "nonsense"])

@@ -20,6 +20,7 @@ from dynamo.llm.models import DEFAULT_MODEL
 from dynamo.testing.chaos_records import Record, SoakConfig
 from dynamo.testing.chaos_stack import MOCK_MODEL, SoakStack
 from dynamo.testing.mocker_tokens import ExpectedTokens
+from dynamo.testing.sse import sse_data
 
 CHECKED_TOKENS = 40
 PROMPT_TOKENS = 24
@@ -135,11 +136,7 @@ class Traffic:
             if resp.status != 200:
                 record.outcome, record.detail = "failed", (await resp.text())[:200]
                 return "", {}
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
+            async for data in sse_data(resp.content):
                 if data == "[DONE]":
                     done = True
                     break

@@ -18,12 +18,12 @@ import json
 import re
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
 
-from dynamo.testing.waiting import wait_until_async
+from dynamo.testing.waiting import wait_until, wait_until_async
 
 # One sample of the Prometheus text format: name, optional {labels}, value.
 _SAMPLE = re.compile(r"^(?P<name>[^\s{]+)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
@@ -122,6 +122,32 @@ def routed_totals(views: Sequence[Mapping[str, Any]]) -> dict[str, int]:
         for worker, count in routed_requests(view).items():
             totals[worker] = totals.get(worker, 0) + count
     return totals
+
+
+def routed_one_more(before: Mapping[str, int], after: Mapping[str, int]) -> str:
+    """The one worker whose count of routed requests grew from `before` to `after` (two
+    `routed_totals`-like snapshots around one request): where the router sent it."""
+    grown = [worker for worker, count in after.items() if count > before.get(worker, 0)]
+    assert len(grown) == 1, (before, after)
+    return grown[0]
+
+
+def wait_prefix_indexed(
+    indexed: Callable[[], int], prompt_tokens: int, block_size: int, *, interval: float = 0.25
+) -> int:
+    """The blocks of a prompt of `prompt_tokens` tokens, a long prefix (10 blocks at least)
+    that later requests share, once `indexed()` (the blocks of the worker that served it, as
+    a KV router holds them) reaches that count, 10 s at most: a worker's stored blocks must
+    reach the index before the next routing decision can follow them."""
+    blocks = prompt_tokens // block_size
+    assert blocks >= 10, "the shared prefix spans many blocks"
+    wait_until(
+        lambda: indexed() >= blocks,
+        timeout=10,
+        interval=interval,
+        what=f"the router to index the {blocks} blocks of the shared prefix",
+    )
+    return blocks
 
 
 def predicted_hit_rate(views: Sequence[Mapping[str, Any]]) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,15 @@ class StreamOutcome:
         return self.done and self.error is None and self.finish_reason is not None
 
 
+async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[str]:
+    """The payload of each `data:` line of a server-sent events body, as it arrives
+    (`[DONE]` included); other lines are skipped."""
+    async for raw in content:
+        line = raw.decode().strip()
+        if line.startswith("data:"):
+            yield line[len("data:") :].strip()
+
+
 async def stream_completion(
     session: aiohttp.ClientSession,
     base_url: str,
@@ -61,11 +70,7 @@ async def stream_completion(
             outcome.error = _error_of(await resp.text())
             outcome.ended_at = time.monotonic()
             return outcome
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[len("data:") :].strip()
+        async for data in sse_data(resp.content):
             if data == "[DONE]":
                 outcome.done = True
                 break
