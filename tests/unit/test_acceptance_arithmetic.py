@@ -7,7 +7,7 @@ import pytest
 
 from dynamo.llm.acceptance import acceptance_length, acceptance_rate, per_position_rates
 from dynamo.llm.protocols import SpecDecodeStats
-from dynamo.mocker.engine import EngineCounters
+from dynamo.mocker.counters import EngineCounters
 from dynamo.testing.spec_counters import SpecCounters
 from dynamo.vllm.serving.engine_stats import SpecDecodeTotals
 

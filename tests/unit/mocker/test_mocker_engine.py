@@ -170,6 +170,31 @@ async def test_shared_prefix_is_a_cache_hit_reported_as_cached_tokens() -> None:
     assert not any(isinstance(e, KvBlockRemoved) for e in log.events)
 
 
+@pytest.mark.parametrize("step_budget", [64, 12])
+async def test_a_prefix_scheduled_in_the_same_step_or_the_last_is_already_a_hit(
+    step_budget: int,
+) -> None:
+    """As in vLLM 0.32, a prompt's blocks are cached when a step schedules them, not when
+    the prefill ends: two requests of one prompt sent together, the second admitted in
+    the first's step (budget 64) or in its second and last prefill step (budget 12: 12
+    prompt tokens, then 4 beside the second's), find its blocks cached (all but the last
+    block, which is always recomputed)."""
+    engine, log = await started(max_num_batched_tokens=step_budget)
+    shared = prompt(16)
+    try:
+        outputs = await asyncio.gather(
+            collect(engine, request("a", shared, max_tokens=2)),
+            collect(engine, request("b", shared, max_tokens=2)),
+        )
+    finally:
+        await engine.stop()
+    cached = [o[-1].completion_usage.prompt_tokens_details.cached_tokens for o in outputs]  # type: ignore[union-attr]
+    assert cached == [0, 12]
+    stored = [h for e in log.events if isinstance(e, KvBlockStored) for h in e.block_hashes]
+    assert stored[:4] == compute_block_hashes(shared, 4), "each block announced once"
+    assert len(stored) == len(set(stored))
+
+
 async def test_lru_eviction_announces_removals_and_loses_the_hit() -> None:
     # 12 blocks: a 32-token prompt + 4 outputs holds 9; a second one must evict.
     engine, log = await started(num_gpu_blocks=12, max_model_len=40)

@@ -19,7 +19,8 @@ neither.
 
 from dynamo.mocker.acceptance import AcceptanceModel
 from dynamo.mocker.config import MockEngineConfig
-from dynamo.mocker.engine import EngineCounters, MockEngine
+from dynamo.mocker.counters import EngineCounters
+from dynamo.mocker.engine import MockEngine
 from dynamo.mocker.kv_cache import KvBlockPool
 from dynamo.mocker.request import InvalidRequest, RequestRejected
 from dynamo.mocker.timing import TimingModel

@@ -14,15 +14,16 @@ Scheduling, once per step (a simplified vLLM v1 scheduler):
    budget (chunked prefill), oldest first;
 3. waiting requests are admitted in arrival order while there is budget, a free sequence
    slot (`max_num_seqs`) and room in the block pool; admission looks the prompt up in the
-   prefix cache, and the cached blocks are not computed again.
+   prefix cache, and the cached blocks are not computed again. The prompt blocks a step
+   schedules are cached (and announced) at once, as vLLM 0.32 does.
 
 The step then "runs" (`TimingModel`), and afterwards a request whose prefill finished
 produces its first token, and each decoding request produces ``j + 1`` tokens, ``j`` drawn
 from the `AcceptanceModel`. Slot accounting is `ActiveSequences` from the KV router: a
-request holds ``ceil((context + K) / B)`` blocks, only blocks completely filled by accepted
-tokens become cached (and announced), and rejected draft slots stay allocated for the next
-step but are never stored. When a request cannot grow, the youngest running request is
-preempted (its blocks released, recomputed later), as vLLM does.
+request holds ``ceil((context + K) / B)`` blocks, generated blocks become cached once
+filled by accepted tokens, and rejected draft slots stay allocated but are never stored.
+When a request cannot grow, the youngest running request is preempted (its blocks
+released, recomputed later), as vLLM does.
 """
 
 from __future__ import annotations
@@ -32,9 +33,8 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from dynamo.llm.acceptance import acceptance_length, acceptance_rate, per_position_rates
 from dynamo.llm.kv_router.active_sequences import ActiveSequences
 from dynamo.llm.kv_router.hashing import compute_block_hashes, num_blocks_spanned
 from dynamo.llm.protocols import (
@@ -45,6 +45,7 @@ from dynamo.llm.protocols import (
     PreprocessedRequest,
 )
 from dynamo.mocker.config import MockEngineConfig
+from dynamo.mocker.counters import EngineCounters
 from dynamo.mocker.kv_cache import KvBlockPool
 from dynamo.mocker.request import (
     InvalidRequest,
@@ -75,35 +76,6 @@ class _Batch:
     @property
     def empty(self) -> bool:
         return not self.decodes and not self.prefills
-
-
-@dataclass(slots=True)
-class EngineCounters:
-    """Engine-wide totals since start (for /metrics and tests)."""
-
-    requests: int = 0
-    steps: int = 0
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    computed_prefill_tokens: int = 0
-    generated_tokens: int = 0
-    preemptions: int = 0
-    finished: dict[str, int] = field(default_factory=dict)
-    spec_drafts: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_accepted_per_position: list[int] = field(default_factory=list)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return acceptance_rate(self.spec_accepted_tokens, self.spec_draft_tokens)
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return acceptance_length(self.spec_accepted_tokens, self.spec_drafts)
-
-    def per_position_rate(self) -> list[float]:
-        return per_position_rates(self.spec_accepted_per_position, self.spec_drafts)
 
 
 class MockEngine:
@@ -341,7 +313,7 @@ class MockEngine:
         for state in self._running:
             if state.prefill_remaining and budget > 0:
                 chunk = min(state.prefill_remaining, budget)
-                prefills.append((state, chunk))
+                prefills.append((state, self._cache_scheduled(state, chunk)))
                 budget -= chunk
         while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
             state = self._waiting[0]
@@ -350,9 +322,26 @@ class MockEngine:
             self._waiting.popleft()
             self._running.append(state)
             chunk = min(state.prefill_remaining, budget)
-            prefills.append((state, chunk))
+            prefills.append((state, self._cache_scheduled(state, chunk)))
             budget -= chunk
         return _Batch(decodes, prefills)
+
+    def _cache_scheduled(self, state: MockRequest, chunk: int) -> int:
+        """Cache the prompt blocks `chunk` fills as it is scheduled (returns `chunk`): vLLM
+        0.32 registers a block when it allocates it for a step, before computing it, so a
+        request of the same prefix admitted after it in the step counts them as hits."""
+        if not self.pool.enable_prefix_caching:
+            return chunk
+        seq = self.sequences.get(state.request_id)
+        assert seq is not None
+        parent = seq.last_stored_hash
+        scheduled = len(state.tokens) - state.prefill_remaining + chunk
+        stored = self.sequences.store_scheduled_prompt_blocks(state.request_id, scheduled)
+        if stored:
+            self.pool.commit(stored, parent)
+            state.pinned.extend(stored)
+            state.private -= len(stored)
+        return chunk
 
     def _complete(self, batch: _Batch) -> None:
         """Apply the step that just ran: outputs, cache commits, growth, preemption."""

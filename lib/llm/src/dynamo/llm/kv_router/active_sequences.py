@@ -224,6 +224,19 @@ class ActiveSequences:
         state.prefill_pending = False
         return self._store_full_blocks(state)
 
+    def store_scheduled_prompt_blocks(self, request_id: str, scheduled_tokens: int) -> list[int]:
+        """The first `scheduled_tokens` prompt tokens are scheduled: the prompt blocks they
+        fill become stored now, before they are computed, as vLLM caches a block when it
+        allocates it for a step. Returns the hashes of the blocks stored by this call."""
+        state = self._require(request_id)
+        full = min(scheduled_tokens // state.block_size, len(state.shared_hashes))
+        if not state.prefill_pending or full <= state.stored_blocks:
+            return []
+        hashes = state.shared_hashes[state.stored_blocks : full]
+        state.stored_blocks = full
+        state.last_stored_hash = hashes[-1]
+        return hashes
+
     def step(
         self, request_id: str, accepted_drafts: int, token_ids: Sequence[int] | None = None
     ) -> StepResult:

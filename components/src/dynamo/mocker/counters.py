@@ -1,0 +1,36 @@
+"""The simulated engine's totals since start, read by its `/metrics` and by tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dynamo.llm.acceptance import acceptance_length, acceptance_rate, per_position_rates
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Engine-wide totals since start (for /metrics and tests)."""
+
+    requests: int = 0
+    steps: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    computed_prefill_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return acceptance_rate(self.spec_accepted_tokens, self.spec_draft_tokens)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return acceptance_length(self.spec_accepted_tokens, self.spec_drafts)
+
+    def per_position_rate(self) -> list[float]:
+        return per_position_rates(self.spec_accepted_per_position, self.spec_drafts)
