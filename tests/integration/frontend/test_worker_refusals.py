@@ -12,13 +12,18 @@ Claims:
   HTTP 400 with the worker's one-line reason, streaming or not, on both OpenAI endpoints;
 * a second frontend over the same workers in kv mode with `--busy-kv-usage 0.1`: once
   each worker holds a long prompt (over 10 % of its KV cache, as the router books it), the
-  router itself refuses the next request, 503 with `Retry-After`, without sending it.
+  router itself refuses the next request without sending it: with `--busy-queue-size 0`
+  503 with `Retry-After` at once; with the busy queue, the request waits for a worker
+  with room, most urgent `priority` first, or gets the 503 at its deadline.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import functools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +37,7 @@ from dynamo.frontend.service import FrontendConfig
 from dynamo.mocker.timing import TimingModel
 from dynamo.runtime.ports import free_port
 from dynamo.testing.frontends import InLoopFrontend
+from dynamo.testing.http import fetch_json, fetch_text, metric_values
 from dynamo.testing.mocker_clusters import MockerCluster, mocker_cluster_fixture
 from dynamo.testing.waiting import wait_until_async
 
@@ -161,14 +167,18 @@ async def test_parameters_a_worker_refuses_are_a_400_with_its_reason(
     )
 
 
-async def test_a_kv_router_refuses_when_every_worker_is_busy(
-    cluster: Cluster, tmp_path: Path
-) -> None:
-    await settled(cluster)
+@contextlib.asynccontextmanager
+async def kv_frontend(
+    cluster: Cluster, tmp_path: Path, **router: Any
+) -> AsyncIterator[tuple[InLoopFrontend, Callable[[], Awaitable[dict[str, Any]]]]]:
+    """A second frontend over the workers, in kv mode with `--busy-kv-usage 0.1` (and the
+    given router settings), once its router knows both workers' loads; yields it and a
+    function that reads its router's view of the endpoint (`/debug/kv`)."""
+    settings = RouterSettings(mode=RouterMode.KV, busy_kv_usage=0.1, **router)
     kv = InLoopFrontend(
         FrontendConfig(
             http=HttpSettings(host="127.0.0.1", port=free_port()),
-            router=RouterSettings(mode=RouterMode.KV, busy_kv_usage=0.1),
+            router=settings,
             namespace=cluster.namespace,
             nats_server=cluster.nats_url,
             tokenizer_cache=tmp_path / "tok-kv",
@@ -177,9 +187,7 @@ async def test_a_kv_router_refuses_when_every_worker_is_busy(
     endpoint = cluster.endpoint_key
 
     async def router_view() -> dict[str, Any]:
-        async with aiohttp.ClientSession() as session:
-            async with session.get(f"{kv.base_url}/debug/kv") as resp:
-                return (await resp.json())["models"][MODEL][endpoint]
+        return (await fetch_json(f"{kv.base_url}/debug/kv"))["models"][MODEL][endpoint]
 
     async def loads_known() -> bool:  # the reports carry each worker's total blocks
         try:
@@ -188,20 +196,103 @@ async def test_a_kv_router_refuses_when_every_worker_is_busy(
             return False
         return len(workers) == 2 and all(w["load"] for w in workers.values())
 
-    long_prompt = "word " * 1800  # ~113 of 1024 blocks: over 10 % once booked
     try:
         await wait_until_async(loads_known, timeout=60, what="the kv router to see both loads")
-        async with (
-            aiohttp.ClientSession() as session,
-            long_stream(session, kv.base_url, long_prompt),
-            long_stream(session, kv.base_url, long_prompt + "again"),
-        ):
-            assert cluster.running() == [1, 1]
-            before = cluster.engine_requests()
-            await refused_as_overloaded(session, kv.base_url, "Short?")
-            assert cluster.engine_requests() == before  # no worker was even asked
-            view = await router_view()
-            assert view["busy_refusals"] == 1
-            assert all(w["busy"] for w in view["workers"].values())
+        yield kv, router_view
     finally:
         await kv.stop()
+
+
+def long_prompt(name: str) -> str:
+    """~113 of the 1024 blocks of a worker (over 10 % once booked), none shared with
+    another name's prompt: one such request makes its worker busy."""
+    return f"{name} " + "word " * 1800
+
+
+async def queued(kv: InLoopFrontend) -> float:
+    text = await fetch_text(f"{kv.base_url}/metrics")
+    return sum(metric_values(text, "dynamo_frontend_queued_requests", {"model": MODEL}))
+
+
+async def queued_at_least(kv: InLoopFrontend, count: int) -> bool:
+    return await queued(kv) >= count
+
+
+async def test_a_kv_router_refuses_when_every_worker_is_busy(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Without a busy queue (`--busy-queue-size 0`), the 503 comes at once."""
+    await settled(cluster)
+    async with (
+        kv_frontend(cluster, tmp_path, busy_queue_size=0) as (kv, router_view),
+        aiohttp.ClientSession() as session,
+        long_stream(session, kv.base_url, long_prompt("first")),
+        long_stream(session, kv.base_url, long_prompt("second")),
+    ):
+        assert cluster.running() == [1, 1]
+        before = cluster.engine_requests()
+        await refused_as_overloaded(session, kv.base_url, "Short?")
+        assert cluster.engine_requests() == before  # no worker was even asked
+        view = await router_view()
+        assert view["busy_refusals"] == 1
+        assert all(w["busy"] for w in view["workers"].values())
+
+
+async def test_the_busy_queue_holds_requests_until_a_worker_has_room_most_urgent_first(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Both workers busy: three requests of priority 5 queue, then one of priority -1.
+    When one worker frees, each admitted request makes it busy again, so they run one
+    after another: the urgent one first, then the others in their order of arrival."""
+    await settled(cluster)
+    ended: dict[str, float] = {}
+
+    async def ask(session: aiohttp.ClientSession, name: str, priority: int) -> None:
+        body = chat(long_prompt(name), max_tokens=3, priority=priority)
+        async with session.post(f"{kv.base_url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+        ended[name] = time.monotonic()
+
+    async with (
+        kv_frontend(cluster, tmp_path) as (kv, _),
+        aiohttp.ClientSession() as session,
+        long_stream(session, kv.base_url, long_prompt("holds-b")),
+    ):
+        async with long_stream(session, kv.base_url, long_prompt("holds-a")):
+            tasks = []
+            for count, (name, priority) in enumerate(
+                [("low-0", 5), ("low-1", 5), ("low-2", 5), ("urgent", -1)], start=1
+            ):
+                tasks.append(asyncio.ensure_future(ask(session, name, priority)))
+                await wait_until_async(
+                    functools.partial(queued_at_least, kv, count),
+                    timeout=TIMEOUT_S,
+                    what=f"{count} requests in the busy queue",
+                )
+            assert not ended
+        await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT_S)
+    assert sorted(ended, key=ended.__getitem__) == ["urgent", "low-0", "low-1", "low-2"]
+    assert await queued(kv) == 0
+
+
+async def test_a_request_that_waits_past_the_queue_deadline_gets_503(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    await settled(cluster)
+    async with (
+        kv_frontend(cluster, tmp_path, busy_queue_timeout_s=0.5) as (kv, _),
+        aiohttp.ClientSession() as session,
+        long_stream(session, kv.base_url, long_prompt("first")),
+        long_stream(session, kv.base_url, long_prompt("second")),
+    ):
+        before = cluster.engine_requests()
+        started = time.monotonic()
+        error = await refused_as_overloaded(session, kv.base_url, "Short?")
+        waited = time.monotonic() - started
+        assert "stayed busy for the 0.5 s" in error["message"], error
+        assert waited >= 0.5
+        assert cluster.engine_requests() == before
+        text = await fetch_text(f"{kv.base_url}/metrics")
+        assert metric_values(
+            text, "dynamo_frontend_rejected_requests_total", {"reason": "busy_queue_timeout"}
+        ) == [1.0]

@@ -185,6 +185,14 @@ def test_speculation_turned_off_reaches_the_wire_and_silence_adds_nothing(
     assert silent.request.sampling_options.speculative_decoding is None
 
 
+def test_priority_reaches_the_wire_and_defaults_to_vllms_zero(preprocessor: Preprocessor) -> None:
+    urgent = preprocessor.prepare_chat_sync(chat_request(priority=-5), "r")
+    assert urgent.request.priority == -5
+    completion = preprocessor.prepare_completion_sync(completion_request(priority=3), "r")
+    assert completion.request.priority == 3
+    assert preprocessor.prepare_chat_sync(chat_request(), "r").request.priority == 0
+
+
 def test_logit_bias_allowed_ids_and_bad_words_reach_the_wire_as_vllm_takes_them(
     preprocessor: Preprocessor,
 ) -> None:

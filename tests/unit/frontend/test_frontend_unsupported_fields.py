@@ -80,6 +80,7 @@ COMMON: dict[str, dict[str, Any]] = {
     },
     "return_spec_stats": {"return_spec_stats": True},
     "speculative_decoding": {"speculative_decoding": False},
+    "priority": {"priority": -2},
     "use_beam_search": {"use_beam_search": True},
     "length_penalty": {"use_beam_search": True, "length_penalty": 0.5, "max_tokens": 3},
     "include_stop_str_in_output": {"include_stop_str_in_output": True},

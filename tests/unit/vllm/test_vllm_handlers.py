@@ -111,12 +111,19 @@ class FakeAsyncLLM:
         self.prompts: list[TokensPrompt] = []
         self.params: list[SamplingParams] = []
         self.request_ids: list[str] = []
+        self.priorities: list[int] = []
         self.aborted: list[str] = []
 
     async def generate(
-        self, prompt: TokensPrompt, sampling_params: SamplingParams, request_id: str
+        self,
+        prompt: TokensPrompt,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         self.prompts.append(prompt)
+        self.priorities.append(priority)
         self.params.append(sampling_params)
         self.request_ids.append(request_id)
         if self.failure is not None:
@@ -257,6 +264,17 @@ async def test_the_engine_gets_the_prompt_the_context_id_and_the_requests_sampli
     assert params.top_p == pytest.approx(MODEL_DEFAULTS["top_p"]), "silent: the model's"
     assert params.max_tokens == MAX_MODEL_LEN - len(PROMPT), "silent: the rest of the context"
     assert params.extra_args is None, "aggregated: no KV transfer"
+
+
+async def test_the_requests_priority_reaches_the_engine(tiny_model: Path) -> None:
+    """vLLM orders its waiting requests by it under `--scheduling-policy priority`."""
+    llm = FakeAsyncLLM([step([5], finish_reason="length")])
+    worker = Worker(tiny_model, llm)
+    request = make_request()
+    request.priority = -3
+    await worker.run(request)
+    await worker.run(make_request())
+    assert llm.priorities == [-3, 0]
 
 
 async def test_a_requested_max_tokens_reaches_the_engine(tiny_model: Path) -> None:

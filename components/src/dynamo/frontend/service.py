@@ -180,6 +180,8 @@ async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None
             deadlines=config.stream_deadlines,
             on_migration=metrics.migration,
             on_routed=metrics.routed,
+            busy_queue=config.router.busy_queue,
+            queue_observer=metrics,
         )
         watcher = asyncio.create_task(sync.run(config.namespace))
         await _first_cards(sync, watcher)

@@ -15,7 +15,9 @@ stand-in the HTTP tests use.) What a lost or refusing worker means for the reque
 
 No request waits forever: a worker that dies is noticed through its lease, and one that
 holds its lease but stops answering a request is caught by the `StreamDeadlines` (first
-output, then between outputs); both count as losing the worker.
+output, then between outputs); both count as losing the worker. A request the router
+refuses because every worker is busy waits in the endpoint's `BusyQueue` (when it has
+one) for room, in priority order, up to the queue's deadline.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from dynamo.frontend.engine.busy_queue import BusyQueue
 from dynamo.frontend.engine.errors import (
     EngineFailedError,
     EngineOverloadedError,
@@ -177,8 +180,10 @@ class RuntimeEngineClient:
         on_migration: MigrationHook | None = None,
         on_routed: RoutedHook | None = None,
         wait_for_unreachable: bool = True,
+        busy_queue: BusyQueue | None = None,
     ) -> None:
         self._client = client
+        self.busy_queue = busy_queue
         self.wait_for_unreachable = wait_for_unreachable
         self._router = router
         self.migration_limit = max(0, migration_limit)
@@ -271,12 +276,31 @@ class RuntimeEngineClient:
             if isinstance(lost, InstanceOverloadedError):  # instances exist, all refused
                 raise EngineOverloadedError(f"every instance of {request.model} refused: {lost}")
             raise EngineUnavailableError(f"no instances serve model {request.model}")
+        queue = None if resuming else self.busy_queue
+        if queue is not None and queue.depth:  # others wait for room: wait behind them
+            return await self._wait_for_room(queue, request, failed)
         try:
             return await self._router.select(request, candidates)
         except AllWorkersBusyError as exc:
             if resuming:
                 raise EngineFailedError(f"worker lost and every other one is busy: {exc}") from exc
-            raise EngineOverloadedError(str(exc)) from exc
+            if queue is None:
+                raise EngineOverloadedError(str(exc)) from exc
+        return await self._wait_for_room(queue, request, failed)
+
+    async def _wait_for_room(
+        self, queue: BusyQueue, request: PreprocessedRequest, failed: set[int]
+    ) -> int:
+        return await queue.wait_for_room(
+            request.model, request.priority, lambda: self._select_again(request, failed)
+        )
+
+    async def _select_again(self, request: PreprocessedRequest, failed: set[int]) -> int:
+        """A queued request's turn: ask the router among the instances routable now."""
+        candidates = [i for i in self._client.routable_ids() if i not in failed]
+        if not candidates:
+            raise EngineUnavailableError(f"no instances serve model {request.model}")
+        return await self._router.select(request, candidates)
 
     def _open(self, request: PreprocessedRequest, target: int) -> ResponseStream[LLMEngineOutput]:
         """The stream of `request` to `target` (nothing is sent until it is iterated)."""

@@ -6,6 +6,7 @@ block size) and the endpoint's runtime client (the KV router follows its ready s
 
 Busy thresholds (`--busy-kv-usage`, `--busy-waiting-requests`) need the workers' load
 reports, which only the KV router follows: in other modes they are ignored, with a warning.
+When every worker is busy, a request waits in its endpoint's busy queue (`busy_queue`).
 
 In kv mode each router shares its bookings of requests in flight with the routers of the
 same endpoint in other frontend processes (`--http-workers`, other replicas) over NATS
@@ -19,6 +20,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from dynamo.frontend.engine.busy_queue import (
+    DEFAULT_BUSY_QUEUE_SIZE,
+    DEFAULT_BUSY_QUEUE_TIMEOUT_S,
+    BusyQueueSettings,
+)
 from dynamo.llm.kv_router.anticipation import CachePrediction
 from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.nats_feed import create_kv_router
@@ -27,7 +33,13 @@ from dynamo.llm.kv_router.scheduler_defaults import DEFAULT_OVERLAP_SCORE_WEIGHT
 from dynamo.llm.protocols import ModelCard
 from dynamo.llm.router import RandomRouter, RoundRobinRouter, Router
 from dynamo.runtime import Client, DistributedRuntime
-from dynamo.runtime.cli import fraction, non_negative_float, positive_float, positive_int
+from dynamo.runtime.cli import (
+    fraction,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from dynamo.runtime.settings import Flag, setting
 
 log = logging.getLogger(__name__)
@@ -123,8 +135,8 @@ class RouterSettings:
             "--busy-kv-usage",
             "kv mode: a worker whose KV cache is at least this full (0-1, from its load "
             "reports and this router's bookings) gets no new requests; when every worker "
-            "is busy the request gets 503 with Retry-After. Default: $DYN_BUSY_KV_USAGE, "
-            "else off.",
+            "is busy the request waits in the busy queue (--busy-queue-size), or gets 503 "
+            "with Retry-After. Default: $DYN_BUSY_KV_USAGE, else off.",
             type=fraction,
             env="DYN_BUSY_KV_USAGE",
             group=ROUTING_GROUP,
@@ -135,13 +147,40 @@ class RouterSettings:
         Flag(
             "--busy-waiting-requests",
             "kv mode: a worker reporting at least this many waiting requests gets no new "
-            "requests (503 with Retry-After when all are busy). "
+            "requests (when all are busy: the busy queue, or 503 with Retry-After). "
             "Default: $DYN_BUSY_WAITING_REQUESTS, else off.",
             type=positive_int,
             env="DYN_BUSY_WAITING_REQUESTS",
             group=ROUTING_GROUP,
         ),
     )
+
+    busy_queue_size: int = setting(
+        DEFAULT_BUSY_QUEUE_SIZE,
+        Flag(
+            "--busy-queue-size",
+            "Requests each worker endpoint holds while every worker is busy (see the busy "
+            "thresholds), served in `priority` order (vLLM's request field: lower first, "
+            "default 0), first come first served within one priority; a request beyond "
+            "the bound gets 503 at once. 0: no queue, 503 as soon as all are busy.",
+            type=non_negative_int,
+            group=ROUTING_GROUP,
+        ),
+    )
+    busy_queue_timeout_s: float = setting(
+        DEFAULT_BUSY_QUEUE_TIMEOUT_S,
+        Flag(
+            "--busy-queue-timeout",
+            "Seconds a request waits in the busy queue for a worker with room before it "
+            "gets 503 with Retry-After.",
+            type=positive_float,
+            group=ROUTING_GROUP,
+        ),
+    )
+
+    @property
+    def busy_queue(self) -> BusyQueueSettings:
+        return BusyQueueSettings(self.busy_queue_size, self.busy_queue_timeout_s)
 
     @property
     def busy(self) -> BusyThresholds:

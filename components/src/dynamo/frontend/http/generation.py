@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from dynamo.frontend.engine.busy_queue import BusyQueueError
 from dynamo.frontend.engine.client import EngineClient
 from dynamo.frontend.engine.errors import (
     EngineFailedError,
@@ -113,6 +114,8 @@ async def serve(http_request: web.Request, gen: Generation) -> web.StreamRespons
 async def _next_batch(stream: EngineStream, model: str) -> list[LLMEngineOutput]:
     try:
         return await stream.next_batch()
+    except BusyQueueError as exc:  # waited in the busy queue, or found it full
+        raise overloaded(model, exc.reason, RETRY_AFTER_S) from exc
     except EngineOverloadedError as exc:
         log.warning("workers of %s refuse more work: %s", model, exc)
         raise overloaded(model, "every worker is busy", RETRY_AFTER_S) from exc

@@ -30,6 +30,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from dynamo.frontend.engine.busy_queue import QueueOutcome
 from dynamo.llm.protocols import SpecDecodeStats
 from dynamo.runtime.naming import instance_hex
 
@@ -91,8 +92,24 @@ class FrontendMetrics:
         self.rejected = self._counter(
             "rejected_requests",
             "Requests turned away before any work by the frontend's own bounds, by reason: "
-            "inflight_limit and worker_wait_limit (503 with Retry-After), unauthorized (401)",
+            "inflight_limit, worker_wait_limit, busy_queue_full and busy_queue_timeout "
+            "(503 with Retry-After), unauthorized (401)",
             ["model", "reason"],
+        )
+        self.queued = Gauge(
+            f"{PREFIX}_queued_requests",
+            "Requests waiting in the busy queue for a worker with room (every worker busy)",
+            ["model"],
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
+        self.queue_wait = Histogram(
+            f"{PREFIX}_queue_wait_seconds",
+            "Time requests spent in the busy queue, by how they left it: admitted, "
+            "timed_out (503) or cancelled (the client went away)",
+            ["model", "outcome"],
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
         )
         self.prefill_fallbacks = self._counter(
             "prefill_fallbacks",
@@ -159,6 +176,19 @@ class FrontendMetrics:
         self.router_decisions.labels(model, component, worker, placement).inc()
         if overlap_blocks is not None:
             self.router_overlap_blocks.labels(model, component, worker).inc(overlap_blocks)
+
+    def queue_entered(self, model: str) -> None:
+        """Every worker was busy: the request joined its endpoint's busy queue."""
+        self.queued.labels(model).inc()
+
+    def queue_left(self, model: str, outcome: QueueOutcome, waited_s: float) -> None:
+        self.queued.labels(model).dec()
+        self.queue_wait.labels(model, outcome.value).observe(waited_s)
+        if outcome is QueueOutcome.TIMED_OUT:
+            self.count_shed(model, "busy_queue_timeout")
+
+    def queue_rejected(self, model: str) -> None:
+        self.count_shed(model, "busy_queue_full")
 
     def request(self, model: str, endpoint: str, stream: bool) -> RequestMetrics:
         return RequestMetrics(self, model, endpoint, stream)

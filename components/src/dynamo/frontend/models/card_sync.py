@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
+from dynamo.frontend.engine.busy_queue import BusyQueue, BusyQueueSettings, QueueObserver
 from dynamo.frontend.engine.client import (
     ComponentRoutedHook,
     EndpointClient,
@@ -59,6 +60,9 @@ class ModelCardSync:
     deadlines: StreamDeadlines | None = None
     on_migration: MigrationHook | None = None
     on_routed: ComponentRoutedHook | None = None
+    # Each endpoint's queue for requests that find every worker busy (None: 503 at once).
+    busy_queue: BusyQueueSettings | None = None
+    queue_observer: QueueObserver | None = None
     retries: CardRetries = field(default_factory=CardRetries)
     apply_timeout_s: float = CARD_APPLY_TIMEOUT_S
     synced: asyncio.Event = field(default_factory=asyncio.Event, init=False)
@@ -177,4 +181,13 @@ class ModelCardSync:
             # A prefill leg that finds no reachable worker falls back to a local prefill
             # at once rather than wait for one (see `DisaggregatedEngineClient`).
             wait_for_unreachable=card.worker_type is not WorkerType.PREFILL,
+            busy_queue=self._busy_queue(card),
         )
+
+    def _busy_queue(self, card: ModelCard) -> BusyQueue | None:
+        """Requests queue for their decode (or aggregated) workers; a busy prefill pool is
+        the disaggregated client's to handle (the decode worker prefills itself)."""
+        settings = self.busy_queue
+        if settings is None or not settings.enabled or card.worker_type is WorkerType.PREFILL:
+            return None
+        return BusyQueue(settings, self.queue_observer)

@@ -35,6 +35,7 @@ TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 # -1 and 0 disable top-k (vLLM's convention); the preprocessor rejects the other negatives.
 TopK = Annotated[int, Meta(ge=-INT32_MAX - 1, le=INT32_MAX)]
 Seed = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]  # vLLM's own bounds (a C long)
+Priority = Annotated[int, Meta(ge=-INT32_MAX - 1, le=INT32_MAX)]
 
 # --------------------------------------------------------------------------- requests
 
@@ -118,6 +119,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N"
     return_token_ids: bool | None = None  # prompt and output token ids in the response
     thinking_token_budget: int | None = None  # -1: unlimited; the worker's engine applies it
+    # vLLM's: lower is served sooner (default 0). Orders the frontend's busy queue, and
+    # the worker's vLLM scheduler when it runs `--scheduling-policy priority`.
+    priority: Priority | None = None
     # Fields declared only so that a value we do not serve is refused with a 400 naming
     # it instead of being ignored (`unsupported_fields.SUPPORT` says which values).
     use_beam_search: bool | None = None

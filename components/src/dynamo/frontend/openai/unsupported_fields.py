@@ -221,6 +221,12 @@ SUPPORT: tuple[FieldSupport, ...] = (
     _vllm("return_spec_stats", H, "per-request speculation statistics (Dynamo)"),
     _vllm("speculative_decoding", H, "`false`: no drafts for this request (Dynamo)"),
     _vllm(
+        "priority",
+        H,
+        "lower is served sooner (default 0): orders the busy queue, and vLLM's scheduler "
+        "on a worker run with --scheduling-policy priority",
+    ),
+    _vllm(
         "use_beam_search",
         H,
         "`n` beams, searched by the frontend as vLLM's server does; fields the search "

@@ -434,6 +434,7 @@ class Preprocessor:
             ),
             eos_token_ids=list(self.eos_token_ids),
             structured_output=structured_output,
+            priority=req.priority or 0,
         )
         include_stop = bool(req.include_stop_str_in_output)
         hidden: set[int] = set() if include_stop else set(stop_token_ids)

@@ -163,7 +163,9 @@ class GenerateHandler:
         self.counters.in_flight += 1
         self.counters.prompt_tokens += len(request.token_ids)
         try:
-            async for ro in llm.generate(to_prompt(request), params, request_id):
+            async for ro in llm.generate(
+                to_prompt(request), params, request_id, priority=request.priority
+            ):
                 outs = tracker.convert_all(ro)
                 if ro.finished:  # every sequence is done (n > 1: the last one just now)
                     # Counted before the yields: the consumer may close the stream on them.

@@ -156,6 +156,8 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     kv_transfer_params: dict[str, Any] | None = None
     # Constrained decoding (response_format / structured_outputs); None: unconstrained.
     structured_output: StructuredOutput | None = None
+    # vLLM's request priority: lower is served sooner (frontend queue, vLLM's scheduler).
+    priority: int = 0
 
 
 # --------------------------------------------------------------------------- responses

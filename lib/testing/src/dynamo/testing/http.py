@@ -58,6 +58,12 @@ async def fetch_json(url: str) -> Any:
         return await resp.json(content_type=None)
 
 
+async def fetch_text(url: str) -> str:
+    """The text body of a GET (a `/metrics` scrape), whatever the status."""
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        return await resp.text()
+
+
 def listed_instances(health: Mapping[str, Any], model: str) -> list[Any]:
     """The instances a frontend's `/health` body lists for `model` (none when absent)."""
     return list(health["models"].get(model, {}).get("instances", []))

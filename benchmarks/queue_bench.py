@@ -1,0 +1,247 @@
+"""A burst of three times the fleet's capacity: the busy queue against an immediate 503.
+
+Two simulated workers (`python -m dynamo.mocker`, 20 ms a decode step, 8 sequences at a
+time each, 64 output tokens a request) behind one frontend in kv mode that counts a worker
+busy once a request waits in its queue (`--busy-waiting-requests 1`). Requests arrive at
+a steady three times the fleet's nominal capacity (workers x sequences / request time)
+for `--seconds` (30 by default); one in ten carries `priority: -1`, the rest the default
+0. Two setups, one after the other on fresh processes:
+
+* `no-queue`: `--busy-queue-size 0`, today's behaviour before the queue: a request that
+  finds every worker busy gets 503 with Retry-After at once;
+* `queue`: the default busy queue (bounded, priority order, `--busy-queue-timeout`
+  seconds, 30 by default: a request still waiting then gets its 503).
+
+Per setup: requests sent, completed, answered 503 (at once, or after waiting), lost (no
+answer at all: must be 0), TTFT p50/p99 of the completed requests, and the same for the
+priority -1 requests alone. No retries: what a client does with a 503 is its own policy.
+
+Usage:
+
+    .venv/bin/python benchmarks/queue_bench.py            # 30 s bursts (about 3 minutes)
+    .venv/bin/python benchmarks/queue_bench.py --quick    # 8 s bursts
+
+Full runs write benchmarks/results/queue.json (`--json` elsewhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from dynamo.testing.mocker_command_line import mocker_argv
+from dynamo.testing.processes import FrontendProcess, ManagedProcess, running, wait_serving
+from harness import (
+    format_table,
+    guarded,
+    host_info,
+    log_dir,
+    nats_server,
+    percentile,
+    resolve_model_arg,
+    results_path,
+    save_report,
+    serving_parser,
+)
+
+WORKERS = 2
+MAX_NUM_SEQS = 8
+DECODE_MS = 20.0
+OUTPUT_TOKENS = 64
+BURST_FACTOR = 3.0
+URGENT_EVERY = 10  # one request in ten has priority -1
+QUEUE_TIMEOUT_S = 30.0
+SERVED = "queue-bench"
+SETUPS = {"no-queue": ["--busy-queue-size", "0"], "queue": []}
+
+
+@dataclass
+class Outcome:
+    """What one request got."""
+
+    urgent: bool
+    status: int | None = None  # None: no answer at all (lost)
+    ttft_s: float | None = None  # completed requests only
+    elapsed_s: float = 0.0
+
+
+@dataclass
+class SetupResult:
+    setup: str
+    sent: int
+    completed: int
+    refused_at_once: int  # 503 within a second
+    refused_after_waiting: int  # 503 after waiting in the queue
+    lost: int
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    urgent_ttft_p50_s: float | None
+    urgent_ttft_p99_s: float | None
+    outcomes: list[dict[str, Any]] = field(default_factory=list, repr=False)
+
+
+def capacity_per_s() -> float:
+    """Requests a second the fleet completes when every sequence slot is busy."""
+    return WORKERS * MAX_NUM_SEQS / (OUTPUT_TOKENS * DECODE_MS / 1000)
+
+
+async def one_request(session: aiohttp.ClientSession, base: str, i: int) -> Outcome:
+    urgent = i % URGENT_EVERY == 0
+    body = {
+        "model": SERVED,
+        "prompt": f"Request {i}: tell me something long.",
+        "max_tokens": OUTPUT_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        "priority": -1 if urgent else 0,
+    }
+    outcome = Outcome(urgent)
+    started = time.monotonic()
+    try:
+        async with session.post(f"{base}/v1/completions", json=body) as resp:
+            if resp.status == 200:
+                async for line in resp.content:
+                    if line.startswith(b"data:") and outcome.ttft_s is None:
+                        outcome.ttft_s = time.monotonic() - started
+                    if line.strip() == b"data: [DONE]":
+                        outcome.status = 200
+            else:
+                await resp.read()
+                outcome.status = resp.status
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        print(f"request {i} got no answer: {exc!r}", file=sys.stderr)
+    outcome.elapsed_s = time.monotonic() - started
+    return outcome
+
+
+async def burst(base: str, seconds: float) -> list[Outcome]:
+    """Open-loop arrivals at BURST_FACTOR x capacity for `seconds`; waits for every answer."""
+    rate = BURST_FACTOR * capacity_per_s()
+    count = round(rate * seconds)
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=QUEUE_TIMEOUT_S + 120)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        start = time.monotonic()
+        tasks = []
+        for i in range(count):
+            await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
+            tasks.append(asyncio.ensure_future(one_request(session, base, i)))
+        return list(await asyncio.gather(*tasks))
+
+
+def summarize(setup: str, outcomes: list[Outcome]) -> SetupResult:
+    done = [o for o in outcomes if o.status == 200 and o.ttft_s is not None]
+    urgent = [o.ttft_s for o in done if o.urgent and o.ttft_s is not None]
+    ttfts = [o.ttft_s for o in done if o.ttft_s is not None]
+    refused = [o for o in outcomes if o.status == 503]
+
+    def pct(values: list[float], q: float) -> float | None:
+        return percentile(values, q) if values else None
+
+    return SetupResult(
+        setup=setup,
+        sent=len(outcomes),
+        completed=len(done),
+        refused_at_once=sum(o.elapsed_s < 1.0 for o in refused),
+        refused_after_waiting=sum(o.elapsed_s >= 1.0 for o in refused),
+        lost=sum(o.status is None for o in outcomes),
+        ttft_p50_s=pct(ttfts, 0.5),
+        ttft_p99_s=pct(ttfts, 0.99),
+        urgent_ttft_p50_s=pct(urgent, 0.5),
+        urgent_ttft_p99_s=pct(urgent, 0.99),
+        outcomes=[asdict(o) for o in outcomes],
+    )
+
+
+def measure(setup: str, model: Path, seconds: float, logs: Path) -> SetupResult:
+    with nats_server(logs / setup) as nats:
+        namespace = "queue" + uuid.uuid4().hex[:8]
+        worker_flags = [
+            "--max-num-seqs", str(MAX_NUM_SEQS), "--decode-ms-per-step", str(DECODE_MS),
+            "--prefill-ms-per-token", "0.01", "--num-gpu-blocks", "4096",
+        ]  # fmt: skip
+        procs: list[ManagedProcess] = [
+            ManagedProcess(
+                f"mocker-{i}",
+                mocker_argv(model, nats.url, namespace, *worker_flags, served_model_name=SERVED),
+                logs / setup,
+            )
+            for i in range(WORKERS)
+        ]
+        frontend_flags = [
+            "--router-mode", "kv", "--busy-waiting-requests", "1",
+            "--busy-queue-timeout", str(QUEUE_TIMEOUT_S), *SETUPS[setup],
+        ]  # fmt: skip
+        frontend = FrontendProcess(
+            "frontend", nats.url, logs / setup, namespace=namespace, extra=frontend_flags
+        )
+        procs.append(frontend)
+        with running(procs):
+            wait_serving(frontend.base_url, SERVED, procs, timeout=120)
+            time.sleep(2.0)  # the router has every worker's first load report
+            print(f"{setup}: a {seconds:g} s burst at {BURST_FACTOR:g}x capacity ...")
+            outcomes = asyncio.run(burst(frontend.base_url, seconds))
+    return summarize(setup, outcomes)
+
+
+def render(results: list[SetupResult]) -> str:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.0f}"
+
+    def row(r: SetupResult) -> list[str]:
+        counts = [r.sent, r.completed, r.refused_at_once, r.refused_after_waiting, r.lost]
+        times = [r.ttft_p50_s, r.ttft_p99_s, r.urgent_ttft_p50_s, r.urgent_ttft_p99_s]
+        return [r.setup, *map(str, counts), *map(ms, times)]
+
+    headers = [
+        "setup", "sent", "completed", "503 at once", "503 after wait", "lost",
+        "TTFT p50 ms", "TTFT p99 ms", "urgent p50 ms", "urgent p99 ms",
+    ]  # fmt: skip
+    return format_table(headers, [row(r) for r in results])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = serving_parser(__doc__, "queue.json")
+    parser.add_argument(
+        "--seconds", type=float, default=None, help="burst length (default 30; --quick: 8)"
+    )
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    model, _ = resolve_model_arg(args.model)
+    seconds = args.seconds or (8.0 if args.quick else 30.0)
+    print(
+        f"capacity {capacity_per_s():.1f} requests/s ({WORKERS} workers x {MAX_NUM_SEQS} "
+        f"sequences, {OUTPUT_TOKENS} tokens at {DECODE_MS:g} ms a step); burst "
+        f"{BURST_FACTOR:g}x for {seconds:g} s"
+    )
+    with log_dir("queue-bench", args.keep_logs) as logs:
+        results = [measure(setup, model, seconds, logs) for setup in SETUPS]
+    print(render(results))
+    report = {
+        "host": host_info(),
+        "seconds": seconds,
+        "capacity_per_s": capacity_per_s(),
+        "burst_factor": BURST_FACTOR,
+        "results": [asdict(r) for r in results],
+    }
+    save_report(results_path(args, "queue.json"), report)
+    return 0 if all(r.lost == 0 for r in results) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return guarded(lambda: run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
