@@ -5,12 +5,16 @@ time each, 64 output tokens a request) behind one frontend in kv mode that count
 busy once a request waits in its queue (`--busy-waiting-requests 1`). Requests arrive at
 a steady three times the fleet's nominal capacity (workers x sequences / request time)
 for `--seconds` (30 by default); one in ten carries `priority: -1`, the rest the default
-0. Two setups, one after the other on fresh processes:
+0. Three setups, one after the other on fresh processes:
 
 * `no-queue`: `--busy-queue-size 0`, today's behaviour before the queue: a request that
   finds every worker busy gets 503 with Retry-After at once;
 * `queue`: the default busy queue (bounded, priority order, `--busy-queue-timeout`
-  seconds, 30 by default: a request still waiting then gets its 503).
+  seconds, 30 by default: a request still waiting then gets its 503);
+* `queue, 2 replicas`: the same load alternating between two frontends over the same
+  workers (each with its own queue and KV router, bookings shared by replica sync): per
+  replica, how many of its requests completed and their TTFT, to see that neither
+  replica's queue starves.
 
 Per setup: requests sent, completed, answered 503 (at once, or after waiting), lost (no
 answer at all: must be 0), TTFT p50/p99 of the completed requests, and the same for the
@@ -18,7 +22,7 @@ priority -1 requests alone. No retries: what a client does with a 503 is its own
 
 Usage:
 
-    .venv/bin/python benchmarks/queue_bench.py            # 30 s bursts (about 3 minutes)
+    .venv/bin/python benchmarks/queue_bench.py            # 30 s bursts (about 5 minutes)
     .venv/bin/python benchmarks/queue_bench.py --quick    # 8 s bursts
 
 Full runs write benchmarks/results/queue.json (`--json` elsewhere).
@@ -60,7 +64,20 @@ BURST_FACTOR = 3.0
 URGENT_EVERY = 10  # one request in ten has priority -1
 QUEUE_TIMEOUT_S = 30.0
 SERVED = "queue-bench"
-SETUPS = {"no-queue": ["--busy-queue-size", "0"], "queue": []}
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    frontend_flags: tuple[str, ...] = ()
+    replicas: int = 1  # frontends over the same workers; requests alternate between them
+
+
+SETUPS = (
+    Setup("no-queue", ("--busy-queue-size", "0")),
+    Setup("queue"),
+    Setup("queue, 2 replicas", replicas=2),
+)
 
 
 @dataclass
@@ -68,6 +85,7 @@ class Outcome:
     """What one request got."""
 
     urgent: bool
+    replica: int = 0  # which frontend it was sent to
     status: int | None = None  # None: no answer at all (lost)
     ttft_s: float | None = None  # completed requests only
     elapsed_s: float = 0.0
@@ -85,6 +103,8 @@ class SetupResult:
     ttft_p99_s: float | None
     urgent_ttft_p50_s: float | None
     urgent_ttft_p99_s: float | None
+    # Per frontend replica: (completed, sent, TTFT p50 s) - a fair queue starves none.
+    per_replica: list[tuple[int, int, float | None]]
     outcomes: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
 
@@ -93,8 +113,9 @@ def capacity_per_s() -> float:
     return WORKERS * MAX_NUM_SEQS / (OUTPUT_TOKENS * DECODE_MS / 1000)
 
 
-async def one_request(session: aiohttp.ClientSession, base: str, i: int) -> Outcome:
+async def one_request(session: aiohttp.ClientSession, bases: list[str], i: int) -> Outcome:
     urgent = i % URGENT_EVERY == 0
+    replica = i % len(bases)
     body = {
         "model": SERVED,
         "prompt": f"Request {i}: tell me something long.",
@@ -103,10 +124,10 @@ async def one_request(session: aiohttp.ClientSession, base: str, i: int) -> Outc
         "stream": True,
         "priority": -1 if urgent else 0,
     }
-    outcome = Outcome(urgent)
+    outcome = Outcome(urgent, replica)
     started = time.monotonic()
     try:
-        async with session.post(f"{base}/v1/completions", json=body) as resp:
+        async with session.post(f"{bases[replica]}/v1/completions", json=body) as resp:
             if resp.status == 200:
                 async for line in resp.content:
                     if line.startswith(b"data:") and outcome.ttft_s is None:
@@ -122,7 +143,7 @@ async def one_request(session: aiohttp.ClientSession, base: str, i: int) -> Outc
     return outcome
 
 
-async def burst(base: str, seconds: float) -> list[Outcome]:
+async def burst(bases: list[str], seconds: float) -> list[Outcome]:
     """Open-loop arrivals at BURST_FACTOR x capacity for `seconds`; waits for every answer."""
     rate = BURST_FACTOR * capacity_per_s()
     count = round(rate * seconds)
@@ -133,11 +154,11 @@ async def burst(base: str, seconds: float) -> list[Outcome]:
         tasks = []
         for i in range(count):
             await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
-            tasks.append(asyncio.ensure_future(one_request(session, base, i)))
+            tasks.append(asyncio.ensure_future(one_request(session, bases, i)))
         return list(await asyncio.gather(*tasks))
 
 
-def summarize(setup: str, outcomes: list[Outcome]) -> SetupResult:
+def summarize(setup: Setup, outcomes: list[Outcome]) -> SetupResult:
     done = [o for o in outcomes if o.status == 200 and o.ttft_s is not None]
     urgent = [o.ttft_s for o in done if o.urgent and o.ttft_s is not None]
     ttfts = [o.ttft_s for o in done if o.ttft_s is not None]
@@ -146,8 +167,13 @@ def summarize(setup: str, outcomes: list[Outcome]) -> SetupResult:
     def pct(values: list[float], q: float) -> float | None:
         return percentile(values, q) if values else None
 
+    def replica(index: int) -> tuple[int, int, float | None]:
+        mine = [o.ttft_s for o in done if o.replica == index and o.ttft_s is not None]
+        sent = sum(o.replica == index for o in outcomes)
+        return len(mine), sent, pct(mine, 0.5)
+
     return SetupResult(
-        setup=setup,
+        setup=setup.name,
         sent=len(outcomes),
         completed=len(done),
         refused_at_once=sum(o.elapsed_s < 1.0 for o in refused),
@@ -157,12 +183,14 @@ def summarize(setup: str, outcomes: list[Outcome]) -> SetupResult:
         ttft_p99_s=pct(ttfts, 0.99),
         urgent_ttft_p50_s=pct(urgent, 0.5),
         urgent_ttft_p99_s=pct(urgent, 0.99),
+        per_replica=[replica(i) for i in range(setup.replicas)],
         outcomes=[asdict(o) for o in outcomes],
     )
 
 
-def measure(setup: str, model: Path, seconds: float, logs: Path) -> SetupResult:
-    with nats_server(logs / setup) as nats:
+def measure(setup: Setup, model: Path, seconds: float, logs: Path) -> SetupResult:
+    here = logs / setup.name.replace(",", "").replace(" ", "-")
+    with nats_server(here) as nats:
         namespace = "queue" + uuid.uuid4().hex[:8]
         worker_flags = [
             "--max-num-seqs", str(MAX_NUM_SEQS), "--decode-ms-per-step", str(DECODE_MS),
@@ -172,23 +200,27 @@ def measure(setup: str, model: Path, seconds: float, logs: Path) -> SetupResult:
             ManagedProcess(
                 f"mocker-{i}",
                 mocker_argv(model, nats.url, namespace, *worker_flags, served_model_name=SERVED),
-                logs / setup,
+                here,
             )
             for i in range(WORKERS)
         ]
         frontend_flags = [
             "--router-mode", "kv", "--busy-waiting-requests", "1",
-            "--busy-queue-timeout", str(QUEUE_TIMEOUT_S), *SETUPS[setup],
+            "--busy-queue-timeout", str(QUEUE_TIMEOUT_S), *setup.frontend_flags,
         ]  # fmt: skip
-        frontend = FrontendProcess(
-            "frontend", nats.url, logs / setup, namespace=namespace, extra=frontend_flags
-        )
-        procs.append(frontend)
+        frontends = [
+            FrontendProcess(
+                f"frontend-{i}", nats.url, here, namespace=namespace, extra=frontend_flags
+            )
+            for i in range(setup.replicas)
+        ]
+        procs += frontends
         with running(procs):
-            wait_serving(frontend.base_url, SERVED, procs, timeout=120)
-            time.sleep(2.0)  # the router has every worker's first load report
-            print(f"{setup}: a {seconds:g} s burst at {BURST_FACTOR:g}x capacity ...")
-            outcomes = asyncio.run(burst(frontend.base_url, seconds))
+            for frontend in frontends:
+                wait_serving(frontend.base_url, SERVED, procs, timeout=120)
+            time.sleep(2.0)  # the routers have every worker's first load report
+            print(f"{setup.name}: a {seconds:g} s burst at {BURST_FACTOR:g}x capacity ...")
+            outcomes = asyncio.run(burst([f.base_url for f in frontends], seconds))
     return summarize(setup, outcomes)
 
 
@@ -205,7 +237,14 @@ def render(results: list[SetupResult]) -> str:
         "setup", "sent", "completed", "503 at once", "503 after wait", "lost",
         "TTFT p50 ms", "TTFT p99 ms", "urgent p50 ms", "urgent p99 ms",
     ]  # fmt: skip
-    return format_table(headers, [row(r) for r in results])
+    table = format_table(headers, [row(r) for r in results])
+    replicas = [
+        f"{r.setup}: replica {i}: {done}/{sent} completed, TTFT p50 {ms(p50)} ms"
+        for r in results
+        if len(r.per_replica) > 1
+        for i, (done, sent, p50) in enumerate(r.per_replica)
+    ]
+    return "\n".join([table, *replicas])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -226,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
     )
     with log_dir("queue-bench", args.keep_logs) as logs:
         results = [measure(setup, model, seconds, logs) for setup in SETUPS]
+    print(f"\nbusy queue vs an immediate 503 ({BURST_FACTOR:g}x capacity for {seconds:g} s)")
     print(render(results))
     report = {
         "host": host_info(),

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Runs every benchmark in sequence and prints each one's summary (`make bench`).
 #
-#   benchmarks/run_all.sh           full runs (about 40 minutes on 2 cores), results in
+#   benchmarks/run_all.sh           full runs (about 45 minutes on 2 cores), results in
 #                                   benchmarks/results/
 #   QUICK=1 benchmarks/run_all.sh   quick smoke runs (about 20 minutes), results in
 #                                   benchmarks/results/quick/ (full results stay untouched)
 #
 # Order: runtime (NATS), kv indexer (alone), overhead (vLLM direct vs dynamo), scale (the
-# stack on nearly free mockers vs ai-dynamo 1.6.1), kv routing
-# (kv vs round-robin, two workers), disaggregation (1 prefill + 1 decode vs 1 worker), once
-# with both engines on all cores (as launch/disagg.sh) and once with split cores,
-# structured output, beam search (vLLM's server vs this stack), speculative decoding.
+# stack on nearly free mockers vs ai-dynamo 1.6.1), kv routing (kv vs round-robin, two
+# workers), the busy queue (a burst on two mockers), disaggregation (1 prefill + 1 decode
+# vs 1 worker), once with both engines on all cores (as launch/disagg.sh) and once with
+# split cores, structured output, beam search (vLLM's server vs this stack), speculative decoding.
 # Each benchmark's whole console output goes to <results>/<name>.log as well. A benchmark
 # that fails does not stop the others; the script exits 1 at the end if any failed.
 # Run it on a quiet machine: the serving benchmarks measure wall-clock latencies.
@@ -93,6 +93,8 @@ serving overhead '^metric ' overhead_bench.py --json
 # The stack's own cost on nearly free mockers, against ai-dynamo 1.6.1 when it installs.
 serving scale '^scale bench results' scale_bench.py --json
 serving kv_routing '^kv vs round-robin' kv_routing_bench.py --out
+# A burst of 3x the capacity of two simulated workers: the busy queue against a 503.
+serving queue '^busy queue vs' queue_bench.py --json
 # The same with two requests in flight: the router now trades cache hits for load balance.
 serving kv_routing_c2 '^kv vs round-robin' kv_routing_bench.py --out --concurrency 2
 serving disagg '^disaggregated vs aggregated' disagg_bench.py --json

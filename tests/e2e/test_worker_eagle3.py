@@ -114,6 +114,27 @@ async def test_model_card_advertises_eagle3_and_the_cli_context_length(
     assert card.speculative.method == "eagle3"
     assert card.speculative.num_speculative_tokens == SPECULATIVE_TOKENS
     assert card.speculative.draft_model == str(checkpoint)
+    # The worker turns vLLM's drop of a hit's last block off for Eagle3 (see below).
+    assert not card.speculative.drops_last_prefix_block
+
+
+async def test_a_prefix_hit_is_reused_whole_as_the_card_says(
+    runtime, eagle3_worker, tokenizer
+) -> None:
+    """vLLM would recompute the last block of a prefix hit for an Eagle3 drafter; the
+    worker turns that off (`disable_eagle_block_drop`, docs/speculative_decoding.md) and
+    its card says so: a 165-token prompt sent twice spans 5 full blocks of 32, and the
+    second request reuses all 5, what the KV router predicts for this card."""
+    text = " ".join(f"Item {i} of the inventory is a box of apples." for i in range(40))
+    ids = tokenizer(text)["input_ids"][:165]
+    assert len(ids) == 165
+    first = await generate(runtime, ids, max_tokens=2)
+    second = await generate(runtime, ids, max_tokens=2)
+    cached = [
+        outputs[-1].completion_usage.prompt_tokens_details.cached_tokens
+        for outputs in (first, second)
+    ]
+    assert cached == [0, 5 * 32]
 
 
 async def test_prompt_beyond_the_cli_context_length_is_refused(

@@ -211,6 +211,31 @@ def test_router_books_the_k_that_runs(stacks: MtpStacks) -> None:
     assert router_k(stacks.disagg_frontend, DISAGG_NS) == [ENGINE_FILE_K]
 
 
+def test_the_router_predicts_the_prefix_hit_mtp_really_reuses(stacks: MtpStacks) -> None:
+    """vLLM drops the last block of a prefix-cache hit for MTP (its drafter needs the
+    target's hidden states there) and the worker's card says so: a 165-token prompt
+    (5 full blocks of 32) sent twice is reused 4 blocks deep, and the KV router, which
+    sees all 5 cached, predicts those 4."""
+    ids = [1000 + i for i in range(165)]
+    endpoint = f"{AGG_NS}/backend/generate"
+
+    def predicted_overlap() -> int:
+        return kv_router_view(stacks.agg_frontend.base_url, SERVED, endpoint)["routing"][
+            "overlap_blocks"
+        ]
+
+    def cached_tokens() -> int:
+        body = {"model": SERVED, "prompt": ids, "max_tokens": 2, "temperature": 0.0}
+        status, text = http_post_json(f"{stacks.agg_frontend.base_url}/v1/completions", body)
+        assert status == 200, text
+        return json.loads(text)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached_tokens() == 0
+    before = predicted_overlap()
+    assert cached_tokens() == 4 * BLOCK
+    assert predicted_overlap() - before == 4
+
+
 def test_engine_file_dry_run_resolves_to_mtp(mtp_target: Path, tmp_path: Path) -> None:
     from dynamo.vllm.config.args import parse_worker_args
 

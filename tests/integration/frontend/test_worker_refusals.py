@@ -271,8 +271,8 @@ async def test_the_busy_queue_holds_requests_until_a_worker_has_room_most_urgent
                 )
             assert not ended
         await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT_S)
+        assert await queued(kv) == 0
     assert sorted(ended, key=ended.__getitem__) == ["urgent", "low-0", "low-1", "low-2"]
-    assert await queued(kv) == 0
 
 
 async def test_a_request_that_waits_past_the_queue_deadline_gets_503(

@@ -86,6 +86,21 @@ def test_deeper_speculation_looks_fuller() -> None:
     assert (loads[1].active_blocks, loads[2].active_blocks) == (4, 5)
 
 
+def test_a_worker_that_recomputes_a_hits_last_block_is_credited_one_block_less() -> None:
+    """vLLM drops the last block of a prefix hit for Eagle-family drafters (the card's
+    `drops_last_prefix_block`): the router predicts the blocks the engine reuses."""
+    scheduler = KvScheduler(B, rng=random.Random(0))
+    eagle = SpeculativeInfo("eagle3", 2, drops_last_prefix_block=True)
+    scheduler.update_worker(KvWorkerSpec(1, B, SpeculativeInfo("ngram", 2)))
+    scheduler.update_worker(KvWorkerSpec(2, B, eagle))
+    for worker in (1, 2):
+        cache_on(scheduler, worker, PROMPT, event_id=worker)
+    scores = {s.worker_id: s for s in scheduler.score([*PROMPT, 7], [1, 2])}
+    assert (scores[1].overlap_blocks, scores[1].prefill_blocks) == (4, 1)
+    assert (scores[2].overlap_blocks, scores[2].prefill_blocks) == (3, 2)
+    assert scores[2].cached_blocks == 3
+
+
 def test_load_spreads_when_no_cache_matches() -> None:
     scheduler = KvScheduler(B, overlap_score_weight=1.0, rng=random.Random(1))
     picks = Counter(

@@ -29,6 +29,7 @@ from dynamo.llm.protocols import (
     SamplingOptions,
 )
 from dynamo.mocker import AcceptanceModel, InvalidRequest, MockEngine, TimingModel
+from dynamo.mocker.backend import MockerBackend
 
 
 async def started(**overrides: object) -> tuple[MockEngine, EventLog]:
@@ -193,6 +194,27 @@ async def test_a_prefix_scheduled_in_the_same_step_or_the_last_is_already_a_hit(
     stored = [h for e in log.events if isinstance(e, KvBlockStored) for h in e.block_hashes]
     assert stored[:4] == compute_block_hashes(shared, 4), "each block announced once"
     assert len(stored) == len(set(stored))
+
+
+@pytest.mark.parametrize(("method", "reused_blocks"), [("mocker", 4), ("eagle3", 3)])
+async def test_an_eagle_family_worker_recomputes_the_last_block_of_a_hit(
+    method: str, reused_blocks: int
+) -> None:
+    """As vLLM does for drafters reading the target's hidden states: one block less of a
+    cached prefix is reused, and the card says so for the router."""
+    backend = MockerBackend(config(num_speculative_tokens=2), speculative_method=method)
+    description = await backend.start()
+    shared = prompt(16)
+    try:
+        await collect(backend.engine, request("a", [*shared, 500], max_tokens=2))
+        again = await collect(backend.engine, request("b", [*shared, 600], max_tokens=2))
+    finally:
+        await backend.stop()
+    usage = again[-1].completion_usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == reused_blocks * 4
+    assert description.speculative is not None
+    assert description.speculative.drops_last_prefix_block is (method == "eagle3")
 
 
 async def test_lru_eviction_announces_removals_and_loses_the_hit() -> None:

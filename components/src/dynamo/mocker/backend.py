@@ -4,10 +4,12 @@ worker (same endpoints, model card, KV events and load reports)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from dynamo.llm.kv_router.publisher import KvEventPublisher
+from dynamo.llm.kv_router.worker_spec import HIDDEN_STATE_DRAFTERS
 from dynamo.llm.protocols import (
     KvEventData,
     LLMEngineOutput,
@@ -29,6 +31,9 @@ class MockerBackend:
     """One `MockEngine`; its cache events go out through a `KvEventForwarder`."""
 
     def __init__(self, engine_config: MockEngineConfig, *, speculative_method: str) -> None:
+        if engine_config.num_speculative_tokens and speculative_method in HIDDEN_STATE_DRAFTERS:
+            # Simulate what vLLM does for the method this worker advertises.
+            engine_config = dataclasses.replace(engine_config, drops_last_prefix_block=True)
         self.engine_config = engine_config
         self.speculative_method = speculative_method
         self.engine = MockEngine(engine_config, on_kv_events=self._on_kv_events)
@@ -44,7 +49,11 @@ class MockerBackend:
             total_kv_blocks=cfg.num_gpu_blocks,
             max_num_seqs=cfg.max_num_seqs,
             eos_token_ids=list(cfg.eos_token_ids),
-            speculative=SpeculativeInfo(method=self.speculative_method, num_speculative_tokens=k)
+            speculative=SpeculativeInfo(
+                method=self.speculative_method,
+                num_speculative_tokens=k,
+                drops_last_prefix_block=cfg.drops_last_prefix_block,
+            )
             if k
             else None,
         )

@@ -26,6 +26,9 @@ class MockEngineConfig:
     # Most log probabilities per token a request may ask for (vLLM's --max-logprobs).
     max_logprobs: int = 20
     num_speculative_tokens: int = 0
+    # Recompute the last block of every prefix cache hit, as vLLM does for a drafter that
+    # reads the target's hidden states (`--speculative-method eagle3`, ...).
+    drops_last_prefix_block: bool = False
     # None: 0.7 per position (a typical Eagle-style draft) for the configured K.
     acceptance: AcceptanceModel | None = None
     timing: TimingModel = field(default_factory=TimingModel)

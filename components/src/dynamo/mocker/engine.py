@@ -253,6 +253,8 @@ class MockEngine:
         hashes = compute_block_hashes(tokens, block)
         # At least one token is always computed: the engine needs its logits.
         hit = min(self.pool.match_prefix(hashes), (len(tokens) - 1) // block)
+        if self.config.drops_last_prefix_block:
+            hit = max(0, hit - 1)
         needed = num_blocks_spanned(len(tokens) + self.k, block) - hit
         if not self.pool.can_allocate(needed, hashes[:hit]):
             return False

@@ -92,6 +92,9 @@ def speculative_info(spec_config: Any, *, adaptive: bool = False) -> Speculative
         draft_model=str(draft) if draft else None,
         schedule=[list(map(int, row)) for row in schedule] if schedule else None,
         adaptive=adaptive,
+        # vLLM recomputes each prefix hit's last block for a drafter that reads the
+        # target's hidden states (Eagle, Eagle3, MTP): the router counts one block less.
+        drops_last_prefix_block=bool(spec_config.use_eagle_block_drop()),
     )
 
 

@@ -156,8 +156,7 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True):
     kv_transfer_params: dict[str, Any] | None = None
     # Constrained decoding (response_format / structured_outputs); None: unconstrained.
     structured_output: StructuredOutput | None = None
-    # vLLM's request priority: lower is served sooner (frontend queue, vLLM's scheduler).
-    priority: int = 0
+    priority: int = 0  # vLLM's: lower is served sooner (frontend queue, vLLM scheduler)
 
 
 # --------------------------------------------------------------------------- responses
@@ -256,6 +255,8 @@ class SpeculativeInfo(msgspec.Struct, omit_defaults=True):
     # K chosen online each step (`--speculation-adapt`): the schedule is where it starts,
     # and the worker's load reports say the K in force.
     adaptive: bool = False
+    # A prefix cache hit drops its last block (recomputed: see `worker_spec`).
+    drops_last_prefix_block: bool = False
 
 
 class SamplingDefaults(msgspec.Struct, omit_defaults=True):

@@ -425,6 +425,8 @@ class KvScheduler:
         # workers in the window before its events land.
         overlap = max(overlap, seqs.pinned_prefix_blocks(hashes))
         overlap = self.anticipated.extend_prefix(worker_id, hashes, overlap)
+        overlap = config.reusable_prefix_blocks(overlap)  # what its engine will not compute
+        cached = min(cached, overlap)
         request_blocks = num_blocks_spanned(len(token_ids), config.block_size)
         prefill_blocks = request_blocks - overlap
         active = seqs.potential_blocks(hashes, len(token_ids), k)

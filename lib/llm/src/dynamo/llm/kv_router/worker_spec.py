@@ -11,6 +11,13 @@ from dataclasses import dataclass
 
 from dynamo.llm.protocols import ModelCard, SpeculativeInfo
 
+HIDDEN_STATE_DRAFTERS = frozenset({"eagle", "eagle3", "mtp", "dflash", "dspark"})
+"""vLLM's speculative methods whose drafter reads the target's hidden states. For them
+vLLM drops the last block of every prefix cache hit and recomputes it, to give the drafter
+the hidden states of those positions (`SpeculativeConfig.use_eagle_block_drop`): such a
+worker reuses one block less than it caches, and its card says so
+(`SpeculativeInfo.drops_last_prefix_block`)."""
+
 
 @dataclass(frozen=True, slots=True)
 class KvWorkerSpec:
@@ -24,6 +31,12 @@ class KvWorkerSpec:
     def is_adaptive(self) -> bool:
         """K is chosen online (`--speculation-adapt`): the worker reports the K in force."""
         return self.speculative is not None and self.speculative.adaptive
+
+    def reusable_prefix_blocks(self, cached_blocks: int) -> int:
+        """Of `cached_blocks` leading prompt blocks cached on the worker, how many its
+        engine reuses (one less where it recomputes a hit's last block)."""
+        drops = self.speculative is not None and self.speculative.drops_last_prefix_block
+        return max(0, cached_blocks - 1) if drops else cached_blocks
 
     @classmethod
     def from_card(cls, card: ModelCard, default_block_size: int) -> KvWorkerSpec:
