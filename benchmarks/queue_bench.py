@@ -190,6 +190,7 @@ def summarize(setup: Setup, outcomes: list[Outcome]) -> SetupResult:
 
 def measure(setup: Setup, model: Path, seconds: float, logs: Path) -> SetupResult:
     here = logs / setup.name.replace(",", "").replace(" ", "-")
+    here.mkdir(parents=True, exist_ok=True)
     with nats_server(here) as nats:
         namespace = "queue" + uuid.uuid4().hex[:8]
         worker_flags = [

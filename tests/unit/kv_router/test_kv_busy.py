@@ -3,7 +3,8 @@ every candidate is busy the request is refused (`AllWorkersBusyError`) with noth
 
 Claims: a worker reporting a KV usage or a waiting queue at a threshold gets no new
 request, even one whose prefix it caches; the router's own bookings since the last report
-count towards the usage (a burst between reports); a report older than the TTL, or none,
+count towards the usage, and those beyond what the worker runs at once towards its
+queue (a burst between reports); a report older than the TTL, or none,
 never makes a worker busy; thresholds are off by default; all busy refuses, books nothing
 and is counted; `KvRouter.select` refuses the same way, for requests without tokens too;
 `/debug/kv` shows the thresholds and why each worker is busy.
@@ -20,6 +21,7 @@ from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.hashing import compute_block_hashes
 from dynamo.llm.kv_router.router import build_kv_router
 from dynamo.llm.kv_router.scheduler import KvScheduler
+from dynamo.llm.kv_router.worker_spec import KvWorkerSpec
 from dynamo.llm.protocols import (
     KvBlockStored,
     LoadMetrics,
@@ -124,6 +126,24 @@ def test_the_routers_own_bookings_count_towards_the_usage() -> None:
     cached = list(range(6000, 6128))  # 8 blocks worker 1 caches: it would win on cost
     cache_on(sched, 1, cached)
     assert sched.schedule("r5", cached, [1, 2]).worker_id == 2
+
+
+def test_requests_booked_beyond_what_a_worker_runs_at_once_count_as_waiting() -> None:
+    """A burst between two reports: the report still says nothing waits, but the worker
+    runs 2 requests at once (its card's max_num_seqs) and the router booked a third."""
+    clock = FakeClock()
+    sched = scheduler(clock, waiting_requests=1)
+    sched.update_worker(KvWorkerSpec(1, B, max_num_seqs=2))
+    sched.update_load(load(1))
+    for i in range(2):
+        sched.schedule(f"r{i}", [i * 1000 + t for t in range(64)], [1])
+    assert sched.busy_reason(1) is None
+    sched.schedule("r2", list(range(5000, 5064)), [1])
+    assert sched.busy_reason(1) == "1 requests waiting"
+    with pytest.raises(AllWorkersBusyError):
+        sched.schedule("r3", list(range(6000, 6064)), [1])
+    sched.free("r0")
+    assert sched.busy_reason(1) is None
 
 
 def test_an_old_report_or_none_never_makes_a_worker_busy() -> None:

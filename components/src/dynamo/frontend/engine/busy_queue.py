@@ -43,9 +43,10 @@ from dynamo.llm.router import AllWorkersBusyError
 
 T = TypeVar("T")
 
-DEFAULT_BUSY_QUEUE_SIZE = 512
-"""Requests one endpoint holds while its workers are busy (beyond: 503 at once); the
-frontend's `--max-inflight` (1024 a model) bounds them with every other request."""
+DEFAULT_BUSY_QUEUE_SIZE = 1024
+"""Requests one endpoint holds while its workers are busy (beyond: 503 at once). As many
+as the frontend's `--max-inflight` admits a model, which bounds queued and running
+requests together: with the defaults, the admission bound is the one that binds."""
 DEFAULT_BUSY_QUEUE_TIMEOUT_S = 30.0
 """Longest a request waits for room before its 503."""
 DEFAULT_BUSY_QUEUE_POLL_S = 0.02

@@ -8,8 +8,11 @@ more only makes that worse, and when every worker is in that state the honest an
 an ever longer queue.
 
 The judgement uses what the KV router already has: each worker's own load report
-(`LoadMetrics`, several per second) and the blocks the router booked there since (a burst
-placed between two reports is counted before the worker reports it). A worker without a
+(`LoadMetrics`, several per second), and its own books (a burst placed between two
+reports is counted before the worker reports it): the blocks booked there, and the
+requests booked there beyond the `max_num_seqs` its card says it runs at once, which must
+be waiting. Without the latter a queue of requests waiting for room drained into a
+worker that looked idle until its next report (tens of requests in a few milliseconds). A worker without a
 recent report is never busy: its load is unknown, and refusing work on a guess would
 turn a late report into an outage. Both thresholds are off by default.
 """
@@ -40,17 +43,21 @@ class BusyThresholds:
     def enabled(self) -> bool:
         return self.kv_usage is not None or self.waiting_requests is not None
 
-    def busy_reason(self, load: LoadMetrics, booked_blocks: int = 0) -> str | None:
-        """Why a worker reporting `load`, with `booked_blocks` booked there by the router,
-        is busy; None when it is not."""
+    def busy_reason(
+        self, load: LoadMetrics, booked_blocks: int = 0, booked_waiting: int = 0
+    ) -> str | None:
+        """Why a worker reporting `load`, with `booked_blocks` booked there by the router
+        and `booked_waiting` of the requests it booked there beyond what the worker runs
+        at once (`max_num_seqs`), is busy; None when it is not."""
         if self.kv_usage is not None:
             usage = load.kv_usage
             if load.total_blocks > 0:
                 usage = max(usage, booked_blocks / load.total_blocks)
             if usage >= self.kv_usage:
                 return f"KV cache {usage:.0%} full"
-        if self.waiting_requests is not None and load.waiting_requests >= self.waiting_requests:
-            return f"{load.waiting_requests} requests waiting"
+        waiting = max(load.waiting_requests, booked_waiting)
+        if self.waiting_requests is not None and waiting >= self.waiting_requests:
+            return f"{waiting} requests waiting"
         return None
 
     def as_dict(self) -> dict[str, Any]:

@@ -243,7 +243,11 @@ class KvScheduler:
         if load is None:
             return None
         seqs = self.sequences.get(worker_id)
-        return self.busy.busy_reason(load, seqs.active_blocks if seqs is not None else 0)
+        if seqs is None:
+            return self.busy.busy_reason(load)
+        running_at_once = self.worker_spec(worker_id).max_num_seqs
+        waiting = max(0, seqs.active_requests - running_at_once) if running_at_once else 0
+        return self.busy.busy_reason(load, seqs.active_blocks, waiting)
 
     def mark_prefill_completed(self, request_id: str, num_new_tokens: int = 0) -> None:
         """The request's first output arrived: its prefill is no longer pending, and the

@@ -26,6 +26,7 @@ class KvWorkerSpec:
     worker_id: int
     block_size: int
     speculative: SpeculativeInfo | None = None
+    max_num_seqs: int = 0  # requests its engine runs at once (0: unknown)
 
     @property
     def is_adaptive(self) -> bool:
@@ -42,4 +43,5 @@ class KvWorkerSpec:
     def from_card(cls, card: ModelCard, default_block_size: int) -> KvWorkerSpec:
         """Read the card a worker registered; a card without a block size gets the
         model's (the first card's) block size."""
-        return cls(card.instance_id, card.kv_block_size or default_block_size, card.speculative)
+        block_size = card.kv_block_size or default_block_size
+        return cls(card.instance_id, block_size, card.speculative, card.max_num_seqs)
