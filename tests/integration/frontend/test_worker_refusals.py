@@ -209,6 +209,18 @@ def long_prompt(name: str) -> str:
     return f"{name} " + "word " * 1800
 
 
+@contextlib.asynccontextmanager
+async def both_workers_held(
+    session: aiohttp.ClientSession, kv: InLoopFrontend
+) -> AsyncIterator[None]:
+    """A long prompt streaming on each worker: both busy for the kv frontend's router."""
+    async with (
+        long_stream(session, kv.base_url, long_prompt("first")),
+        long_stream(session, kv.base_url, long_prompt("second")),
+    ):
+        yield
+
+
 async def queued(kv: InLoopFrontend) -> float:
     text = await fetch_text(f"{kv.base_url}/metrics")
     return sum(metric_values(text, "dynamo_frontend_queued_requests", {"model": MODEL}))
@@ -226,8 +238,7 @@ async def test_a_kv_router_refuses_when_every_worker_is_busy(
     async with (
         kv_frontend(cluster, tmp_path, busy_queue_size=0) as (kv, router_view),
         aiohttp.ClientSession() as session,
-        long_stream(session, kv.base_url, long_prompt("first")),
-        long_stream(session, kv.base_url, long_prompt("second")),
+        both_workers_held(session, kv),
     ):
         assert cluster.running() == [1, 1]
         before = cluster.engine_requests()
@@ -282,8 +293,7 @@ async def test_a_request_that_waits_past_the_queue_deadline_gets_503(
     async with (
         kv_frontend(cluster, tmp_path, busy_queue_timeout_s=0.5) as (kv, _),
         aiohttp.ClientSession() as session,
-        long_stream(session, kv.base_url, long_prompt("first")),
-        long_stream(session, kv.base_url, long_prompt("second")),
+        both_workers_held(session, kv),
     ):
         before = cluster.engine_requests()
         started = time.monotonic()

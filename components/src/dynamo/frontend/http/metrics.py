@@ -57,13 +57,7 @@ class FrontendMetrics:
             "Requests by model, endpoint, request type (stream/unary) and HTTP status",
             ["model", "endpoint", "request_type", "status"],
         )
-        self.inflight = Gauge(
-            f"{PREFIX}_inflight_requests",
-            "Requests being served",
-            ["model"],
-            registry=self.registry,
-            multiprocess_mode="livesum",
-        )
+        self.inflight = self._live_gauge("inflight_requests", "Requests being served")
         self.ttft = self._histogram(
             "time_to_first_token_seconds",
             "From request arrival to the first generated token",
@@ -96,12 +90,9 @@ class FrontendMetrics:
             "(503 with Retry-After), unauthorized (401)",
             ["model", "reason"],
         )
-        self.queued = Gauge(
-            f"{PREFIX}_queued_requests",
+        self.queued = self._live_gauge(
+            "queued_requests",
             "Requests waiting in the busy queue for a worker with room (every worker busy)",
-            ["model"],
-            registry=self.registry,
-            multiprocess_mode="livesum",
         )
         self.queue_wait = Histogram(
             f"{PREFIX}_queue_wait_seconds",
@@ -145,6 +136,16 @@ class FrontendMetrics:
         """A counter of this frontend's registry, by model unless `labels` says otherwise."""
         return Counter(
             f"{PREFIX}_{name}", documentation, labels or ["model"], registry=self.registry
+        )
+
+    def _live_gauge(self, name: str, documentation: str) -> Gauge:
+        """A gauge by model that sums over the live processes (`--http-workers`)."""
+        return Gauge(
+            f"{PREFIX}_{name}",
+            documentation,
+            ["model"],
+            registry=self.registry,
+            multiprocess_mode="livesum",
         )
 
     def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
