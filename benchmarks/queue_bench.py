@@ -35,9 +35,8 @@ import asyncio
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
@@ -105,7 +104,8 @@ class SetupResult:
     urgent_ttft_p99_s: float | None
     # Per frontend replica: (completed, sent, TTFT p50 s) - a fair queue starves none.
     per_replica: list[tuple[int, int, float | None]]
-    outcomes: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    # Shortest and longest wait of the requests answered 503 after waiting (the deadline).
+    refused_after_waiting_s: tuple[float, float] | None = None
 
 
 def capacity_per_s() -> float:
@@ -158,6 +158,10 @@ async def burst(bases: list[str], seconds: float) -> list[Outcome]:
         return list(await asyncio.gather(*tasks))
 
 
+def _span(values: list[float]) -> tuple[float, float] | None:
+    return (round(min(values), 3), round(max(values), 3)) if values else None
+
+
 def summarize(setup: Setup, outcomes: list[Outcome]) -> SetupResult:
     done = [o for o in outcomes if o.status == 200 and o.ttft_s is not None]
     urgent = [o.ttft_s for o in done if o.urgent and o.ttft_s is not None]
@@ -184,7 +188,7 @@ def summarize(setup: Setup, outcomes: list[Outcome]) -> SetupResult:
         urgent_ttft_p50_s=pct(urgent, 0.5),
         urgent_ttft_p99_s=pct(urgent, 0.99),
         per_replica=[replica(i) for i in range(setup.replicas)],
-        outcomes=[asdict(o) for o in outcomes],
+        refused_after_waiting_s=_span([o.elapsed_s for o in refused if o.elapsed_s >= 1.0]),
     )
 
 
