@@ -14,7 +14,8 @@ Claims:
   each worker holds a long prompt (over 10 % of its KV cache, as the router books it), the
   router itself refuses the next request without sending it: with `--busy-queue-size 0`
   503 with `Retry-After` at once; with the busy queue, the request waits for a worker
-  with room, most urgent `priority` first, or gets the 503 at its deadline.
+  with room, most urgent `priority` first, or gets the 503 at its deadline, and leaves
+  the queue at once when its client goes away.
 """
 
 from __future__ import annotations
@@ -230,6 +231,10 @@ async def queued_at_least(kv: InLoopFrontend, count: int) -> bool:
     return await queued(kv) >= count
 
 
+async def queued_at_most(kv: InLoopFrontend, count: int) -> bool:
+    return await queued(kv) <= count
+
+
 async def test_a_kv_router_refuses_when_every_worker_is_busy(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -284,6 +289,33 @@ async def test_the_busy_queue_holds_requests_until_a_worker_has_room_most_urgent
         await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT_S)
         assert await queued(kv) == 0
     assert sorted(ended, key=ended.__getitem__) == ["urgent", "low-0", "low-1", "low-2"]
+
+
+async def test_a_client_that_goes_away_leaves_the_queue_at_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    await settled(cluster)
+    async with (
+        kv_frontend(cluster, tmp_path) as (kv, _),
+        aiohttp.ClientSession() as session,
+        both_workers_held(session, kv),
+    ):
+        before = cluster.engine_requests()
+        body = chat("Short?", max_tokens=2)
+        waiting = asyncio.ensure_future(
+            session.post(f"{kv.base_url}/v1/chat/completions", json=body)
+        )
+        await wait_until_async(
+            functools.partial(queued_at_least, kv, 1), timeout=TIMEOUT_S, what="a queued request"
+        )
+        waiting.cancel()  # the client closes its connection
+        await wait_until_async(
+            lambda: queued_at_most(kv, 0), timeout=TIMEOUT_S, what="the queue to empty"
+        )
+        text = await fetch_text(f"{kv.base_url}/metrics")
+        left = {"model": MODEL, "outcome": "cancelled"}
+        assert metric_values(text, "dynamo_frontend_queue_wait_seconds_count", left) == [1.0]
+        assert cluster.engine_requests() == before
 
 
 async def test_a_request_that_waits_past_the_queue_deadline_gets_503(
