@@ -92,6 +92,42 @@ async def test_max_tokens_gives_finish_reason_length(frontend: Frontend) -> None
     assert frontend.client.requests[-1].stop_conditions.max_tokens == 2
 
 
+@pytest.mark.parametrize(
+    ("header", "body_priority", "sent"), [(None, 3, 3), ("-7", 3, -7), (" 12 ", None, 12)]
+)
+async def test_the_priority_header_wins_over_the_body_as_in_vllm(
+    frontend: Frontend, header: str | None, body_priority: int | None, sent: int
+) -> None:
+    body = completion_body(max_tokens=2)
+    if body_priority is not None:
+        body["priority"] = body_priority
+    headers = {} if header is None else {"X-Vllm-Priority": header}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(frontend.url + "/v1/completions", json=body, headers=headers) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+    assert frontend.client.requests[-1].priority == sent
+
+
+@pytest.mark.parametrize("header", ["soon", "1.5", str(2**31)])
+async def test_a_priority_header_that_is_no_32_bit_integer_is_a_400_naming_it(
+    frontend: Frontend, header: str
+) -> None:
+    sent_before = len(frontend.client.requests)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            frontend.url + "/v1/chat/completions",
+            json=chat_body(),
+            headers={"X-Vllm-Priority": header},
+        ) as resp,
+    ):
+        assert resp.status == 400
+        assert_openai_error(await resp.json(), param="X-Vllm-Priority")
+    assert len(frontend.client.requests) == sent_before
+
+
 async def last_request_cancelled(frontend: Frontend) -> str:
     """Wait until the engine sees the last request it was handed cancelled; its id."""
     rid = frontend.client.requests[-1].request_id

@@ -58,6 +58,7 @@ from dynamo.frontend.http.listener import (
 )
 from dynamo.frontend.http.metrics import METRICS_CONTENT_TYPE, FrontendMetrics
 from dynamo.frontend.http.openapi import OPENAPI_PATH, openapi_document
+from dynamo.frontend.http.priority_header import header_priority
 from dynamo.frontend.http.request_body import read_body
 from dynamo.frontend.http.settings import HttpSettings
 from dynamo.frontend.http.workers import HttpWorkerSlot
@@ -324,7 +325,10 @@ class HttpService:
                 # of items costs its own request time, not the event loop's.
                 req = await asyncio.to_thread(kind.convert, req)
             check_request(req)  # a field set to a value we do not serve: 400 naming it
+            priority = header_priority(request.headers)  # wins over the body's, as in vLLM
             prepared = await kind.prepare(model.preprocessor, req, request_id)
+            if priority is not None:
+                prepared.request.priority = priority
             parsers = self._chat_output_parsers(req, model, prepared)  # 400: unservable tools
             model = await self._with_workers(model)
         except OpenAIError as exc:

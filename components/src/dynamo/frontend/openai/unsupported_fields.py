@@ -223,8 +223,8 @@ SUPPORT: tuple[FieldSupport, ...] = (
     _vllm(
         "priority",
         H,
-        "lower is served sooner (default 0): orders the busy queue, and vLLM's scheduler "
-        "on a worker run with --scheduling-policy priority",
+        "lower is served sooner (default 0; the X-Vllm-Priority header wins): orders the "
+        "busy queue, and vLLM's scheduler on a worker run with --scheduling-policy priority",
     ),
     _vllm(
         "use_beam_search",
