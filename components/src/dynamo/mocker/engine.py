@@ -339,11 +339,15 @@ class MockEngine:
         parent = seq.last_stored_hash
         scheduled = len(state.tokens) - state.prefill_remaining + chunk
         stored = self.sequences.store_scheduled_prompt_blocks(state.request_id, scheduled)
+        self._commit(state, stored, parent)
+        return chunk
+
+    def _commit(self, state: MockRequest, stored: list[int], parent: int | None) -> None:
+        """Turn `stored` of the request's private blocks into cached blocks it pins."""
         if stored:
             self.pool.commit(stored, parent)
             state.pinned.extend(stored)
             state.private -= len(stored)
-        return chunk
 
     def _complete(self, batch: _Batch) -> None:
         """Apply the step that just ran: outputs, cache commits, growth, preemption."""
@@ -395,9 +399,7 @@ class MockEngine:
         self.counters.generated_tokens += len(tokens)
         stored = result.newly_stored_hashes
         if stored and self.pool.enable_prefix_caching:
-            self.pool.commit(stored, parent)
-            state.pinned.extend(stored)
-            state.private -= len(stored)
+            self._commit(state, stored, parent)
         output = state.output(tokens)
         if reason is None:
             state.outputs.put_nowait(output)

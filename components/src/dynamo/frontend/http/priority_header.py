@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import msgspec
+
 from dynamo.frontend.openai.errors import bad_request
-from dynamo.frontend.openai.protocol import INT32_MAX
+from dynamo.frontend.openai.protocol import Priority
 
 PRIORITY_HEADER = "X-Vllm-Priority"
 
@@ -28,8 +30,9 @@ def header_priority(headers: Mapping[str, str]) -> int | None:
         raise bad_request(
             f"the {PRIORITY_HEADER} header must be an integer, got {text!r}", PRIORITY_HEADER
         ) from None
-    if not -INT32_MAX - 1 <= value <= INT32_MAX:
+    try:
+        return msgspec.convert(value, Priority)  # the bounds of the body's `priority`
+    except msgspec.ValidationError:
         raise bad_request(
             f"the {PRIORITY_HEADER} header must be a 32-bit integer, got {value}", PRIORITY_HEADER
-        )
-    return value
+        ) from None
