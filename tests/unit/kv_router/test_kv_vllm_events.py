@@ -17,7 +17,7 @@ from dynamo.llm.kv_router.vllm_events import (
     VllmUnknownEvent,
     decode_event_batch,
 )
-from dynamo.llm.protocols import KvAllCleared, KvBlockRemoved, KvBlockStored
+from dynamo.llm.protocols import KvAllCleared, KvBlockRemoved, KvBlockStored, KvMedium
 
 B = 4
 TOKENS = list(range(1, 13))  # 3 blocks
@@ -206,8 +206,7 @@ def test_same_content_under_two_vllm_hashes_leaves_the_cache_with_the_last_one()
     [
         (VllmBlockStored(H[:1], None, TOKENS[:4], B, lora_id=3), "dropped_lora"),
         (VllmBlockStored(H[:1], None, TOKENS[:4], B, lora_name="adapter"), "dropped_lora"),
-        (VllmBlockStored(H[:1], None, TOKENS[:4], B, medium="CPU"), "dropped_medium"),
-        (VllmBlockStored(H[:1], None, TOKENS[:4], B, medium="STORAGE"), "dropped_medium"),
+        (VllmBlockStored(H[:1], None, TOKENS[:4], B, medium="NVME"), "dropped_medium"),
         (
             VllmBlockStored(H[:1], None, TOKENS[:4], B, extra_keys=[("img", 0)]),
             "dropped_extra_keys",
@@ -255,3 +254,74 @@ def test_converted_events_drive_the_indexer() -> None:
         index.apply(event)
     assert index.find_matches_for_tokens([*TOKENS, 99]).scores == {5: 2}
     assert conv.stats.unknown_events == 1
+
+
+# --------------------------------------------------------------------------- tiers
+
+
+@pytest.mark.parametrize(
+    ("name", "medium"),
+    [
+        (None, KvMedium.GPU),
+        ("GPU", KvMedium.GPU),
+        ("CPU", KvMedium.CPU),
+        ("cpu", KvMedium.CPU),  # Mooncake's spelling
+        ("STORAGE", KvMedium.STORAGE),
+        ("disk", KvMedium.STORAGE),
+    ],
+)
+def test_vllm_media_map_onto_tiers(name: str | None, medium: KvMedium) -> None:
+    conv = KvEventConverter(1, B)
+    event = conv.convert(VllmBlockStored(H[:1], None, TOKENS[:4], B, medium=name))
+    assert event is not None and isinstance(event.data, KvBlockStored)
+    assert event.data.medium is medium
+    assert event.data.block_hashes == compute_block_hashes(TOKENS[:4], B)
+    removed = conv.convert(VllmBlockRemoved(H[:1], medium=name))
+    assert removed is not None and isinstance(removed.data, KvBlockRemoved)
+    assert removed.data.medium is medium
+
+
+def test_an_offload_eviction_keeps_the_device_hit_and_vice_versa() -> None:
+    conv = KvEventConverter(1, B)
+    index = KvIndexer(B)
+    content = compute_block_hashes(TOKENS[:4], B)
+    for event in (
+        stored(H[:1], None, TOKENS[:4]),
+        VllmBlockStored(H[:1], None, TOKENS[:4], B, medium="CPU"),
+    ):
+        converted = conv.convert(event)
+        assert converted is not None
+        index.apply(converted)
+    assert index.tiers_of(1, content[0]) == {KvMedium.GPU, KvMedium.CPU}
+    evicted_offload = conv.convert(VllmBlockRemoved(H[:1], medium="CPU"))
+    assert evicted_offload is not None
+    index.apply(evicted_offload)
+    assert index.find_matches(content).scores == {1: 1}, "the device hit is still there"
+    assert index.tiers_of(1, content[0]) == {KvMedium.GPU}
+    # Offloaded again, then evicted from the device: the offloaded copy outlives it.
+    for event in (
+        VllmBlockStored(H[:1], None, TOKENS[:4], B, medium="CPU"),
+        VllmBlockRemoved(H[:1], medium="GPU"),
+    ):
+        converted = conv.convert(event)
+        assert converted is not None
+        index.apply(converted)
+    assert index.tiers_of(1, content[0]) == {KvMedium.CPU}
+    assert conv.known_blocks == 1
+
+
+def test_an_offloaded_copy_without_tokens_is_keyed_by_the_device_mapping() -> None:
+    """vLLM's offloading connector may announce an offloaded block without its tokens;
+    its vLLM hash, announced by the device tier first, names the same content."""
+    conv = KvEventConverter(1, B)
+    conv.convert(stored(H[:2], None, TOKENS[:8]))
+    event = conv.convert(VllmBlockStored([H[1]], None, [], B, medium="CPU"))
+    assert event is not None and isinstance(event.data, KvBlockStored)
+    assert event.data.block_hashes == compute_block_hashes(TOKENS[:8], B)[1:]
+    assert event.data.medium is KvMedium.CPU
+
+
+def test_a_converter_may_index_the_device_tier_only() -> None:
+    conv = KvEventConverter(1, B, media=[KvMedium.GPU])
+    assert conv.convert(VllmBlockStored(H[:1], None, TOKENS[:4], B, medium="CPU")) is None
+    assert conv.stats.dropped_medium == 1

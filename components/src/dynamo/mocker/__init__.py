@@ -8,6 +8,8 @@ scale tests (`python -m dynamo.mocker`, docs/mocker.md).
 | `kv_cache` | `KvBlockPool`: blocks, prefix cache, LRU eviction, cache events |
 | `acceptance`, `timing`, `tokens` | the speculative, step-time and token models |
 | `config` | `MockEngineConfig` |
+| `handoff`, `transfer` | disaggregated decode: a prefill worker's `disaggregated_params`, KV transfers in flight |
+| `roles` | `--disaggregation-mode`: what a prefill / decode / aggregated worker registers as |
 | `kv_events` | `KvEventForwarder`: engine events → the KV router's NATS stream |
 | `backend` | `MockerBackend` (the engine glue) and `mocker_worker` (one simulated worker on NATS) |
 | `args`, `main` | the command line, and the process (`dynamo.llm.worker.WorkerProcess`) |

@@ -17,9 +17,18 @@ from typing import Any, TypeVar
 from dynamo.llm.worker import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MIGRATION_LIMIT
 from dynamo.llm.worker.flags import add_worker_runtime_arguments
 from dynamo.llm.worker.inflight import max_inflight_or_env
+from dynamo.llm.worker.roles import (
+    DEFAULT_COMPONENT,
+    PREFILL_COMPONENT,
+    DisaggregationMode,
+    component_for,
+    disaggregation_mode_of,
+    migration_limit_for,
+)
 from dynamo.mocker.acceptance import AcceptanceModel
 from dynamo.mocker.config import MockEngineConfig
 from dynamo.mocker.model_info import ModelInfo
+from dynamo.mocker.roles import add_disaggregation_arguments
 from dynamo.mocker.timing import TimingModel
 from dynamo.runtime.cli import (
     ConfigError,
@@ -72,6 +81,9 @@ class WorkerSettings:
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
     migration_limit: int = DEFAULT_MIGRATION_LIMIT
     max_inflight_requests: int | None = None  # None: 4 x max_num_seqs; 0: no bound
+    # The role in disaggregated serving (`roles`); set `component` and `migration_limit`
+    # to match (the command line does: `prefill` and 0 for a prefill worker).
+    disaggregation_mode: DisaggregationMode = "agg"
 
 
 CACHE_GROUP = "engine capacity and scheduling"
@@ -134,6 +146,19 @@ class EngineFlags:
             "--enable-prefix-caching",
             "Reuse cached prompt blocks across requests (off: no hits and no KV events).",
             negatable=True,
+            group=CACHE_GROUP,
+        ),
+    )
+    kv_host_blocks: int = setting(
+        0,
+        Flag(
+            "--kv-host-blocks",
+            "Blocks of a second KV tier in host memory (as vLLM's CPU offloading): a block "
+            "evicted from the device moves there (KV events: removed on GPU, stored on "
+            "CPU), the least recently used is dropped when it is full (removed on CPU), "
+            "and a prefix hit there is loaded back to the device for "
+            "--kv-onboard-ms-per-token and counted as cached. 0: no second tier.",
+            type=non_negative_int,
             group=CACHE_GROUP,
         ),
     )
@@ -260,7 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Model name clients use (default: the embedded model's name or the directory name).",
     )
     add_worker_runtime_arguments(where)
-    where.add_argument("--component", default="backend", help="Component name of the workers.")
+    where.add_argument(
+        "--component",
+        default=None,
+        help=f"Component name of the workers (default: {DEFAULT_COMPONENT!r}, or "
+        f"{PREFILL_COMPONENT!r} for prefill workers, as for vLLM workers).",
+    )
     add_nats_arguments(parser.add_argument_group("NATS authentication and TLS"))
     where.add_argument(
         "--num-workers",
@@ -291,12 +321,14 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument(
         "--migration-limit",
         type=non_negative_int,
-        default=DEFAULT_MIGRATION_LIMIT,
+        default=None,
         help="Advertised on the model card, as by a vLLM worker: how often a frontend may "
         "move a request to another worker when this one dies mid-stream (the prompt plus "
-        "the tokens generated so far are resent); 0 fails the request instead.",
+        "the tokens generated so far are resent); 0 fails the request instead (default: "
+        f"{DEFAULT_MIGRATION_LIMIT}, or 0 for prefill workers).",
     )
     add_log_level_argument(where)
+    add_disaggregation_arguments(parser.add_argument_group("disaggregated serving"))
 
     # The groups in --help order; the flags declared on `EngineFlags` fill them.
     groups = {
@@ -305,7 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
             TIMING_GROUP,
             "step_ms = decode-ms-per-step + decode-ms-per-token x decode requests x (1+K) "
             "+ prefill-ms-per-token x prefill tokens + draft-ms-per-token x K; "
-            "the simulation waits step_ms / speed-up.",
+            "the simulation waits step_ms / speed-up. A decode worker's KV transfer from a "
+            "prefill worker takes kv-transfer-overhead-ms + kv-transfer-ms-per-token x "
+            "uncached prompt tokens, beside the steps.",
         ),
         SPECULATIVE_GROUP: parser.add_argument_group(SPECULATIVE_GROUP),
         GENERATED_GROUP: parser.add_argument_group(GENERATED_GROUP),
@@ -344,12 +378,16 @@ def parse_args(argv: Sequence[str] | None = None) -> MockerArgs:
         )
     except ValueError as exc:  # the timing model refuses negative times
         raise ConfigError(str(exc)) from exc
+    mode = disaggregation_mode_of(ns)
     worker = fields_from(
         WorkerSettings,
         ns,
         nats_options=nats_options_from_args(ns, url=ns.nats_server or nats_url_from_env()),
         publish_kv_events=ns.kv_events,
         max_inflight_requests=max_inflight_or_env(ns.max_inflight_requests),
+        disaggregation_mode=mode,
+        component=component_for(mode, ns.component),
+        migration_limit=migration_limit_for(mode, ns.migration_limit),
     )
     return fields_from(MockerArgs, ns, engine=engine, worker=worker)
 

@@ -23,6 +23,8 @@ class MockEngineConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
+    # Blocks of the second tier (host memory) that keeps what the device evicts; 0: none.
+    kv_host_blocks: int = 0
     # Most log probabilities per token a request may ask for (vLLM's --max-logprobs).
     max_logprobs: int = 20
     num_speculative_tokens: int = 0
@@ -46,6 +48,8 @@ class MockEngineConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_host_blocks < 0:
+            raise ValueError(f"kv_host_blocks must be >= 0, got {self.kv_host_blocks}")
         k = self.num_speculative_tokens
         if k < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")

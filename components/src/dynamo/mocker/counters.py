@@ -14,8 +14,17 @@ class EngineCounters:
     requests: int = 0
     steps: int = 0
     prompt_tokens: int = 0
+    # Served without computing them: prefix-cache hits and KV transferred from a prefill
+    # worker (vLLM counts connector-loaded tokens as cached too).
     cached_prompt_tokens: int = 0
+    # Of those, loaded back from the host tier (`--kv-host-blocks`) at admission.
+    onboarded_tokens: int = 0
     computed_prefill_tokens: int = 0
+    # Disaggregated decode: prompts whose KV came from a prefill worker, the tokens
+    # transferred (a part of `cached_prompt_tokens`), and handoffs refused (prefilled here).
+    kv_transfers: int = 0
+    transferred_prompt_tokens: int = 0
+    kv_transfers_refused: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
     finished: dict[str, int] = field(default_factory=dict)

@@ -55,6 +55,7 @@ from dynamo.mocker.request import (
     admit_request,
 )
 from dynamo.mocker.timing import StepPacer
+from dynamo.mocker.transfer import KvTransfers
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class _Batch:
 
     decodes: list[MockRequest]
     prefills: list[tuple[MockRequest, int]]  # (request, prompt tokens computed this step)
+    onboarded: int = 0  # prompt tokens loaded back from the host tier instead of computed
 
     @property
     def prefill_tokens(self) -> int:
@@ -88,9 +90,7 @@ class MockEngine:
         self.k = config.num_speculative_tokens
         self.acceptance = config.acceptance_model
         self.timing = config.timing
-        self.pool = KvBlockPool(
-            config.num_gpu_blocks, enable_prefix_caching=config.enable_prefix_caching
-        )
+        self.pool = KvBlockPool.for_engine(config)  # with its host tier, if any (`host_tier`)
         self.sequences = ActiveSequences(config.block_size, self.k)
         self.counters = EngineCounters(spec_accepted_per_position=[0] * self.k)
         self._on_kv_events = on_kv_events
@@ -98,6 +98,7 @@ class MockEngine:
         self._running: list[MockRequest] = []
         self._requests: dict[str, MockRequest] = {}
         self._wakeup = asyncio.Event()
+        self._transfers = KvTransfers(self.timing, self.counters, wake=self._wakeup.set)
         self._pacer = StepPacer(self.timing.quantum_ms / 1000.0)
         self._task: asyncio.Task[None] | None = None
         self.dead: BaseException | None = None
@@ -209,7 +210,7 @@ class MockEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + len(self._transfers)  # KV arriving: waiting, as in vLLM
 
     def load_metrics(self, worker_id: int) -> LoadMetrics:
         """The engine's load as a worker reports it to routers (speculative slots
@@ -217,7 +218,7 @@ class MockEngine:
         return LoadMetrics(
             worker_id=worker_id,
             active_requests=len(self._running),
-            waiting_requests=len(self._waiting),
+            waiting_requests=self.num_waiting,
             active_blocks=self.pool.active_blocks,
             total_blocks=self.pool.num_blocks,
             kv_usage=self.pool.usage,
@@ -238,6 +239,7 @@ class MockEngine:
         if request_id in self._requests:
             raise RequestRejected(f"request {request_id!r} is already running")
         state = admit_request(request, request_id, self.config, index=index, outputs=outputs)
+        self._transfers.expect(state, request, self.config.block_size)
         self._requests[request_id] = state
         self._waiting.append(state)
         self.counters.requests += 1
@@ -258,7 +260,7 @@ class MockEngine:
         needed = num_blocks_spanned(len(tokens) + self.k, block) - hit
         if not self.pool.can_allocate(needed, hashes[:hit]):
             return False
-        self.pool.acquire(hashes[:hit])
+        self.counters.onboarded_tokens += self.pool.acquire(hashes[:hit]) * block
         allocated = self.pool.allocate(needed)
         assert allocated
         self.sequences.add_request(
@@ -278,21 +280,21 @@ class MockEngine:
     async def _loop(self) -> None:
         try:
             while True:
+                self._land_transfers()
                 if not self._running and not self._waiting:
                     self._pacer.idle()
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
                 batch = self._schedule()
-                if batch.empty:
+                if batch.empty and not self._transfers:  # else: an empty step, polling them
                     # Only possible if the config's capacity checks were bypassed.
                     self._finish(
                         self._waiting[0], FinishReason.ERROR, error="does not fit the KV cache"
                     )
                     continue
-                await self._pacer.wait(
-                    self.timing.step_seconds(batch.prefill_tokens, len(batch.decodes), self.k)
-                )
+                seconds = self.timing.step_seconds(batch.prefill_tokens, len(batch.decodes), self.k)
+                await self._pacer.wait(seconds + self.timing.onboard_seconds(batch.onboarded))
                 self._complete(batch)
         except asyncio.CancelledError:
             raise
@@ -322,11 +324,19 @@ class MockEngine:
             if not self._admit(state):
                 break  # first come, first served: no overtaking of a large request
             self._waiting.popleft()
+            if self._transfers.start(state):  # its prompt's KV comes from a prefill worker
+                continue
             self._running.append(state)
             chunk = min(state.prefill_remaining, budget)
             prefills.append((state, self._cache_scheduled(state, chunk)))
             budget -= chunk
-        return _Batch(decodes, prefills)
+        return _Batch(decodes, prefills, self.pool.take_onboarded() * cfg.block_size)
+
+    def _land_transfers(self) -> None:
+        """Prompt KV arrived (`transfer`): cached and announced as if computed; decode next."""
+        for state in self._transfers.landed():
+            self._running.append(state)
+            state.prefill_remaining -= self._cache_scheduled(state, state.prefill_remaining)
 
     def _cache_scheduled(self, state: MockRequest, chunk: int) -> int:
         """Cache the prompt blocks `chunk` fills as it is scheduled (returns `chunk`): vLLM
@@ -372,9 +382,9 @@ class MockEngine:
 
     def _accepted_drafts(self, state: MockRequest) -> int | None:
         """How many drafts the verifier accepts in a decode step; None where no draft is
-        verified (the request turned speculation off: one token, no statistics). The
-        step-time model still counts every decode at K: the mocker's K is per engine."""
-        if not state.speculative:
+        verified (speculation off, or no token to draft from: its prompt's KV was
+        transferred). The step-time model counts every decode at K: K is per engine."""
+        if not state.speculative or not state.num_output:
             return None
         return self.acceptance.sample(state.accept_rng) if self.k else 0
 
@@ -459,6 +469,9 @@ class MockEngine:
             self._running.remove(state)
         elif state.phase is Phase.WAITING:
             self._waiting.remove(state)
+        elif state.phase is Phase.TRANSFERRING:
+            self._transfers.cancel(state)
+            self._release(state)
         else:
             return
         self._requests.pop(state.request_id, None)

@@ -18,6 +18,11 @@ wire event payloads (`KvBlockStored` on first caching, `KvBlockRemoved` on evict
 Two identical blocks computed concurrently by two requests collapse into one cached block
 (the second request's private block is freed and it references the cached one), exactly
 one `KvBlockStored` is announced for it.
+
+With a second tier (`host_tier.HostTier`, `--kv-host-blocks`) an evicted block moves there
+(a `KvBlockRemoved` of the device tier, then a `KvBlockStored` of medium CPU), a block the
+tier drops is announced removed from it, and a prefix hit found there is loaded back into
+device blocks when a request references it (`acquire`; a `KvBlockStored` on the device).
 """
 
 from __future__ import annotations
@@ -25,23 +30,46 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from dynamo.llm.protocols import KvAllCleared, KvBlockRemoved, KvBlockStored, KvEventData
+from dynamo.llm.protocols import (
+    KvAllCleared,
+    KvBlockRemoved,
+    KvBlockStored,
+    KvEventData,
+    KvMedium,
+)
+from dynamo.mocker.config import MockEngineConfig
+from dynamo.mocker.host_tier import HostTier
 
 
 class KvBlockPool:
     """Block accounting of one simulated engine (no token contents are stored)."""
 
-    def __init__(self, num_blocks: int, *, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, *, enable_prefix_caching: bool = True, host_blocks: int = 0
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        # The second tier: none without prefix caching (nothing is ever named to keep).
+        self.host = HostTier(host_blocks) if host_blocks and enable_prefix_caching else None
         self._refs: dict[int, int] = {}  # content hash -> running requests using it
+        self._parents: dict[int, int | None] = {}  # cached block -> its parent (for events)
+        self._onboarded = 0  # blocks loaded back from the host tier since `take_onboarded`
         # Cached blocks with no reference, least recently released first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._private = 0
         self._events: list[KvEventData] = []
         self.evictions = 0
+
+    @classmethod
+    def for_engine(cls, config: MockEngineConfig) -> KvBlockPool:
+        """The pool of an engine of `config` (device blocks, prefix caching, host tier)."""
+        return cls(
+            config.num_gpu_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            host_blocks=config.kv_host_blocks,
+        )
 
     # ------------------------------------------------------------------ views
 
@@ -85,29 +113,62 @@ class KvBlockPool:
         return self._refs.get(block_hash, 0)
 
     def match_prefix(self, block_hashes: Sequence[int]) -> int:
-        """How many leading `block_hashes` are cached (a prefix-cache hit)."""
+        """How many leading `block_hashes` are cached (a prefix-cache hit), in the device
+        pool or, when there is one, the host tier."""
         if not self.enable_prefix_caching:
             return 0
+        host = self.host if self.host is not None else ()
         hits = 0
         for block_hash in block_hashes:
-            if block_hash not in self._refs:
+            if block_hash not in self._refs and block_hash not in host:
                 break
             hits += 1
         return hits
 
     def can_allocate(self, num_blocks: int, reusing: Iterable[int] = ()) -> bool:
         """Whether `num_blocks` private blocks fit after referencing `reusing` (cached
-        blocks that then stop being evictable)."""
-        pinned = sum(1 for h in reusing if h in self._evictable)
-        return num_blocks <= self.free_blocks + len(self._evictable) - pinned
+        blocks that then stop being evictable, or host-tier blocks that need a device
+        block each to be loaded back into)."""
+        pinned = onboard = 0
+        for block_hash in reusing:
+            pinned += block_hash in self._evictable
+            onboard += block_hash not in self._refs
+        return num_blocks + onboard <= self.free_blocks + len(self._evictable) - pinned
+
+    def take_onboarded(self) -> int:
+        """Blocks loaded back from the host tier since the last call (a step's copies)."""
+        onboarded, self._onboarded = self._onboarded, 0
+        return onboarded
 
     # ------------------------------------------------------------------ changes
 
-    def acquire(self, block_hashes: Iterable[int]) -> None:
-        """Reference cached blocks (a request reuses them); they stop being evictable."""
-        for block_hash in block_hashes:
-            self._refs[block_hash] += 1  # KeyError: not cached, a caller bug
-            self._evictable.pop(block_hash, None)
+    def acquire(self, block_hashes: Iterable[int]) -> int:
+        """Reference cached blocks (a request reuses them); they stop being evictable.
+        Those found in the host tier instead are loaded back into new device blocks (which
+        `can_allocate` must have counted) and announced stored on the device. Returns how
+        many were loaded back."""
+        hashes = list(block_hashes)
+        onboard = [h for h in hashes if h not in self._refs]
+        for block_hash in hashes:
+            if block_hash in self._refs:
+                self._refs[block_hash] += 1
+                self._evictable.pop(block_hash, None)
+        if not onboard:
+            return 0
+        if self.host is None:
+            raise KeyError(f"block {onboard[0]:x} is not cached")  # a caller bug
+        # Read (and refresh) the copies before making room: room is made by evicting to
+        # the host tier, which must not drop what is being loaded from it.
+        parents = [self.host.onboard(h) for h in onboard]
+        if not self.allocate(len(onboard)):
+            raise RuntimeError("no room to load host-tier blocks back (can_allocate?)")
+        self._private -= len(onboard)
+        for block_hash, parent in zip(onboard, parents, strict=True):
+            self._refs[block_hash] = 1
+            self._parents[block_hash] = parent
+            self._emit_stored(block_hash, parent, KvMedium.GPU)
+        self._onboarded += len(onboard)
+        return len(onboard)
 
     def release(self, block_hashes: Sequence[int]) -> None:
         """Drop one reference per block. Unreferenced blocks become evictable, the last
@@ -127,13 +188,26 @@ class KvBlockPool:
         if num_blocks > self.free_blocks + len(self._evictable):
             return False
         shortfall = num_blocks - self.free_blocks
-        for _ in range(max(shortfall, 0)):
-            block_hash, _ = self._evictable.popitem(last=False)
+        evicted = [self._evictable.popitem(last=False)[0] for _ in range(max(shortfall, 0))]
+        for block_hash in evicted:
             del self._refs[block_hash]
             self.evictions += 1
-            self._emit_removed(block_hash)
+            self._emit_removed(block_hash, KvMedium.GPU)
+        for block_hash in evicted:  # after the removals: one event for them all
+            self._spill(block_hash, self._parents.pop(block_hash, None))
         self._private += num_blocks
         return True
+
+    def _spill(self, block_hash: int, parent: int | None) -> None:
+        """Keep an evicted block in the host tier, if there is one, and announce it there
+        (and the blocks the tier drops for it)."""
+        if self.host is None:
+            return
+        added, dropped = self.host.store(block_hash, parent)
+        for gone in dropped:
+            self._emit_removed(gone, KvMedium.CPU)
+        if added:
+            self._emit_stored(block_hash, parent, KvMedium.CPU)
 
     def free(self, num_blocks: int) -> None:
         """Give private blocks back (a request finished or was preempted)."""
@@ -156,19 +230,23 @@ class KvBlockPool:
             refs = self._refs.get(block_hash)
             if refs is None:
                 self._refs[block_hash] = 1
-                self._emit_stored(block_hash, parent)
+                self._parents[block_hash] = parent
+                self._emit_stored(block_hash, parent, KvMedium.GPU)
             else:
                 self._refs[block_hash] = refs + 1
                 self._evictable.pop(block_hash, None)
             parent = block_hash
 
     def clear(self) -> bool:
-        """Drop every cached block (vLLM's ``reset_prefix_cache``). Refused (False) while
-        a running request references one."""
+        """Drop every cached block, host tier included (vLLM's ``reset_prefix_cache``).
+        Refused (False) while a running request references one."""
         if len(self._evictable) != len(self._refs):
             return False
         self._refs.clear()
+        self._parents.clear()
         self._evictable.clear()
+        if self.host is not None:
+            self.host.clear()
         self._events = [KvAllCleared()]  # earlier events no longer matter to anyone
         return True
 
@@ -179,16 +257,21 @@ class KvBlockPool:
 
     # ------------------------------------------------------------------ events
 
-    def _emit_stored(self, block_hash: int, parent: int | None) -> None:
+    def _emit_stored(self, block_hash: int, parent: int | None, medium: KvMedium) -> None:
         last = self._events[-1] if self._events else None
-        if isinstance(last, KvBlockStored) and last.block_hashes[-1] == parent:
+        if (
+            isinstance(last, KvBlockStored)
+            and last.medium is medium
+            and last.block_hashes[-1] == parent
+        ):
             last.block_hashes.append(block_hash)
         else:
-            self._events.append(KvBlockStored(block_hashes=[block_hash], parent_hash=parent))
+            stored = KvBlockStored(block_hashes=[block_hash], parent_hash=parent, medium=medium)
+            self._events.append(stored)
 
-    def _emit_removed(self, block_hash: int) -> None:
+    def _emit_removed(self, block_hash: int, medium: KvMedium) -> None:
         last = self._events[-1] if self._events else None
-        if isinstance(last, KvBlockRemoved):
+        if isinstance(last, KvBlockRemoved) and last.medium is medium:
             last.block_hashes.append(block_hash)
         else:
-            self._events.append(KvBlockRemoved(block_hashes=[block_hash]))
+            self._events.append(KvBlockRemoved(block_hashes=[block_hash], medium=medium))

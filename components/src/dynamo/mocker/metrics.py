@@ -26,11 +26,38 @@ CACHED_BLOCKS = WorkerSeries(
     "dynamo_mocker_cached_blocks", Kind.GAUGE, "KV blocks named by a content hash"
 )
 EVICTED_BLOCKS = WorkerSeries("dynamo_mocker_evicted_blocks", Kind.COUNTER, "Cached blocks evicted")
+HOST_TIER_BLOCKS = WorkerSeries(
+    "dynamo_mocker_host_tier_blocks", Kind.GAUGE, "KV blocks held in the host tier"
+)
+ONBOARDED_TOKENS = WorkerSeries(
+    "dynamo_mocker_onboarded_tokens",
+    Kind.COUNTER,
+    "Prompt tokens loaded back from the host tier instead of computed (counted as cached)",
+)
 STEPS = WorkerSeries("dynamo_mocker_steps", Kind.COUNTER, "Engine steps simulated")
 PREEMPTIONS = WorkerSeries(
     "dynamo_mocker_preemptions", Kind.COUNTER, "Requests preempted for lack of blocks"
 )
 GENERATED_TOKENS = WorkerSeries("dynamo_mocker_generated_tokens", Kind.COUNTER, "Tokens generated")
+COMPUTED_PROMPT_TOKENS = WorkerSeries(
+    "dynamo_mocker_computed_prompt_tokens",
+    Kind.COUNTER,
+    "Prompt tokens computed by this worker's steps (recomputation after preemption included)",
+)
+TRANSFERRED_PROMPT_TOKENS = WorkerSeries(
+    "dynamo_mocker_transferred_prompt_tokens",
+    Kind.COUNTER,
+    "Prompt tokens whose KV a decode worker received from a prefill worker instead of "
+    "computing them (part of dynamo_worker_cached_prompt_tokens)",
+)
+REMOTE_PREFILLS = WorkerSeries(
+    "dynamo_worker_remote_prefills",
+    Kind.COUNTER,
+    "Decode requests that came with a prefill worker's KV, by what this worker did with it "
+    "(loaded, or refused: not a handoff it can take, prefilled locally)",
+    ("outcome",),
+)
+"""Named and labelled as the vLLM worker's series of the same name."""
 
 
 class MockerCollector(Collector):
@@ -65,11 +92,18 @@ class MockerCollector(Collector):
             add(ACTIVE_BLOCKS, pool.active_blocks, hex_id)
             add(CACHED_BLOCKS, pool.cached_blocks, hex_id)
             add(EVICTED_BLOCKS, pool.evictions, hex_id)
+            if pool.host is not None:
+                add(HOST_TIER_BLOCKS, len(pool.host), hex_id)
+                add(ONBOARDED_TOKENS, c.onboarded_tokens, hex_id)
             add(STEPS, c.steps, hex_id)
             add(PREEMPTIONS, c.preemptions, hex_id)
             add(schema.PROMPT_TOKENS, c.prompt_tokens, hex_id)
             add(schema.CACHED_PROMPT_TOKENS, c.cached_prompt_tokens, hex_id)
             add(GENERATED_TOKENS, c.generated_tokens, hex_id)
+            add(COMPUTED_PROMPT_TOKENS, c.computed_prefill_tokens, hex_id)
+            add(TRANSFERRED_PROMPT_TOKENS, c.transferred_prompt_tokens, hex_id)
+            add(REMOTE_PREFILLS, c.kv_transfers, hex_id, outcome="loaded")
+            add(REMOTE_PREFILLS, c.kv_transfers_refused, hex_id, outcome="refused")
             for reason, count in sorted(c.finished.items()):
                 add(schema.FINISHED, count, hex_id, reason=reason)
             if engine.k:

@@ -30,6 +30,7 @@ from dynamo.llm.protocols import (
     TopLogprob,
 )
 from dynamo.mocker.config import MockEngineConfig
+from dynamo.mocker.handoff import KvHandoff
 from dynamo.mocker.tokens import TokenSampler, request_seed
 
 
@@ -44,6 +45,7 @@ class InvalidRequest(RequestRejected):
 
 class Phase(enum.Enum):
     WAITING = "waiting"
+    TRANSFERRING = "transferring"  # admitted, its prompt's KV arriving (`transfer`)
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -100,6 +102,7 @@ class MockRequest:
     spec: SpecTally = field(default_factory=SpecTally)
     index: int = 0  # which of the request's `n` sequences this is (its outputs say so)
     speculative: bool = True  # False: the request turned speculation off (one token a step)
+    handoff: KvHandoff | None = None  # a prefill worker's KV to load at first admission
 
     @property
     def num_output(self) -> int:

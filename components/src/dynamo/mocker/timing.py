@@ -70,6 +70,43 @@ class TimingModel:
             type=float,
         ),
     )
+    kv_onboard_ms_per_token: float = setting(
+        0.005,
+        Flag(
+            "--kv-onboard-ms-per-token",
+            "Step time per prompt token loaded back from the host tier (--kv-host-blocks) "
+            "instead of computed. A copy of the token's KV over the host link, not a "
+            "forward pass: default a tenth of --prefill-ms-per-token (a 7-8B model's "
+            "~128 KiB of KV per token at ~25 GB/s is ~5 us, its prefill ~0.1 ms).",
+            type=float,
+        ),
+    )
+    # The prompt KV a decode worker receives from a prefill worker (`transfer`). The
+    # defaults estimate the CPU setup's disk connector (one safetensors file per layer per
+    # prompt, written by prefill, read by decode): for SmolLM2-135M, 30 layers x 2 file
+    # operations (~5 ms), and 22.5 KiB of KV per token through the page cache (~0.01 ms,
+    # a fifth of the prefill cost per token). Estimates, not measurements.
+    kv_transfer_overhead_ms: float = setting(
+        5.0,
+        Flag(
+            "--kv-transfer-overhead-ms",
+            "Disaggregated decode: fixed time of one prompt's KV transfer from a prefill "
+            "worker. The default estimates the CPU disk connector's per-layer file writes "
+            "and reads (60 files for SmolLM2-135M).",
+            type=float,
+        ),
+    )
+    kv_transfer_ms_per_token: float = setting(
+        0.01,
+        Flag(
+            "--kv-transfer-ms-per-token",
+            "Disaggregated decode: transfer time per prompt token the decode worker does "
+            "not cache; transfers run beside the steps. The default estimates 22.5 KiB of "
+            "SmolLM2-135M KV per token through the page cache (the CPU disk connector), a "
+            "fifth of --prefill-ms-per-token.",
+            type=float,
+        ),
+    )
     speed_up: float = setting(
         1.0,
         Flag(
@@ -99,6 +136,9 @@ class TimingModel:
             "decode_ms_per_step",
             "decode_ms_per_token",
             "draft_ms_per_token",
+            "kv_transfer_overhead_ms",
+            "kv_transfer_ms_per_token",
+            "kv_onboard_ms_per_token",
             "quantum_ms",
         ):
             if getattr(self, name) < 0:
@@ -122,6 +162,17 @@ class TimingModel:
     ) -> float:
         """Wall-clock seconds the simulation waits for one step (`speed_up` applied)."""
         ms = self.step_ms(prefill_tokens, decode_requests, num_speculative_tokens)
+        return ms / 1000.0 / self.speed_up
+
+    def onboard_seconds(self, tokens: int) -> float:
+        """Wall-clock seconds a step spends loading `tokens` prompt tokens of KV back from
+        the host tier (`speed_up` applied): added to the step that admits their request."""
+        return self.kv_onboard_ms_per_token * tokens / 1000.0 / self.speed_up
+
+    def transfer_seconds(self, tokens: int) -> float:
+        """Wall-clock seconds a decode worker waits for `tokens` prompt tokens of KV from a
+        prefill worker (`speed_up` applied)."""
+        ms = self.kv_transfer_overhead_ms + self.kv_transfer_ms_per_token * tokens
         return ms / 1000.0 / self.speed_up
 
     def inter_token_ms(self, batch_size: int, mean_acceptance_length: float, k: int) -> float:

@@ -30,6 +30,11 @@ from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.nats_feed import create_kv_router
 from dynamo.llm.kv_router.replica_sync import ReplicaSyncSettings
 from dynamo.llm.kv_router.scheduler_defaults import DEFAULT_OVERLAP_SCORE_WEIGHT
+from dynamo.llm.kv_router.tiers import (
+    DEFAULT_DISK_TIER_WEIGHT,
+    DEFAULT_HOST_TIER_WEIGHT,
+    TierWeights,
+)
 from dynamo.llm.protocols import ModelCard
 from dynamo.llm.router import RandomRouter, RoundRobinRouter, Router
 from dynamo.runtime import Client, DistributedRuntime
@@ -77,6 +82,29 @@ class RouterSettings:
             "against its active blocks, in the routing cost (higher favours cache hits, "
             "lower favours balance).",
             type=non_negative_float,
+            group=ROUTING_GROUP,
+        ),
+    )
+    kv_host_tier_weight: float = setting(
+        DEFAULT_HOST_TIER_WEIGHT,
+        Flag(
+            "--kv-host-tier-weight",
+            "kv mode: what a prompt block a worker holds only in its host-memory tier "
+            "(KV events with medium CPU: offloaded, to be copied back before use) saves, "
+            "against one on its device (1): it counts at this weight in the blocks the "
+            "worker would still prefill. Between 0 (no better than a miss) and 1 (as good "
+            "as a device hit); a host copy is much cheaper than a prefill but not free.",
+            type=fraction,
+            group=ROUTING_GROUP,
+        ),
+    )
+    kv_disk_tier_weight: float = setting(
+        DEFAULT_DISK_TIER_WEIGHT,
+        Flag(
+            "--kv-disk-tier-weight",
+            "kv mode: the same weight for a block held only on the worker's disk tier "
+            "(medium STORAGE): slower to load back than host memory, so it saves less.",
+            type=fraction,
             group=ROUTING_GROUP,
         ),
     )
@@ -224,6 +252,7 @@ def make_router_factory(settings: RouterSettings, runtime: DistributedRuntime) -
             busy=busy,
             prediction=prediction,
             replica_sync=ReplicaSyncSettings(enabled=settings.replica_sync),
+            tier_weights=TierWeights(settings.kv_host_tier_weight, settings.kv_disk_tier_weight),
         )
 
     factories: dict[RouterMode, RouterFactory] = {

@@ -30,9 +30,15 @@ from typing import Any
 
 from vllm.engine.arg_utils import AsyncEngineArgs
 
-from dynamo.llm.worker import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MIGRATION_LIMIT
+from dynamo.llm.worker import DEFAULT_DRAIN_TIMEOUT_S
 from dynamo.llm.worker.addresses import advertise_host_or_env
 from dynamo.llm.worker.inflight import max_inflight_or_env
+from dynamo.llm.worker.roles import (
+    DisaggregationMode,
+    component_for,
+    disaggregation_mode_of,
+    migration_limit_for,
+)
 from dynamo.runtime.cli import ConfigError
 from dynamo.runtime.lease_ttl import default_lease_ttl
 from dynamo.runtime.nats_address import DEFAULT_NATS_URL, ENV_NATS_SERVER
@@ -46,11 +52,7 @@ from dynamo.vllm.config.kv_defaults import (
 from dynamo.vllm.config.layers import collect_layers, merge_engine_values
 from dynamo.vllm.config.model_resolution import resolve_target, served_name
 from dynamo.vllm.config.parser import (
-    DEFAULT_COMPONENT,
-    PREFILL_COMPONENT,
-    DisaggregationMode,
     build_parser,
-    disaggregation_mode_of,
     explicit_values,
     system_host_or_env,
     system_port_or_env,
@@ -138,14 +140,6 @@ class VllmWorkerConfig:
         return cfg.replay_endpoint if cfg is not None and cfg.enable_kv_cache_events else None
 
 
-def migration_limit_for(mode: DisaggregationMode, given: int | None) -> int:
-    """`--migration-limit` as given, else the default of the worker's role: a prefill
-    worker's one-token leg is never migrated (its loss falls back to local prefill)."""
-    if given is not None:
-        return given
-    return 0 if mode == "prefill" else DEFAULT_MIGRATION_LIMIT
-
-
 def parse_worker_args(argv: Sequence[str] | None = None) -> VllmWorkerConfig:
     """Parse the command line (and the files it names) into a VllmWorkerConfig.
 
@@ -188,8 +182,7 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> VllmWorkerConfig:
         engine_args=engine_args,
         disaggregation_mode=mode,
         namespace=full["namespace"],
-        component=full["component"]
-        or (PREFILL_COMPONENT if mode == "prefill" else DEFAULT_COMPONENT),
+        component=component_for(mode, full["component"]),
         endpoint=full["endpoint"],
         served_model_name=served,
         model_path=target_dir,

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any
 
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -23,6 +23,7 @@ from dynamo.llm.models import DEFAULT_MODEL
 from dynamo.llm.worker import DEFAULT_MIGRATION_LIMIT
 from dynamo.llm.worker.addresses import ADVERTISE_HOST_HELP
 from dynamo.llm.worker.flags import add_worker_runtime_arguments
+from dynamo.llm.worker.roles import DEFAULT_COMPONENT, PREFILL_COMPONENT
 from dynamo.runtime.cli import (
     ConfigError,
     non_negative_int,
@@ -36,10 +37,7 @@ from dynamo.vllm.speculative.adaptive_k import (
     DEFAULT_WINDOW_STEPS,
 )
 
-DisaggregationMode = Literal["agg", "prefill", "decode"]
 WORKER_GROUP = "DynamoWorker"
-DEFAULT_COMPONENT = "backend"
-PREFILL_COMPONENT = "prefill"
 SYSTEM_PORT_ENV = "DYN_SYSTEM_PORT"
 SYSTEM_HOST_ENV = "DYN_SYSTEM_HOST"
 DEFAULT_SYSTEM_HOST = "0.0.0.0"
@@ -303,21 +301,6 @@ def explicit_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dic
     """dest -> typed value for every option present in `argv`, and nothing else."""
     with _defaults_hidden(parser):
         return vars(parser.parse_args(list(argv)))
-
-
-def disaggregation_mode_of(parsed: Mapping[str, Any]) -> DisaggregationMode:
-    """`--disaggregation-mode`, with `--is-prefill-worker`/`--is-decode-worker` as aliases."""
-    prefill, decode, mode = (
-        parsed["is_prefill_worker"],
-        parsed["is_decode_worker"],
-        parsed["disaggregation_mode"],
-    )
-    if prefill and decode:
-        raise ConfigError("--is-prefill-worker and --is-decode-worker are mutually exclusive")
-    alias = "prefill" if prefill else "decode" if decode else None
-    if alias and mode and mode != alias:
-        raise ConfigError(f"--is-{alias}-worker contradicts --disaggregation-mode {mode}")
-    return alias or mode or "agg"
 
 
 def system_port_or_env(given: int | None) -> int | None:

@@ -19,6 +19,7 @@ from dynamo.llm.kv_router.publisher import KvEventPublisher
 from dynamo.llm.kv_router.zmq_relay import KvEventRelay
 from dynamo.llm.protocols import LLMEngineOutput, LoadMetrics, PreprocessedRequest, WorkerType
 from dynamo.llm.worker import EngineDescription
+from dynamo.llm.worker.roles import WORKER_TYPES
 from dynamo.runtime import Context
 from dynamo.vllm.config.args import VllmWorkerConfig
 from dynamo.vllm.config.sampling_defaults import sampling_defaults_from
@@ -32,13 +33,6 @@ from dynamo.vllm.speculative.k_in_force import SpeculationSnapshot, SpeculationS
 from dynamo.vllm.speculative.monitor import SpeculationMonitor
 
 log = logging.getLogger(__name__)
-
-WORKER_TYPES = {
-    "agg": WorkerType.AGGREGATED,
-    "prefill": WorkerType.PREFILL,
-    "decode": WorkerType.DECODE,
-}
-"""`--disaggregation-mode` -> what the model card advertises."""
 
 
 class VllmBackend:

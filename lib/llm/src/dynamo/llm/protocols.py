@@ -99,10 +99,9 @@ class RoutingHints(msgspec.Struct, omit_defaults=True):
 
 class KvStorageProbe(msgspec.Struct, omit_defaults=True):
     """Proof that a prefill worker's disk-based KV connector (vLLM's ExampleConnector)
-    writes where a decode worker reads: the prefill worker keeps a file named after
-    `token` in its transfer directory; a decode worker that cannot find it under its own
-    transfer directory does not share the prefill's (another host, another path) and would
-    never find the KV either. `path` and `host` are the prefill worker's, for the error."""
+    writes where a decode worker reads: a file named after `token` in the prefill's
+    transfer directory, which a decode worker not sharing it (another host or path) cannot
+    find. `path` and `host` are the prefill worker's, for the error."""
 
     token: str
     path: str = ""
@@ -120,14 +119,11 @@ class PrefillResult(msgspec.Struct, omit_defaults=True):
 
 
 class StructuredOutput(msgspec.Struct, omit_defaults=True):
-    """A constraint on the shape of the output, enforced by the engine while it samples
-    (vLLM's structured outputs: a grammar masks the logits of every step).
-
-    Exactly one of `json_schema`, `json_object`, `regex`, `choice`, `grammar`,
-    `structural_tag` is set; the frontend checks that and the schema's own validity, the
-    worker's grammar compiler has the last word (a refusal there is the client's error).
-    The schema travels as JSON text so it reaches the engine byte for byte as sent.
-    """
+    """A constraint on the output, enforced by the engine's sampler (vLLM's structured
+    outputs). Exactly one of `json_schema`, `json_object`, `regex`, `choice`, `grammar`,
+    `structural_tag` is set; the frontend checks that and the schema, the worker's grammar
+    compiler has the last word (a refusal there is the client's error). The schema
+    travels as JSON text so it reaches the engine byte for byte as sent."""
 
     json_schema: str | None = None  # a JSON schema, as JSON text
     json_object: bool | None = None  # any JSON object
@@ -208,16 +204,14 @@ class RankedLogprob(msgspec.Struct, array_like=True):
     rank: int
 
 
-# A prompt's logprobs, one entry per prompt position: None for the first (nothing
-# predicts it), else the prompt's own token followed by the top alternatives, as vLLM
-# orders them.
+# A prompt's logprobs, one entry per prompt position: None for the first (nothing predicts
+# it), else the prompt's own token followed by the top alternatives, as vLLM orders them.
 PromptLogprobs = list[list[RankedLogprob] | None]
 
 
 class LLMEngineOutput(msgspec.Struct, omit_defaults=True):
-    """One step of a worker's response stream.
-
-    `token_ids` are the tokens produced this step: 1..K+1 with speculation (DELTA mode).
+    """One step of a worker's response stream. `token_ids`: this step's tokens, 1..K+1
+    with speculation (DELTA mode).
     The last output of a sequence carries `finish_reason` and `completion_usage` (that
     sequence's own completion tokens). With `SamplingOptions.n` > 1 the stream interleaves
     the outputs of n sequences; `index` says which (0..n-1), and the stream ends once every
@@ -310,16 +304,26 @@ class ModelCard(msgspec.Struct, omit_defaults=True):
 # --------------------------------------------------------------------------- KV events
 
 
+class KvMedium(str, enum.Enum):
+    """A block event's cache tier (vLLM's `medium`): device pool, host memory or disk."""
+
+    GPU = "GPU"
+    CPU = "CPU"
+    STORAGE = "STORAGE"
+
+
 class KvBlockStored(msgspec.Struct, tag="stored", omit_defaults=True):
-    """Blocks that became immutable on a worker. Hashes are content hashes
-    (`dynamo.llm.kv_router.hashing`), chained from `parent_hash` (None = first block)."""
+    """Blocks that became immutable on a worker, in tier `medium`. Hashes are content
+    hashes (`kv_router.hashing`), chained from `parent_hash` (None = first block)."""
 
     block_hashes: list[int]
     parent_hash: int | None = None
+    medium: KvMedium = KvMedium.GPU  # omitted when GPU: older peers decode the same
 
 
-class KvBlockRemoved(msgspec.Struct, tag="removed"):
+class KvBlockRemoved(msgspec.Struct, tag="removed", omit_defaults=True):
     block_hashes: list[int]
+    medium: KvMedium = KvMedium.GPU  # a removal from one tier leaves the others' copies
 
 
 class KvAllCleared(msgspec.Struct, tag="cleared"):
@@ -365,26 +369,22 @@ class LoadMetrics(msgspec.Struct, omit_defaults=True):
 
 
 # --------------------------------------------------------------------------- router replica sync
-# Frontend replicas share the KV router's books of requests in flight
-# (`dynamo.llm.kv_router.replica_sync`): one `ReplicaSyncMessage` per publish on the
-# endpoint's core subject (`kv_router.subjects.router_sync_subject`). A peer's numbers are
-# not trusted: every field is bounded here, so a message outside the bounds fails to
-# decode and is dropped whole (counted as malformed) before it reaches the books.
+# Frontend replicas share the KV router's books (`kv_router.replica_sync`): one
+# `ReplicaSyncMessage` per publish on the endpoint's core subject. Every field is bounded:
+# a message outside the bounds fails to decode and is dropped whole (counted as malformed).
 
 MAX_SYNC_ID_CHARS = 256
 """Longest replica or request id a sync message may carry (the frontend's are ~40)."""
 MAX_SYNC_TOKENS = 2**31 - 1
 """Bound of every token count in a sync message (no context comes near it)."""
 MAX_SYNC_HASHES = 40_000
-"""Block hashes one sync message may carry (at most 9 bytes each in msgpack): keeps a
-snapshot chunk or a burst of bookings under NATS's default 1 MiB payload limit, so it
-bounds one booking's hashes too."""
+"""Block hashes one sync message may carry (at most 9 bytes each in msgpack): keeps a snapshot
+chunk or a burst of bookings (so one booking too) under NATS's 1 MiB payload limit."""
 MAX_SYNC_SPECULATIVE_TOKENS = 64
 """Most speculative tokens a booking may reserve per step."""
 MIN_HEARTBEAT_INTERVAL_S = 0.01
 MAX_HEARTBEAT_INTERVAL_S = 60.0
-"""Heartbeat intervals a peer may announce: a longer one would keep a dead replica's
-bookings for minutes (an infinite one, forever)."""
+"""Heartbeat intervals a peer may announce (a longer one keeps a dead replica's bookings)."""
 
 SyncId = Annotated[str, Meta(min_length=1, max_length=MAX_SYNC_ID_CHARS)]
 TokenCount = Annotated[int, Meta(ge=0, le=MAX_SYNC_TOKENS)]

@@ -51,6 +51,7 @@ from dynamo.llm.kv_router.subjects import (
     load_metrics_filter,
     router_sync_subject,
 )
+from dynamo.llm.kv_router.tiers import TierWeights
 from dynamo.llm.protocols import (
     KvAllCleared,
     LoadMetrics,
@@ -281,6 +282,7 @@ async def create_kv_router(
     busy: BusyThresholds | None = None,
     prediction: CachePrediction | None = None,
     replica_sync: ReplicaSyncSettings | None = None,
+    tier_weights: TierWeights | None = None,
 ) -> KvRouter:
     """A `KvRouter` for the model of `card`, fed from NATS, with the stream's history of
     the card's namespace/component already applied (none read in approximate mode), and
@@ -293,6 +295,7 @@ async def create_kv_router(
         temperature=temperature,
         busy=busy,
         prediction=prediction,
+        tier_weights=tier_weights,
     )
     feed = KvRouterFeed(
         runtime,

@@ -11,22 +11,30 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerScore:
-    """The terms of one worker's cost, kept for logging, metrics and tests."""
+    """The terms of one worker's cost, kept for logging, metrics and tests.
+
+    `overlap_blocks` counts the leading prompt blocks in the worker's device tier (cached
+    or about to be); the matched prefix may go on through blocks held only in an offload
+    tier (`host_blocks`, `disk_blocks`), which the cost counts at their tier's weight:
+    ``prefill_blocks = request blocks - weighted_overlap`` (`tiers`)."""
 
     worker_id: int
     overlap_blocks: int
-    prefill_blocks: int
+    prefill_blocks: float
     active_blocks: int  # with the request added, speculative slots included
     num_speculative_tokens: int
     cost: float
     cached_blocks: int = 0  # of overlap_blocks, those the worker's events reported stored
+    weighted_overlap: float = 0.0  # matched blocks, each at its tier's weight
+    host_blocks: int = 0  # matched past overlap_blocks and held on host memory, not device
+    disk_blocks: int = 0  # the same, held on disk only
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,16 +50,33 @@ class RoutingDecision:
 @dataclass(slots=True)
 class RoutingTally:
     """What the router sent one worker: requests, their blocks, and the blocks it
-    expected to find cached there (the predicted prefix-cache hit rate)."""
+    expected to find cached there (the predicted prefix-cache hit rate: device tier;
+    the blocks to be loaded back from an offload tier are counted apart)."""
 
     requests: int = 0
     request_blocks: int = 0
     overlap_blocks: int = 0
+    host_blocks: int = 0
+    disk_blocks: int = 0
 
     def add(self, decision: RoutingDecision) -> None:
         self.requests += 1
         self.request_blocks += decision.request_blocks
         self.overlap_blocks += decision.overlap_blocks
+        chosen = next((s for s in decision.scores if s.worker_id == decision.worker_id), None)
+        if chosen is not None:
+            self.host_blocks += chosen.host_blocks
+            self.disk_blocks += chosen.disk_blocks
+
+    @classmethod
+    def sum(cls, tallies: Iterable[RoutingTally]) -> RoutingTally:
+        """The tallies added up (what the router sent all workers)."""
+        total = cls()
+        for tally in tallies:
+            for counter in fields(cls):
+                name = counter.name
+                setattr(total, name, getattr(total, name) + getattr(tally, name))
+        return total
 
     @property
     def hit_rate(self) -> float:
@@ -63,6 +88,8 @@ class RoutingTally:
             "requests": self.requests,
             "request_blocks": self.request_blocks,
             "overlap_blocks": self.overlap_blocks,
+            "host_blocks": self.host_blocks,
+            "disk_blocks": self.disk_blocks,
             "hit_rate": round(self.hit_rate, 4),
         }
 

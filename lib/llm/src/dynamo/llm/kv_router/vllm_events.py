@@ -22,16 +22,23 @@ them. `KvEventConverter` therefore re-keys every stored block by its *content ha
 content hash) and remembers ``vLLM hash -> content hash`` only to resolve parent links and
 ``BlockRemoved``.
 
+Tiers: every event keeps vLLM's ``medium`` as a `KvMedium` (``GPU``, or absent in old
+releases: the device tier; ``CPU``: host memory; ``STORAGE``, or Mooncake's ``disk``: disk;
+any case). A block may sit in several tiers at once (an offload connector copies it out,
+and the device copy may stay), so the converter keeps, per vLLM hash, the set of tiers that
+announced it, and a removal only ends the copy in the tier it names: an offload-tier
+eviction never erases a device-tier hit, nor a device eviction the offloaded copy that
+outlives it. An offloaded block whose vLLM hash the device tier announced already is
+re-keyed by that mapping, so it is indexed even when the connector sends no tokens.
+
 What is deliberately *not* indexed (dropped and counted in `ConverterStats`):
 
 * blocks stored under a LoRA adapter (``lora_id`` / ``lora_name``): requests carry no
   adapter, so matching them by token content alone would report false cache hits;
 * blocks with ``extra_keys`` (multimodal features, ``cache_salt``, prompt embeddings): their
   KV is not determined by the token ids;
-* media other than the device tier (``GPU``, or absent in old releases): ``CPU`` and
-  ``STORAGE`` are offload tiers whose blocks must be loaded back before reuse, and mixing
-  tiers would let an offload removal erase a device hit. vLLM labels its primary pool
-  ``GPU`` on every platform, the CPU build included;
+* a ``medium`` that is none of the above (or a tier the converter was told not to index);
+  vLLM labels its primary pool ``GPU`` on every platform, the CPU build included;
 * KV-cache groups other than the primary one (hybrid models emit one event per group with
   different block sizes), and events whose ``block_size`` is not the worker's;
 * a store whose parent is unknown (stored before the relay started, or dropped by a rule
@@ -52,13 +59,31 @@ from typing import Any, TypeAlias
 import msgspec
 
 from dynamo.llm.kv_router.hashing import compute_block_hashes
-from dynamo.llm.protocols import KvAllCleared, KvBlockRemoved, KvBlockStored, RouterEvent
+from dynamo.llm.kv_router.tiers import TIER_ORDER
+from dynamo.llm.protocols import (
+    KvAllCleared,
+    KvBlockRemoved,
+    KvBlockStored,
+    KvMedium,
+    RouterEvent,
+)
 
 VllmBlockHash: TypeAlias = bytes | int
 """vLLM's own block hash: sha256 bytes by default, an int when configured so."""
 
-DEVICE_MEDIA: frozenset[str | None] = frozenset({None, "GPU"})
-"""Media indexed by default: the engine's primary pool (None in releases before media)."""
+VLLM_MEDIA: dict[str, KvMedium] = {
+    "GPU": KvMedium.GPU,
+    "CPU": KvMedium.CPU,
+    "STORAGE": KvMedium.STORAGE,
+    "DISK": KvMedium.STORAGE,
+}
+"""vLLM's ``medium`` names (upper-cased) as tiers; ``None`` (releases before media) is GPU."""
+
+
+def medium_of(name: str | None) -> KvMedium | None:
+    """The tier of a vLLM ``medium``; None for a name this router does not know."""
+    return KvMedium.GPU if name is None else VLLM_MEDIA.get(name.upper())
+
 
 _STORED_FIELDS = (
     "block_hashes",
@@ -270,7 +295,7 @@ class KvEventConverter:
         worker_id: int,
         block_size: int,
         *,
-        media: Iterable[str | None] = DEVICE_MEDIA,
+        media: Iterable[KvMedium] = TIER_ORDER,
         kv_group: int = 0,
         first_event_id: int = 0,
     ) -> None:
@@ -283,7 +308,9 @@ class KvEventConverter:
         self.stats = ConverterStats()
         self._next_event_id = first_event_id
         self._content_of: dict[VllmBlockHash, int] = {}  # vLLM hash -> content hash
-        self._refs: dict[int, int] = {}  # content hash -> vLLM hashes naming it
+        self._media_of: dict[VllmBlockHash, set[KvMedium]] = {}  # tiers that announced it
+        # (tier, content hash) -> vLLM hashes naming that content in that tier
+        self._refs: dict[tuple[KvMedium, int], int] = {}
 
     @property
     def known_blocks(self) -> int:
@@ -296,6 +323,7 @@ class KvEventConverter:
     def clear(self) -> RouterEvent:
         """Forget every mapping and announce an empty cache (relay start, lost events)."""
         self._content_of.clear()
+        self._media_of.clear()
         self._refs.clear()
         self.stats.clears += 1
         return self._emit(KvAllCleared())
@@ -323,28 +351,37 @@ class KvEventConverter:
     # ------------------------------------------------------------------ internals
 
     def _convert_stored(self, event: VllmBlockStored) -> RouterEvent | None:
-        reason = self._store_rejection(event)
-        if reason is not None:
-            self._drop(reason)
+        medium = self._medium(event.medium)
+        if medium is None or (event.group_idx or 0) != self.kv_group:
+            self._drop("medium" if medium is None else "group")
             return None
         parent: int | None = None
         if event.parent_block_hash is not None:
             parent = self._content_of.get(event.parent_block_hash)
-            if parent is None:
-                self._drop("orphan")
+        known = [self._content_of.get(h) for h in event.block_hashes]
+        if medium is not KvMedium.GPU and event.block_hashes and None not in known:
+            # An offloaded copy of blocks the device tier announced: same content.
+            contents = [content for content in known if content is not None]
+        else:
+            reason = self._store_rejection(event)
+            if reason is None and event.parent_block_hash is not None and parent is None:
+                reason = "orphan"
+            if reason is not None:
+                self._drop(reason)
                 return None
-        contents = compute_block_hashes(event.token_ids, self.block_size, parent)
+            contents = compute_block_hashes(event.token_ids, self.block_size, parent)
         for vllm_hash, content in zip(event.block_hashes, contents, strict=True):
-            self._map(vllm_hash, content)
+            self._map(vllm_hash, content, medium)
         self.stats.stored_blocks += len(contents)
-        return self._emit(KvBlockStored(block_hashes=contents, parent_hash=parent))
+        return self._emit(KvBlockStored(block_hashes=contents, parent_hash=parent, medium=medium))
+
+    def _medium(self, name: str | None) -> KvMedium | None:
+        """The event's tier, or None when it is unknown or not indexed here."""
+        medium = medium_of(name)
+        return medium if medium in self.media else None
 
     def _store_rejection(self, event: VllmBlockStored) -> str | None:
         """Why a stored event cannot be indexed (see the module docstring), or None."""
-        if event.medium not in self.media:
-            return "medium"
-        if (event.group_idx or 0) != self.kv_group:
-            return "group"
         if event.lora_id is not None or event.lora_name is not None:
             return "lora"
         if event.extra_keys is not None and any(k is not None for k in event.extra_keys):
@@ -359,45 +396,54 @@ class KvEventConverter:
         return None
 
     def _convert_removed(self, event: VllmBlockRemoved) -> RouterEvent | None:
-        if event.medium not in self.media:
-            self._drop("medium")
-            return None
-        if (event.group_idx or 0) != self.kv_group:
-            self._drop("group")
+        medium = self._medium(event.medium)
+        if medium is None or (event.group_idx or 0) != self.kv_group:
+            self._drop("medium" if medium is None else "group")
             return None
         removed: list[int] = []
         for vllm_hash in event.block_hashes:
-            content = self._unmap(vllm_hash)
+            content = self._unmap(vllm_hash, medium)
             if content is not None:
                 removed.append(content)
         if not removed:
             return None
         self.stats.removed_blocks += len(removed)
-        return self._emit(KvBlockRemoved(block_hashes=removed))
+        return self._emit(KvBlockRemoved(block_hashes=removed, medium=medium))
 
-    def _map(self, vllm_hash: VllmBlockHash, content: int) -> None:
-        """Remember a stored block; storing the same block again (vLLM re-reports reused
-        prefixes in "full" report mode) changes nothing."""
+    def _map(self, vllm_hash: VllmBlockHash, content: int, medium: KvMedium) -> None:
+        """Remember a stored block in `medium`; storing the same block again (vLLM
+        re-reports reused prefixes in "full" report mode) changes nothing."""
         previous = self._content_of.get(vllm_hash)
-        if previous == content:
-            return
-        if previous is not None:
-            self._unmap(vllm_hash)
+        if previous is not None and previous != content:
+            for held in list(self._media_of.get(vllm_hash, ())):
+                self._unmap(vllm_hash, held)
+        media = self._media_of.setdefault(vllm_hash, set())
         self._content_of[vllm_hash] = content
-        self._refs[content] = self._refs.get(content, 0) + 1
+        if medium in media:
+            return
+        media.add(medium)
+        key = (medium, content)
+        self._refs[key] = self._refs.get(key, 0) + 1
 
-    def _unmap(self, vllm_hash: VllmBlockHash) -> int | None:
-        """Forget a vLLM block; returns its content hash when no other vLLM block still
-        names the same content (only then has the content left the cache)."""
-        content = self._content_of.pop(vllm_hash, None)
-        if content is None:
+    def _unmap(self, vllm_hash: VllmBlockHash, medium: KvMedium) -> int | None:
+        """Forget a vLLM block in `medium`; returns its content hash when no other vLLM
+        block still names the same content in that tier (only then has the content left
+        the tier)."""
+        media = self._media_of.get(vllm_hash)
+        if media is None or medium not in media:
             self.stats.unknown_removals += 1
             return None
-        left = self._refs[content] - 1
+        media.discard(medium)
+        content = self._content_of[vllm_hash]
+        if not media:
+            del self._media_of[vllm_hash]
+            del self._content_of[vllm_hash]
+        key = (medium, content)
+        left = self._refs[key] - 1
         if left:
-            self._refs[content] = left
+            self._refs[key] = left
             return None
-        del self._refs[content]
+        del self._refs[key]
         return content
 
     def _drop(self, reason: str) -> None:
