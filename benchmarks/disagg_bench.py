@@ -43,7 +43,6 @@ with `--keep-logs`, or on failure).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import uuid
 from dataclasses import asdict, dataclass
@@ -55,6 +54,7 @@ from dynamo.testing.http import http_post_json, metric_total
 from dynamo.testing.processes import wait_while_alive
 from harness import (
     CPU_ENGINE_FLAGS,
+    OMP_BIND,
     BenchError,
     RunResult,
     Scenario,
@@ -70,6 +70,7 @@ from harness import (
     results_path,
     save_report,
     serving_parser,
+    split_cores,
     workload,
 )
 
@@ -84,9 +85,6 @@ TOPOLOGIES: dict[str, dict[str, list[str]]] = {
     "agg": {"worker": []},
     "disagg": {"prefill": ["--is-prefill-worker"], "decode": ["--is-decode-worker"]},
 }
-
-# vLLM's CPU engine binds its OpenMP threads to these cores (default: all of them).
-OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 FALLBACKS = "dynamo_frontend_prefill_fallbacks_total"
 PROBE_TIMEOUT_S = 120.0
@@ -131,19 +129,6 @@ class TopologyResult:
 
     runs: dict[str, RunResult]
     prefill_fallbacks: float
-
-
-def split_cores() -> dict[str, dict[str, str]]:
-    """Worker env that binds the prefill engine to the first half of this process's cores
-    and the decode engine to the second half."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        raise BenchError("--split-cores needs at least two cores")
-    half = len(cores) // 2
-    return {
-        "prefill": {OMP_BIND: ",".join(map(str, cores[:half]))},
-        "decode": {OMP_BIND: ",".join(map(str, cores[half:]))},
-    }
 
 
 def measure_topology(

@@ -38,6 +38,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
+import aiohttp
 import psutil
 
 from dynamo.llm.models import DEFAULT_MODEL, resolve_model
@@ -57,6 +58,7 @@ from dynamo.testing.processes import (
     running,
     wait_serving,
 )
+from dynamo.testing.sse import sse_data
 from dynamo.testing.waiting import WaitTimeout
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -283,7 +285,69 @@ def nats_server_pid(nats: NatsServer) -> int:
 # --------------------------------------------------------------------------- command lines
 
 
+# --------------------------------------------------------------------------- streamed requests
+
+
+@dataclass
+class Streamed:
+    """One streamed OpenAI response as a benchmark measures it."""
+
+    ttft_s: float  # to the first chunk `first` accepted (the whole latency if none did)
+    latency_s: float
+    usage: dict[str, Any]  # the usage chunk's (empty without one)
+    chunks: list[dict[str, Any]]
+
+    @property
+    def cached_tokens(self) -> int:
+        return int((self.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+async def stream_request(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: Mapping[str, Any],
+    first: Callable[[dict[str, Any]], bool] = lambda chunk: bool(chunk.get("choices")),
+) -> Streamed:
+    """POST `body` (a streaming request) to `url` and read its SSE stream to the end;
+    `BenchError` on a status other than 200 or an error event in the stream."""
+    start = time.perf_counter()
+    ttft = None
+    chunks: list[dict[str, Any]] = []
+    usage: dict[str, Any] = {}
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            raise BenchError(f"POST {url}: {resp.status} {(await resp.text())[:300]}")
+        async for data in sse_data(resp.content):
+            if data == "[DONE]":
+                continue
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise BenchError(f"{url}: error in the stream: {str(chunk['error'])[:300]}")
+            if ttft is None and first(chunk):
+                ttft = time.perf_counter() - start
+            usage = chunk.get("usage") or usage
+            chunks.append(chunk)
+    latency = time.perf_counter() - start
+    return Streamed(ttft if ttft is not None else latency, latency, usage, chunks)
+
+
 # --------------------------------------------------------------------------- stacks
+
+# vLLM's CPU engine binds its OpenMP threads to these cores (default: all of them).
+OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def split_cores() -> dict[str, dict[str, str]]:
+    """Worker env that binds the prefill engine to the first half of this process's cores
+    and the decode engine to the second half."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise BenchError("--split-cores needs at least two cores")
+    half = len(cores) // 2
+    return {
+        "prefill": {OMP_BIND: ",".join(map(str, cores[:half]))},
+        "decode": {OMP_BIND: ",".join(map(str, cores[half:]))},
+    }
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,6 @@ from dynamo.testing.command_lines import worker_argv
 from dynamo.testing.http import fetch_json, http_get, metric_values
 from dynamo.testing.mocker_command_line import mocker_argv
 from dynamo.testing.processes import FrontendProcess, ManagedProcess, running, wait_for_instances
-from dynamo.testing.sse import sse_data
 from dynamo_reference import (
     DEFAULT_VENV,
     MockerShape,
@@ -125,6 +124,7 @@ from harness import (
     nats_server,
     percentile,
     save_report,
+    stream_request,
 )
 
 NAMESPACE = "bench-kv"
@@ -315,26 +315,18 @@ async def run_one(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    start = time.perf_counter()
-    ttft = None
-    usage: dict[str, Any] = {}
-    async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for data in sse_data(resp.content):
-            if data == "[DONE]":
-                continue
-            chunk = json.loads(data)
-            if ttft is None and any(c["delta"].get("content") for c in chunk.get("choices", [])):
-                ttft = time.perf_counter() - start
-            usage = chunk.get("usage") or usage
-    latency = time.perf_counter() - start
-    details = usage.get("prompt_tokens_details") or {}
+    streamed = await stream_request(
+        session,
+        f"{base}/v1/chat/completions",
+        body,
+        lambda chunk: any(c["delta"].get("content") for c in chunk.get("choices", [])),
+    )
     return Sample(
         group=request.group,
-        ttft_s=ttft if ttft is not None else latency,
-        latency_s=latency,
-        prompt_tokens=int(usage.get("prompt_tokens", 0)),
-        cached_tokens=int(details.get("cached_tokens", 0)),
+        ttft_s=streamed.ttft_s,
+        latency_s=streamed.latency_s,
+        prompt_tokens=int(streamed.usage.get("prompt_tokens", 0)),
+        cached_tokens=streamed.cached_tokens,
     )
 
 
@@ -713,34 +705,22 @@ async def run_completion(
     }
     if timing:
         body["nvext"] = {"extra_fields": ["timing"]}
-    start = time.perf_counter()
-    ttft = None
-    usage: dict[str, Any] = {}
+    streamed = await stream_request(
+        session,
+        f"{base}/v1/completions",
+        body,
+        lambda chunk: any(c.get("text") for c in chunk.get("choices") or []),
+    )
     predicted = None
-    async with session.post(f"{base}/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            raise BenchError(
-                f"POST {base}/v1/completions: {resp.status} {(await resp.text())[:300]}"
-            )
-        async for data in sse_data(resp.content):
-            if data == "[DONE]":
-                continue
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise BenchError(f"{base}: error in the stream: {str(chunk['error'])[:300]}")
-            if ttft is None and any(c.get("text") for c in chunk.get("choices") or []):
-                ttft = time.perf_counter() - start
-            usage = chunk.get("usage") or usage
-            hit = ((chunk.get("nvext") or {}).get("timing") or {}).get("kv_hit_rate")
-            predicted = float(hit) if hit is not None else predicted
-    latency = time.perf_counter() - start
-    details = usage.get("prompt_tokens_details") or {}
+    for chunk in streamed.chunks:
+        hit = ((chunk.get("nvext") or {}).get("timing") or {}).get("kv_hit_rate")
+        predicted = float(hit) if hit is not None else predicted
     return CompletionSample(
         group=group,
-        ttft_s=ttft if ttft is not None else latency,
-        latency_s=latency,
-        prompt_tokens=int(usage.get("prompt_tokens") or 0),
-        cached_tokens=int(details.get("cached_tokens") or 0),
+        ttft_s=streamed.ttft_s,
+        latency_s=streamed.latency_s,
+        prompt_tokens=int(streamed.usage.get("prompt_tokens") or 0),
+        cached_tokens=streamed.cached_tokens,
         predicted_hit_rate=predicted,
     )
 

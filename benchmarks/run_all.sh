@@ -8,9 +8,10 @@
 #
 # Order: runtime (NATS), kv indexer (alone), overhead (vLLM direct vs dynamo), scale (the
 # stack on nearly free mockers vs ai-dynamo 1.6.1), kv routing (kv vs round-robin, two
-# workers), the busy queue (a burst on two mockers), disaggregation (1 prefill + 1 decode
+# workers), kv tiers (mockers without and with a host tier), the busy queue (a burst on
+# two mockers), disaggregation (1 prefill + 1 decode
 # vs 1 worker), once with both engines on all cores (as launch/disagg.sh) and once with
-# split cores, structured output, beam search (vLLM's server vs this stack), speculative decoding.
+# split cores, conditional vs always-remote prefill, structured output, beam search (vLLM's server vs this stack), speculative decoding.
 # Each benchmark's whole console output goes to <results>/<name>.log as well. A benchmark
 # that fails does not stop the others; the script exits 1 at the end if any failed.
 # Run it on a quiet machine: the serving benchmarks measure wall-clock latencies.
@@ -97,9 +98,14 @@ serving kv_routing '^kv vs round-robin' kv_routing_bench.py --out
 serving queue '^busy queue vs' queue_bench.py --json
 # The same with two requests in flight: the router now trades cache hits for load balance.
 serving kv_routing_c2 '^kv vs round-robin' kv_routing_bench.py --out --concurrency 2
+# A working set larger than the mockers' device tiers: without and with a host tier.
+serving kv_tier '^kv tiers:' kv_tier_bench.py --json
 serving disagg '^disaggregated vs aggregated' disagg_bench.py --json
 # The same with the prefill and decode engines on separate halves of the cores.
 serving disagg_split '^disaggregated vs aggregated' disagg_bench.py --json --split-cores
+# Always-remote vs conditional prefill on a mocker fleet and on 1 prefill + 1 decode vLLM,
+# and TTFT against prompt length (the default --disagg-local-prefill-tokens).
+serving disagg_conditional '^== mocker: always-remote' conditional_disagg_bench.py --json --sweep
 serving structured_output '^structured output vs' structured_output_bench.py --json
 serving beam_search '^beam search: this stack' beam_search_bench.py --json
 serving spec_decode '^speculative decoding vs none' spec_decode_bench.py --json

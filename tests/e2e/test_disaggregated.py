@@ -15,7 +15,10 @@ it; a disaggregated request gets its `prompt_logprobs`; each prefill worker's pr
 shared-directory check (and would be refused from another directory); an entry that
 breaks between an engine's match and its load is recomputed, not fatal; when the prefill
 workers are killed, requests still succeed (decode prefills itself) and the fallback
-counter says so.
+counter says so. The module's main frontend sends every prompt to a prefill worker
+(`--disagg-prefill remote`); a second one, on the default conditional policy, keeps a short
+prompt and a prompt the decode worker caches on the decode worker and sends a long one to
+a prefill worker.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from dynamo.llm.protocols import (
 )
 from dynamo.runtime import DistributedRuntime
 from dynamo.testing.http import (
+    http_get,
     http_post_json,
     kv_router_views,
     routed_one_more,
@@ -117,15 +121,21 @@ def disagg(
             worker.wait_ready()
         frontend = procs["frontend"] = FrontendProcess(
             "disagg-frontend", nats_url, e2e_log_dir, namespace=NAMESPACE,
-            extra=["--router-mode", "kv"],
+            extra=["--router-mode", "kv", "--disagg-prefill", "remote"],
         )  # fmt: skip
-        frontend.wait_for_model(DEFAULT_MODEL)
-        frontend.wait_kv_router_workers(DEFAULT_MODEL, PREFILL_ENDPOINT, 2)
+        conditional = procs["conditional"] = FrontendProcess(
+            "disagg-conditional-frontend", nats_url, e2e_log_dir, namespace=NAMESPACE,
+            extra=["--router-mode", "kv"],  # --disagg-prefill conditional, the default
+        )  # fmt: skip
+        for proc in (frontend, conditional):
+            proc.wait_for_model(DEFAULT_MODEL)
+            proc.wait_kv_router_workers(DEFAULT_MODEL, PREFILL_ENDPOINT, 2)
         yield procs
     finally:
-        frontend = procs.get("frontend")
-        if isinstance(frontend, FrontendProcess):
-            frontend.stop()  # first, so the workers drain nothing new
+        for name in ("frontend", "conditional"):
+            proc = procs.get(name)
+            if isinstance(proc, FrontendProcess):
+                proc.stop()  # first, so the workers drain nothing new
         stop_all(workers)
         for key, value in saved.items():
             if value is None:
@@ -403,6 +413,52 @@ def test_a_disaggregated_request_gets_its_prompt_logprobs(disagg, tokenizer):
         assert next(iter(position)) == str(token), "the prompt's own token comes first"
         assert 1 <= len(position) <= 2
         assert all(e["logprob"] <= 0 and e["rank"] >= 1 for e in position.values())
+
+
+def conditional_prompt(tokenizer) -> tuple[str, int]:
+    """A prompt of 300-400 tokens (over the default --disagg-local-prefill-tokens of 256),
+    unique per run, and its token count."""
+    facts = " ".join(
+        f"Fact {i}: tides follow the moon, with a lag of {i} minutes." for i in range(14)
+    )
+    prompt = f"{long_prompt('tides')}\n\n{facts}"
+    tokens = len(chat_ids(tokenizer, prompt))
+    assert 300 <= tokens <= 400, tokens
+    return prompt, tokens
+
+
+def test_conditional_disaggregation_prefills_on_decode_what_is_short_or_cached(disagg, tokenizer):
+    """The conditional frontend: a short prompt is prefilled by the decode worker; a long
+    one by a prefill worker (the decode worker loads it through the connector); the same
+    long prompt again by the decode worker, which now caches it and computes only the
+    tail. Each decision is counted with its reason."""
+    frontend, decode = disagg["conditional"], disagg["decode"]
+
+    def decided(reason: str) -> float:
+        return frontend.metric("dynamo_frontend_prefill_decisions_total", reason=reason)
+
+    def loaded() -> float:
+        return decode.metric("vllm:external_prefix_cache_hits_total")
+
+    before = {r: decided(r) for r in ("short_prompt", "long_prompt", "cached_on_decode")}
+    hits = loaded()
+    chat(frontend, "Name three primary colours.", max_tokens=4)
+    assert decided("short_prompt") == before["short_prompt"] + 1
+    assert loaded() == hits, "a short prompt went through the connector"
+
+    prompt, tokens = conditional_prompt(tokenizer)
+    chat(frontend, prompt, max_tokens=4)
+    assert decided("long_prompt") == before["long_prompt"] + 1
+    assert loaded() - hits >= tokens - 2 * 32, "the long prompt was not transferred"
+
+    hits = loaded()
+    again = chat(frontend, prompt, max_tokens=4)
+    assert decided("cached_on_decode") == before["cached_on_decode"] + 1
+    assert loaded() == hits, "a prompt the decode worker caches went through the connector"
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= tokens - 32
+    view = json.loads(http_get(f"{frontend.base_url}/debug/kv")[1])["disaggregation"]
+    decisions = view[DEFAULT_MODEL]["decisions"]
+    assert decisions["cached_on_decode"] >= 1 and decisions["long_prompt"] >= 1
 
 
 async def test_killed_prefill_workers_fall_back_to_local_prefill(disagg):

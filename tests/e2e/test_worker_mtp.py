@@ -145,7 +145,7 @@ def stacks(
         started.append(agg_frontend)
         disagg_frontend = FrontendProcess(
             "frontend-mtp-disagg", nats_url, e2e_log_dir, namespace=DISAGG_NS,
-            extra=["--router-mode", "kv"],
+            extra=["--router-mode", "kv", "--disagg-prefill", "remote"],
         )  # fmt: skip
         started.append(disagg_frontend)
         for frontend in (agg_frontend, disagg_frontend):

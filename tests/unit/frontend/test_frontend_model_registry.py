@@ -13,6 +13,7 @@ from frontend_support import MODEL, make_card
 
 from dynamo.frontend.engine.disagg import DisaggregatedEngineClient, prefill_leg
 from dynamo.frontend.engine.errors import EngineFailedError
+from dynamo.frontend.engine.prefill_policy import DisaggSettings, PrefillMode
 from dynamo.frontend.models.manager import ModelManager
 from dynamo.frontend.preprocess.preprocessor import Preprocessor
 from dynamo.llm.protocols import (
@@ -26,6 +27,8 @@ from dynamo.llm.protocols import (
     WorkerType,
 )
 from dynamo.testing.engines import InMemoryEngineClient
+
+ALWAYS_REMOTE = DisaggSettings(mode=PrefillMode.REMOTE)  # the prefill leg under test
 
 
 class Clients:
@@ -189,7 +192,7 @@ async def test_disaggregated_client_hands_prefill_result_to_decode() -> None:
 
     prefill = InMemoryEngineClient(prefill_handler)
     decode = InMemoryEngineClient(decode_handler)
-    client = DisaggregatedEngineClient(prefill, decode)
+    client = DisaggregatedEngineClient(prefill, decode, settings=ALWAYS_REMOTE)
     outputs = [o async for o in client.generate(_request())]
     assert [o.token_ids for o in outputs] == [[9]]
     (leg,) = prefill.requests
@@ -221,7 +224,9 @@ async def test_decode_prefills_itself_when_prefill_is_unavailable(failure: str) 
         prefill_handler, instance_ids=[] if failure == "no-workers" else [1]
     )
     decode = InMemoryEngineClient(decode_handler)
-    client = DisaggregatedEngineClient(prefill, decode, lambda m, r: fallbacks.append((m, r)))
+    client = DisaggregatedEngineClient(
+        prefill, decode, lambda m, r: fallbacks.append((m, r)), settings=ALWAYS_REMOTE
+    )
     outputs = [o async for o in client.generate(_request())]
     assert [o.token_ids for o in outputs] == [[9]]
     assert decode.requests[0].prefill_result is None
@@ -258,7 +263,9 @@ async def test_prompt_logprobs_come_from_where_the_prompt_was_computed(prefill_w
 
     request = msgspec.structs.replace(_request(), output_options=OutputOptions(prompt_logprobs=1))
     decode = InMemoryEngineClient(decode_handler)
-    client = DisaggregatedEngineClient(InMemoryEngineClient(prefill_handler), decode)
+    client = DisaggregatedEngineClient(
+        InMemoryEngineClient(prefill_handler), decode, settings=ALWAYS_REMOTE
+    )
     outputs = [o async for o in client.generate(request)]
     assert outputs[0].prompt_logprobs == (from_prefill if prefill_works else from_decode)
     assert outputs[1].prompt_logprobs is None

@@ -20,6 +20,7 @@ from frontend_support import EOS, MODEL, output_plan, parse_sse, start_frontend
 
 from dynamo.frontend.engine.disagg import DisaggregatedEngineClient
 from dynamo.frontend.engine.errors import EngineFailedError
+from dynamo.frontend.engine.prefill_policy import DisaggSettings, PrefillMode, PrefillReason
 from dynamo.frontend.engine.request_legs import RequestLegs
 from dynamo.frontend.http.server import HttpService
 from dynamo.frontend.openai.protocol import Usage
@@ -333,7 +334,8 @@ async def test_disaggregated_n3_skips_the_prefill_worker() -> None:
 
     prefill = InMemoryEngineClient(prefill_handler)
     decode = InMemoryEngineClient(decode_handler)
-    client = DisaggregatedEngineClient(prefill, decode)
+    always_remote = DisaggSettings(mode=PrefillMode.REMOTE)
+    client = DisaggregatedEngineClient(prefill, decode, settings=always_remote)
     request = PreprocessedRequest(
         request_id="r3", model=MODEL, token_ids=[5, 6], sampling_options=SamplingOptions(n=3)
     )
@@ -342,6 +344,7 @@ async def test_disaggregated_n3_skips_the_prefill_worker() -> None:
     assert prefill.requests == []
     (decoded,) = decode.requests
     assert decoded.prefill_result is None and decoded.sampling_options.n == 3
+    assert client.decisions == {PrefillReason.MULTIPLE_CHOICES: 1}
 
 
 # ---------------------------------------------------------------------- formatter and wire

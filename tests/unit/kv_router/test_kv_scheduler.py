@@ -309,8 +309,12 @@ async def test_debug_state_reports_cache_load_and_predicted_hits() -> None:
         "requests": 1,
         "request_blocks": 4,
         "overlap_blocks": 4,
+        "host_blocks": 0,
+        "disk_blocks": 0,
         "hit_rate": 1.0,
     }
+    assert one["cached_blocks_by_tier"] == {"GPU": 4, "CPU": 0, "STORAGE": 0}
+    assert state["tier_weights"] == {"GPU": 1.0, "CPU": 0.75, "STORAGE": 0.25}
     assert two["cached_blocks"] == 0 and two["load"]["active_blocks"] == 7
     assert state["routing"]["hit_rate"] == 1.0 and state["unique_blocks"] == 4
     assert state["feed"] == {"events": 3}

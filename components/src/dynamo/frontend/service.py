@@ -22,6 +22,7 @@ from dynamo.frontend.engine.client import (
     StreamDeadlines,
 )
 from dynamo.frontend.engine.disagg import DEFAULT_PREFILL_TIMEOUT_S
+from dynamo.frontend.engine.prefill_policy import DISAGG_GROUP, DisaggSettings
 from dynamo.frontend.engine.routing import RouterSettings, make_router_factory
 from dynamo.frontend.http.listener import share_port_across_processes
 from dynamo.frontend.http.metrics import FrontendMetrics
@@ -57,6 +58,7 @@ class FrontendConfig:
 
     http: HttpSettings = nested(HttpSettings)
     router: RouterSettings = nested(RouterSettings)
+    disagg: DisaggSettings = nested(DisaggSettings)
     namespace: str = setting(
         "dynamo",
         Flag("--namespace", "Dynamo namespace whose model cards (workers) this frontend serves."),
@@ -78,7 +80,7 @@ class FrontendConfig:
             "Seconds a disaggregated request waits for its prefill worker before the decode "
             "worker prefills it itself (counted in dynamo_frontend_prefill_fallbacks_total).",
             type=positive_float,
-            group=DEADLINES_GROUP,
+            group=DISAGG_GROUP,
         ),
     )
     first_token_timeout_s: float = setting(
@@ -161,6 +163,8 @@ async def run_frontend(config: FrontendConfig, stop: asyncio.Event | None = None
         ),
         on_prefill_fallback=metrics.prefill_fallback,
         prefill_timeout_s=config.prefill_timeout_s,
+        disagg=config.disagg,
+        on_prefill_decision=metrics.prefill_decision,
     )
     service = HttpService(
         manager,

@@ -10,19 +10,32 @@ the decode worker prefills itself: slower, but the request still succeeds.
 The prompt's logprobs (`prompt_logprobs`) are computed where the prompt is: the prefill
 worker's. The decode leg is sent without the request for them (it loads the prompt's KV,
 it does not run the prompt), and they ride on its first output to the client.
+
+Not every prompt takes the prefill leg: `prefill_policy.DisaggSettings.decide` chooses per
+request, from the routers' previews of both pools, whether the decode worker prefills it
+(a short or mostly cached prompt, a saturated prefill pool). Each decision goes to the
+`on_decision` hook (the frontend's metric) and is tallied for `GET /debug/kv`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
-from dynamo.frontend.engine.client import EngineClient
+from dynamo.frontend.engine.client import EndpointClient
 from dynamo.frontend.engine.errors import EngineFailedError, EngineUnavailableError
+from dynamo.frontend.engine.prefill_policy import (
+    DisaggSettings,
+    PrefillDecision,
+    PrefillReason,
+    local_decision,
+)
 from dynamo.llm.protocols import (
     FinishReason,
     LLMEngineOutput,
@@ -35,30 +48,39 @@ log = logging.getLogger(__name__)
 
 # Called with (model, reason) when decode has to prefill by itself.
 FallbackHook = Callable[[str, str], None]
+# Called with (model, decision) for every request: where its prompt is prefilled and why.
+DecisionHook = Callable[[str, PrefillDecision], None]
 
 DEFAULT_PREFILL_TIMEOUT_S = 60.0
 
 
 @dataclass(eq=False)
 class DisaggregatedEngineClient:
-    """Runs the prefill leg, then streams the decode leg."""
+    """Decides where each prompt is prefilled, runs the prefill leg when it is remote,
+    then streams the decode leg."""
 
-    prefill: EngineClient
-    decode: EngineClient
+    prefill: EndpointClient
+    decode: EndpointClient
     on_fallback: FallbackHook | None = None
     prefill_timeout_s: float | None = DEFAULT_PREFILL_TIMEOUT_S
+    settings: DisaggSettings = field(default_factory=DisaggSettings)
+    on_decision: DecisionHook | None = None
     remote_prefills: int = field(default=0, init=False)  # prefills done by a prefill worker
     local_prefills: int = field(default=0, init=False)  # fallbacks: decode prefilled itself
+    decisions: Counter[PrefillReason] = field(default_factory=Counter, init=False)
 
     def instance_ids(self) -> list[int]:
         return self.decode.instance_ids()
 
     async def generate(self, request: PreprocessedRequest) -> AsyncGenerator[LLMEngineOutput, None]:
-        # n > 1: vLLM's n child sequences would each load the one transferred KV (not
-        # supported by its connectors); the decode worker prefills once for all of them.
-        single = (request.sampling_options.n or 1) == 1
+        decision = self.decide(request)
+        self.decisions[decision.reason] += 1
+        if self.on_decision is not None:
+            self.on_decision(request.model, decision)
+        if decision.reason is PrefillReason.NO_PREFILL_WORKER:
+            self._fallback(request, "no prefill worker")
         prompt_logprobs: PromptLogprobs = []
-        result = await self._prefill(request, prompt_logprobs) if single else None
+        result = await self._prefill(request, prompt_logprobs) if decision.remote else None
         decode_request = msgspec.structs.replace(request, prefill_result=result)
         if result is None:
             prompt_logprobs.clear()  # the decode worker prefills, and computes them itself
@@ -75,6 +97,33 @@ class DisaggregatedEngineClient:
         finally:
             await stream.aclose()
 
+    def decide(self, request: PreprocessedRequest) -> PrefillDecision:
+        """Where `request`'s prompt is prefilled (nothing is booked by asking).
+
+        n > 1: vLLM's n child sequences would each load the one transferred KV (not
+        supported by its connectors); the decode worker prefills once for all of them."""
+        tokens = len(request.token_ids)
+        if (request.sampling_options.n or 1) > 1:
+            return local_decision(PrefillReason.MULTIPLE_CHOICES, tokens)
+        prefill_ids = self.prefill.instance_ids()
+        if not prefill_ids:
+            return local_decision(PrefillReason.NO_PREFILL_WORKER, tokens)
+        if not self.settings.conditional:
+            return self.settings.decide(tokens, None, None)
+        decode_ids = self.decode.instance_ids()
+        decode = self.decode.router.preview(request, decode_ids) if decode_ids else None
+        prefill = self.prefill.router.preview(prefill_leg(request), prefill_ids)
+        return self.settings.decide(tokens, decode, prefill)
+
+    def debug_state(self) -> dict[str, Any]:
+        """The policy and its decisions so far, for `GET /debug/kv`."""
+        return {
+            "settings": self.settings.as_dict(),
+            "decisions": {reason.value: n for reason, n in sorted(self.decisions.items())},
+            "remote_prefills": self.remote_prefills,
+            "local_prefill_fallbacks": self.local_prefills,
+        }
+
     async def close(self) -> None:
         """Nothing to release: both legs' clients belong to the model registry."""
 
@@ -84,8 +133,6 @@ class DisaggregatedEngineClient:
         """The remote prefill's result (None: the decode worker prefills itself); the
         prompt's logprobs, when the request asked for them, are added to
         `prompt_logprobs`."""
-        if not self.prefill.instance_ids():
-            return self._fallback(request, "no prefill worker")
         leg = prefill_leg(request)
         params = None
         details = None

@@ -31,6 +31,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from dynamo.frontend.engine.busy_queue import QueueOutcome
+from dynamo.frontend.engine.prefill_policy import PrefillDecision
 from dynamo.llm.protocols import SpecDecodeStats
 from dynamo.runtime.naming import instance_hex
 
@@ -106,6 +107,14 @@ class FrontendMetrics:
             "prefill_fallbacks",
             "Disaggregated requests the decode worker had to prefill itself",
         )
+        self.prefill_decisions = self._counter(
+            "prefill_decisions",
+            "Where disaggregated requests' prompts were prefilled (placement: remote on a "
+            "prefill worker, local on the decode worker) and why (reason: long_prompt, "
+            "always_remote, short_prompt, cached_on_decode, prefill_pool_busy, n_choices, "
+            "no_prefill_worker)",
+            ["model", "placement", "reason"],
+        )
         self.migrations = self._counter(
             "migrations",
             "Streams moved to another worker mid-stream after theirs was lost (per move)",
@@ -157,6 +166,11 @@ class FrontendMetrics:
     def prefill_fallback(self, model: str, reason: str) -> None:
         """Disaggregated serving fell back to prefill on the decode worker."""
         self.prefill_fallbacks.labels(model).inc()
+
+    def prefill_decision(self, model: str, decision: PrefillDecision) -> None:
+        """Conditional disaggregation placed a request's prefill (remote or local)."""
+        placement = "remote" if decision.remote else "local"
+        self.prefill_decisions.labels(model, placement, decision.reason.value).inc()
 
     def migration(self, model: str) -> None:
         """A request continued on another worker after its worker was lost mid-stream."""

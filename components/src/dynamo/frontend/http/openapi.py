@@ -168,8 +168,17 @@ def _add_operational(paths: _Paths) -> None:
     paths.add(
         "get",
         "/debug/kv",
-        "What each KV router believes, per model and worker endpoint",
-        responses={"200": {"type": "object", "properties": {"models": {"type": "object"}}}},
+        "What each KV router believes, per model and worker endpoint; for models with "
+        "prefill workers, the prefill placement policy and its decisions",
+        responses={
+            "200": {
+                "type": "object",
+                "properties": {
+                    "models": {"type": "object"},
+                    "disaggregation": {"type": "object"},
+                },
+            }
+        },
     )
     paths.add("get", OPENAPI_PATH, "This document", responses={"200": {"type": "object"}})
 

@@ -37,6 +37,7 @@ from aiohttp import web
 
 from dynamo.frontend.engine.beam_search import BeamSearchEngineClient
 from dynamo.frontend.engine.client import EngineClient
+from dynamo.frontend.engine.disagg import DisaggregatedEngineClient
 from dynamo.frontend.http.admission import (
     RETRY_AFTER_S,
     AdmissionControl,
@@ -275,7 +276,9 @@ class HttpService:
     async def debug_kv(self, request: web.Request) -> web.Response:
         """Per model and worker endpoint, the KV router's view (`debug_state()`): blocks
         cached per worker, booked and reported load, predicted hit rates, feed counters.
-        Endpoints whose router keeps no such state (round-robin) are left out. Under
+        Endpoints whose router keeps no such state (round-robin) are left out. Models
+        with prefill workers also get their prefill placement policy and decisions under
+        `disaggregation`. Under
         `--http-workers N`, `http_worker` says which process answered (each has its own
         routers)."""
         models: dict[str, dict[str, Any]] = {}
@@ -287,6 +290,13 @@ class HttpService:
                     routers["/".join(key)] = state
             models[model.name] = routers
         view: dict[str, Any] = {"models": models}
+        disaggregation = {
+            model.name: model.engine.debug_state()
+            for model in self.manager.models()
+            if isinstance(model.engine, DisaggregatedEngineClient)
+        }
+        if disaggregation:
+            view["disaggregation"] = disaggregation
         if self.http_worker is not None:
             view["http_worker"] = self.http_worker.describe()
         return json_response(msgspec.json.encode(view))

@@ -29,9 +29,11 @@ from pathlib import Path
 from dynamo.frontend.engine.client import EndpointClient, EngineClient
 from dynamo.frontend.engine.disagg import (
     DEFAULT_PREFILL_TIMEOUT_S,
+    DecisionHook,
     DisaggregatedEngineClient,
     FallbackHook,
 )
+from dynamo.frontend.engine.prefill_policy import DisaggSettings
 from dynamo.frontend.preprocess.preprocessor import Preprocessor
 from dynamo.llm.protocols import ModelCard, WorkerType
 
@@ -45,6 +47,8 @@ EngineClientFactory = Callable[[ModelCard], Awaitable[EndpointClient]]
 # first instance of a model, so later instances cost no download).
 TokenizerSource = str | Path | Callable[[], Awaitable[Path]]
 PreprocessorLoader = Callable[[ModelCard, Path], Preprocessor]
+# Builds the engine of a model served by prefill and decode workers: (prefill, decode).
+DisaggregatedFactory = Callable[[EndpointClient, EndpointClient], DisaggregatedEngineClient]
 
 
 def endpoint_key(card: ModelCard) -> EndpointKey:
@@ -89,10 +93,25 @@ class ModelManager:
     load_preprocessor: PreprocessorLoader = Preprocessor.from_dir
     on_prefill_fallback: FallbackHook | None = None
     prefill_timeout_s: float | None = DEFAULT_PREFILL_TIMEOUT_S
+    disagg: DisaggSettings = field(default_factory=DisaggSettings)
+    on_prefill_decision: DecisionHook | None = None
     _models: dict[str, ServedModel] = field(default_factory=dict, init=False)
     _instance_models: dict[int, set[str]] = field(default_factory=dict, init=False)  # id -> names
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict, init=False)
     _changed: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+
+    def _disaggregated(
+        self, prefill: EndpointClient, decode: EndpointClient
+    ) -> DisaggregatedEngineClient:
+        """The engine of a model with both prefill and decode workers."""
+        return DisaggregatedEngineClient(
+            prefill,
+            decode,
+            self.on_prefill_fallback,
+            prefill_timeout_s=self.prefill_timeout_s,
+            settings=self.disagg,
+            on_decision=self.on_prefill_decision,
+        )
 
     # ------------------------------------------------------------------ queries
 
@@ -200,7 +219,7 @@ class ModelManager:
             model.endpoints[key] = endpoint
         endpoint.instance_ids.add(card.instance_id)
         model.cards[card.instance_id] = card
-        _compose_engine(model, self.on_prefill_fallback, self.prefill_timeout_s)
+        _compose_engine(model, self._disaggregated)
         self._notify()
 
     async def _detach(self, name: str, instance_id: int) -> bool:
@@ -218,7 +237,7 @@ class ModelManager:
             if not endpoint.instance_ids:
                 del model.endpoints[key]
                 await _close_quietly(endpoint.client)
-        _compose_engine(model, self.on_prefill_fallback, self.prefill_timeout_s)
+        _compose_engine(model, self._disaggregated)
         gone = not model.cards
         if gone:
             del self._models[name]
@@ -227,9 +246,7 @@ class ModelManager:
         return gone
 
 
-def _compose_engine(
-    model: ServedModel, on_fallback: FallbackHook | None, prefill_timeout_s: float | None = None
-) -> None:
+def _compose_engine(model: ServedModel, disaggregated: DisaggregatedFactory) -> None:
     """Pick the client requests go to: decode/aggregated workers, with prefill workers in
     front of them when the model has both."""
     serving = [e for e in model.endpoints.values() if e.worker_type is not WorkerType.PREFILL]
@@ -244,9 +261,7 @@ def _compose_engine(
             current.prefill is prefill[0].client and current.decode is decode
         ):
             return
-        model.engine = DisaggregatedEngineClient(
-            prefill[0].client, decode, on_fallback, prefill_timeout_s=prefill_timeout_s
-        )
+        model.engine = disaggregated(prefill[0].client, decode)
     else:
         model.engine = decode
 

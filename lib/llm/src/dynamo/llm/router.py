@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from dynamo.llm.protocols import LLMEngineOutput, ModelCard, PreprocessedRequest
@@ -31,6 +32,18 @@ class AllWorkersBusyError(Exception):
     with load knowledge and thresholds set, e.g. the KV router's `--busy-kv-usage`).
     Nothing is booked; the frontend answers 503 with `Retry-After` instead of piling more
     work onto saturated workers."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementPreview:
+    """Where `select` would place a request now and what that worker holds, with nothing
+    booked: what a disaggregated frontend reads to decide whether the decode worker
+    prefills a prompt itself (`dynamo.frontend.engine.prefill_policy`)."""
+
+    worker_id: int
+    cached_tokens: int  # prompt tokens the worker is expected to reuse from its cache
+    queued_prefill_tokens: int  # prompt tokens routed there whose prefill has not completed
+    busy: bool = False  # every candidate is over its busy threshold
 
 
 @runtime_checkable
@@ -45,6 +58,13 @@ class Router(Protocol):
         `on_finished`. Raises `AllWorkersBusyError` (booking nothing) when it judges every
         candidate too busy to take more work.
         """
+
+    def preview(
+        self, request: PreprocessedRequest, instance_ids: Sequence[int]
+    ) -> PlacementPreview | None:
+        """Where `select` would place `request` among `instance_ids` (never empty), with
+        nothing booked or recorded; None from a router that keeps no books."""
+        return None
 
     def on_first_output(self, request_id: str, output: LLMEngineOutput) -> None:
         """The first output of a placed request arrived (its prefill is done)."""

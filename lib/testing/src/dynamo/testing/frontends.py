@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from dynamo.frontend.engine.prefill_policy import DisaggSettings
 from dynamo.frontend.engine.routing import RouterMode, RouterSettings
 from dynamo.frontend.http.settings import HttpSettings
 from dynamo.frontend.service import FrontendConfig, run_frontend
@@ -32,12 +33,20 @@ class InLoopFrontend:
 
     @classmethod
     def start(
-        cls, nats_url: str, namespace: str, tokenizer_cache: Path, *, router_mode: RouterMode
+        cls,
+        nats_url: str,
+        namespace: str,
+        tokenizer_cache: Path,
+        *,
+        router_mode: RouterMode,
+        disagg: DisaggSettings | None = None,
     ) -> InLoopFrontend:
-        """A frontend for `namespace` on 127.0.0.1 and a free port."""
+        """A frontend for `namespace` on 127.0.0.1 and a free port; `disagg`: how it
+        places the prompts of models with prefill workers (default: the flags' defaults)."""
         config = FrontendConfig(
             http=HttpSettings(host="127.0.0.1", port=free_port()),
             router=RouterSettings(mode=router_mode),
+            disagg=disagg if disagg is not None else DisaggSettings(),
             namespace=namespace,
             nats_server=nats_url,
             tokenizer_cache=tokenizer_cache,

@@ -21,6 +21,7 @@ from dynamo.llm.kv_router.anticipation import CachePrediction
 from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.scheduler import KvScheduler
 from dynamo.llm.kv_router.scheduler_defaults import DEFAULT_OVERLAP_SCORE_WEIGHT
+from dynamo.llm.kv_router.tiers import TierWeights
 from dynamo.llm.kv_router.worker_spec import KvWorkerSpec
 from dynamo.llm.protocols import (
     LLMEngineOutput,
@@ -30,7 +31,7 @@ from dynamo.llm.protocols import (
     RouterEvent,
     RoutingHints,
 )
-from dynamo.llm.router import Router
+from dynamo.llm.router import PlacementPreview, Router
 from dynamo.runtime.selection import RoundRobin
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,15 @@ class KvRouter(Router):
             decision.request_blocks,
         )
         return decision.worker_id
+
+    def preview(
+        self, request: PreprocessedRequest, instance_ids: Sequence[int]
+    ) -> PlacementPreview | None:
+        """The scheduler's choice without booking (None for a request without tokens,
+        which `select` places round-robin)."""
+        if not request.token_ids:
+            return None
+        return self.scheduler.preview(request.token_ids, instance_ids)
 
     def on_first_output(self, request_id: str, output: LLMEngineOutput) -> None:
         self.scheduler.mark_prefill_completed(request_id, len(output.token_ids))
@@ -174,6 +184,7 @@ def build_kv_router(
     rng: random.Random | None = None,
     busy: BusyThresholds | None = None,
     prediction: CachePrediction | None = None,
+    tier_weights: TierWeights | None = None,
 ) -> KvRouter:
     """A `KvRouter` for the model of `card` (its block size; the card's worker is known
     at once). Must run inside an event loop when `sources` are given."""
@@ -186,6 +197,7 @@ def build_kv_router(
         rng=rng,
         busy=busy,
         prediction=prediction,
+        tier_weights=tier_weights,
     )
     router = KvRouter(scheduler)
     router.update_card(card)

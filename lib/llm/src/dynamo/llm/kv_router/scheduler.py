@@ -6,8 +6,8 @@ router's cost"):
     cost(w) = overlap_score_weight * blocks_to_prefill(w) + active_blocks(w)
 
 * ``blocks_to_prefill(w)`` = the request's blocks (``ceil(prompt_len / B)``) minus the
-  leading blocks w already caches (`KvIndexer.find_matches`) or is computing for a
-  request in flight there (the router's books): the prefill work w would do.
+  leading blocks w caches (`KvIndexer.find_matches`; one held only in an offload tier
+  counts at its tier's weight, `tiers`) or is computing for a request in flight there.
 * ``active_blocks(w)`` = the blocks w would hold with this request added, from the
   router's own books (`MultiWorkerSequences`), speculative slots included: a worker
   speculating K tokens holds ``ceil((ctx + K) / B)`` blocks per request, so deep
@@ -49,7 +49,7 @@ from dynamo.llm.kv_router.active_sequences import speculative_depth
 from dynamo.llm.kv_router.anticipation import AnticipatedBlocks, CachePrediction
 from dynamo.llm.kv_router.busy import BusyThresholds
 from dynamo.llm.kv_router.hashing import compute_block_hashes, num_blocks_spanned
-from dynamo.llm.kv_router.indexer import KvIndexer
+from dynamo.llm.kv_router.indexer import KvIndexer, OverlapScores
 from dynamo.llm.kv_router.multi_worker_sequences import MultiWorkerSequences
 from dynamo.llm.kv_router.scheduler_defaults import (
     DEFAULT_LOAD_METRICS_TTL_S,
@@ -57,18 +57,20 @@ from dynamo.llm.kv_router.scheduler_defaults import (
     DEFAULT_OVERLAP_SCORE_WEIGHT,
 )
 from dynamo.llm.kv_router.selection import RoutingDecision, RoutingTally, WorkerScore, choose
+from dynamo.llm.kv_router.tiers import TierWeights
 from dynamo.llm.kv_router.worker_spec import KvWorkerSpec
 from dynamo.llm.protocols import (
     BookingChange,
     KvAllCleared,
     KvBlockStored,
+    KvMedium,
     LoadMetrics,
     RouterEvent,
     SequenceBooked,
     SequenceFreed,
     SequencePrefilled,
 )
-from dynamo.llm.router import AllWorkersBusyError
+from dynamo.llm.router import AllWorkersBusyError, PlacementPreview
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,7 @@ class KvScheduler:
         clock: Callable[[], float] = time.monotonic,
         busy: BusyThresholds | None = None,
         prediction: CachePrediction | None = None,
+        tier_weights: TierWeights | None = None,
     ) -> None:
         if overlap_score_weight < 0:
             raise ValueError("overlap_score_weight must be >= 0")
@@ -106,6 +109,7 @@ class KvScheduler:
         if self.indexer.block_size != block_size:
             raise ValueError("indexer block size differs from the scheduler's")
         self.overlap_score_weight = overlap_score_weight
+        self.tier_weights = tier_weights if tier_weights is not None else TierWeights()
         self.temperature = temperature
         self.sequences = MultiWorkerSequences()
         self._rng = rng or random.Random()
@@ -166,10 +170,10 @@ class KvScheduler:
 
     def apply_event(self, event: RouterEvent) -> None:
         """A worker's KV cache event (from its relay). Stored blocks the router was
-        anticipating there are confirmed: the index holds them from now on; a cleared
-        cache keeps nothing that was anticipated either."""
+        anticipating there (on its device tier) are confirmed: the index holds them from
+        now on; a cleared cache keeps nothing that was anticipated either."""
         self.indexer.apply(event)
-        if isinstance(event.data, KvBlockStored):
+        if isinstance(event.data, KvBlockStored) and event.data.medium is KvMedium.GPU:
             self.anticipated.confirm(event.worker_id, event.data.block_hashes)
         elif isinstance(event.data, KvAllCleared):
             self.anticipated.remove_worker(event.worker_id)
@@ -200,6 +204,24 @@ class KvScheduler:
             raise ValueError("a request needs at least one token")
         return self._score_all(
             token_ids, compute_block_hashes(token_ids, self.block_size), worker_ids
+        )
+
+    def preview(self, token_ids: Sequence[int], worker_ids: Sequence[int]) -> PlacementPreview:
+        """The worker `schedule` would choose now at temperature 0 (the lowest cost; the
+        first of equals), what it would reuse of the prompt and its queued prefill
+        tokens, with nothing booked and no refusal counted. When every candidate is busy,
+        the cheapest of them, marked busy."""
+        if not worker_ids:
+            raise ValueError("no worker to choose from")
+        free = [w for w in worker_ids if self.busy_reason(w) is None]
+        best = min(self.score(token_ids, free or worker_ids), key=lambda s: s.cost)
+        seqs = self.sequences.get(best.worker_id)
+        cached = best.overlap_blocks * self.worker_spec(best.worker_id).block_size
+        return PlacementPreview(
+            worker_id=best.worker_id,
+            cached_tokens=min(cached, len(token_ids)),
+            queued_prefill_tokens=seqs.prefill_tokens if seqs is not None else 0,
+            busy=not free,
         )
 
     def schedule(
@@ -333,14 +355,11 @@ class KvScheduler:
         """A JSON-able picture of what the router believes, per worker: cached blocks
         (indexer), booked load (speculative slots included), the worker's own last load
         report, and what was routed there. For `GET /debug/kv`, not for decisions."""
-        total = RoutingTally()
-        for tally in self.routed.values():
-            total.requests += tally.requests
-            total.request_blocks += tally.request_blocks
-            total.overlap_blocks += tally.overlap_blocks
+        total = RoutingTally.sum(self.routed.values())
         return {
             "block_size": self.block_size,
             "overlap_score_weight": self.overlap_score_weight,
+            "tier_weights": self.tier_weights.as_dict(),
             "temperature": self.temperature,
             "busy_thresholds": self.busy.as_dict(),
             "busy_refusals": self.busy_refusals,
@@ -370,6 +389,7 @@ class KvScheduler:
         return {
             "worker_id": worker_id,
             "cached_blocks": self.indexer.block_count(worker_id),
+            "cached_blocks_by_tier": self.indexer.tier_counts(worker_id),
             "anticipated_blocks": self.anticipated.block_count(worker_id),
             "active_blocks": seqs.active_blocks if seqs is not None else 0,
             "active_requests": seqs.active_requests if seqs is not None else 0,
@@ -404,39 +424,38 @@ class KvScheduler:
     def _score_all(
         self, token_ids: Sequence[int], hashes: list[int], worker_ids: Sequence[int]
     ) -> list[WorkerScore]:
-        overlaps = self.indexer.find_matches(hashes)
-        return [
-            self._score_worker(worker_id, token_ids, hashes, overlaps.get(worker_id))
-            for worker_id in worker_ids
-        ]
+        found = self.indexer.find_matches(hashes)
+        return [self._score_worker(w, token_ids, hashes, found) for w in worker_ids]
 
     def _score_worker(
-        self, worker_id: int, token_ids: Sequence[int], hashes: list[int], overlap: int
+        self, worker_id: int, token_ids: Sequence[int], hashes: list[int], found: OverlapScores
     ) -> WorkerScore:
+        overlap, tiers = found.get(worker_id), found.tier_match(worker_id)  # any tier
         config = self.worker_spec(worker_id)
         seqs = self.sequences.ensure_worker(
             worker_id, config.block_size, self.speculative_depth_of(worker_id)
         )
         k = self.speculative_depth_of(worker_id, seqs.active_requests + 1)
         if config.block_size != self.block_size:
-            overlap = 0
+            overlap, tiers = 0, None
             hashes = compute_block_hashes(token_ids, config.block_size)
+        matched, overlap = overlap, tiers.device_prefix if tiers is not None else overlap
         cached = overlap
-        # A prefix that a request in flight here is computing will be cached by the time
-        # this request is scheduled behind it, and one that a request routed here lately
-        # brought is probably cached though no event said so yet (or, without events,
-        # ever): count both as overlap, or requests of one prefix would split over
-        # workers in the window before its events land.
+        # Blocks a request in flight here is computing, and those a request routed here
+        # lately brought (no event yet, or ever without events) count as overlap: else
+        # requests of one prefix would split over workers before its events land.
         overlap = max(overlap, seqs.pinned_prefix_blocks(hashes))
-        overlap = self.anticipated.extend_prefix(worker_id, hashes, overlap)
-        overlap = config.reusable_prefix_blocks(overlap)  # what its engine will not compute
+        overlap = self.anticipated.extend_prefix(worker_id, hashes, overlap)  # device tier
+        matched = config.reusable_prefix_blocks(max(matched, overlap))  # what it won't compute
+        overlap = min(overlap, matched)
+        value = self.tier_weights.value(tiers, overlap, matched)  # offloaded blocks weigh less
         cached = min(cached, overlap)
         request_blocks = num_blocks_spanned(len(token_ids), config.block_size)
-        prefill_blocks = request_blocks - overlap
+        prefill_blocks = request_blocks - value.weighted
         active = seqs.potential_blocks(hashes, len(token_ids), k)
         active += self._unbooked_load(worker_id, seqs.active_blocks)
         cost = self.overlap_score_weight * prefill_blocks + active
-        return WorkerScore(worker_id, overlap, prefill_blocks, active, k, cost, cached)
+        return WorkerScore(worker_id, overlap, prefill_blocks, active, k, cost, cached, *value)
 
     def _recent_load(self, worker_id: int) -> LoadMetrics | None:
         """The worker's own last load report, unless it is older than the TTL."""
