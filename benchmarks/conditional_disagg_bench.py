@@ -206,14 +206,40 @@ def fallbacks(frontend: FrontendProcess) -> float:
     return sum(metric_values(text, FALLBACKS, {}))
 
 
-def measure_policy(
-    frontend: FrontendProcess, served: str, shape: Shape, salt: int
+def measure_policies(
+    frontends: dict[str, FrontendProcess],
+    names: Sequence[str],
+    served: str,
+    shape: Shape,
+    rounds: int,
+) -> dict[str, dict[str, Any]]:
+    """Each named frontend's runs, `rounds` times, the order reversed every other round
+    (so neither policy always runs first), every run with a token salt of its own; per
+    frontend, the pooled per-class TTFT, throughput and the decisions made."""
+    before = {name: (decisions(frontends[name]), fallbacks(frontends[name])) for name in names}
+    samples: dict[str, list[Sample]] = {name: [] for name in names}
+    walls = dict.fromkeys(names, 0.0)
+    for round_ in range(rounds):
+        for name in names if round_ % 2 == 0 else list(reversed(names)):
+            print(f"  round {round_ + 1}/{rounds}: {name}", flush=True)
+            requests = build_workload(shape, salt=1000 * (round_ + 1) + names.index(name))
+            got, wall = asyncio.run(run_all(frontends[name].base_url, served, requests, shape))
+            samples[name] += got
+            walls[name] += wall
+    return {
+        name: summarise(samples[name], walls[name], frontends[name], *before[name])
+        for name in names
+    }
+
+
+def summarise(
+    samples: Sequence[Sample],
+    wall: float,
+    frontend: FrontendProcess,
+    decided_before: dict[str, float],
+    fell_before: float,
 ) -> dict[str, Any]:
-    """One policy's run: per-class TTFT, throughput and the decisions it made."""
-    before, fell = decisions(frontend), fallbacks(frontend)
-    requests = build_workload(shape, salt)
-    samples, wall = asyncio.run(run_all(frontend.base_url, served, requests, shape))
-    after = decisions(frontend)
+    """Per-class TTFT, throughput, and the decisions since `decided_before`."""
     by_class: dict[str, dict[str, float]] = {}
     for kind in CLASSES:
         ttfts = [s.ttft_s for s in samples if s.kind == kind]
@@ -223,13 +249,14 @@ def measure_policy(
                 "ttft_p50_s": round(percentile(ttfts, 0.5), 4),
                 "ttft_p90_s": round(percentile(ttfts, 0.9), 4),
             }
+    decided = decisions(frontend)
     return {
         "classes": by_class,
         "output_tokens_per_s": round(sum(s.output_tokens for s in samples) / wall, 2),
         "wall_s": round(wall, 2),
         "cached_tokens": sum(s.cached_tokens for s in samples),
-        "decisions": {k: n - before.get(k, 0.0) for k, n in sorted(after.items())},
-        "fallbacks": fallbacks(frontend) - fell,
+        "decisions": {k: n - decided_before.get(k, 0.0) for k, n in sorted(decided.items())},
+        "fallbacks": fallbacks(frontend) - fell_before,
     }
 
 
@@ -395,9 +422,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "engine on the other half (see docs/disaggregation.md: two engines "
                         "on the same cores slow each other for about a second after each "
                         "burst of work).")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="Runs of the workload per frontend, alternating the order "
+                        "(default 2; their samples are pooled).")  # fmt: skip
     parser.add_argument("--queue-tokens", type=lambda t: [int(v) for v in t.split(",")],
                         default=[], metavar="N,N,...",
-                        help="Also run conditional frontends with these "
+                        help="Mocker: also run conditional frontends with these "
                         "--disagg-prefill-queue-tokens values (0: the rule off), each with "
                         "a workload of its own, and print them side by side.")  # fmt: skip
     parser.add_argument("--model", default=DEFAULT_MODEL, help="Model (the embedded default).")
@@ -416,16 +446,17 @@ def main(argv: list[str] | None = None) -> int:
         for engine in engines:
             shape = SHAPES[(engine, args.quick)]
             print(f"[{engine}] starting the fleet ({asdict(shape)})", flush=True)
-            result: dict[str, Any] = {"shape": asdict(shape), "split_cores": args.split_cores}
+            result: dict[str, Any] = {
+                "shape": asdict(shape), "split_cores": args.split_cores, "rounds": args.rounds,
+            }  # fmt: skip
             pin = args.split_cores and engine == "vllm"
-            variants = {
+            variants = {  # mocker only: a vLLM fleet on two cores is too slow for it
                 f"queue={tokens}": ["--disagg-prefill-queue-tokens", str(tokens)]
-                for tokens in args.queue_tokens
+                for tokens in (args.queue_tokens if engine == "mocker" else [])
             }
             with fleet(engine, model_dir, logs / engine, pin=pin, variants=variants) as frontends:
-                for salt, policy in enumerate((*POLICIES, *variants), start=1):
-                    print(f"[{engine}] {policy}", flush=True)
-                    result[policy] = measure_policy(frontends[policy], served, shape, salt)
+                names = [*POLICIES, *variants]
+                result.update(measure_policies(frontends, names, served, shape, args.rounds))
                 if args.sweep and engine == "vllm":
                     result["sweep"] = sweep(frontends, served, args.sweep_repeats)
             print(render(engine, result), flush=True)
