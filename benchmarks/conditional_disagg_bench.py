@@ -4,8 +4,10 @@ One set of disaggregated workers (prefill and decode) and two frontends on it, o
 policy: `--disagg-prefill remote` (every prompt takes the prefill leg, as before the
 policy existed) and `--disagg-prefill conditional` (the default: the decode worker
 prefills short prompts, prompts it caches, and takes prefills off a saturated prefill
-pool). Each policy runs the same shape of mixed workload in turn, with its own token
-salt so neither finds the other's prefixes cached:
+pool). Each policy runs the same shape of mixed workload in turn (`--rounds`, the order
+alternating), with its own token salt so neither finds the other's prefixes cached, and
+the same Poisson arrivals (open loop: a policy that serves faster is not sent more work,
+so each class is compared at the same offered load):
 
 * `short`: a short prompt (tens of tokens);
 * `long_new`: a long prompt opening a new shared prefix (a "system prompt" of hundreds or
@@ -95,14 +97,16 @@ class Shape:
     short_tokens: int
     question_tokens: int
     output_tokens: int
-    concurrency: int
+    rate: float  # requests per second, Poisson arrivals: the same offered load for each policy
 
 
+# Rates below what the always-remote policy serves (open loop: a faster policy gets no
+# more work, so every class is compared at the same load).
 SHAPES = {
-    ("vllm", False): Shape(6, 3, 24, 640, 40, 24, 32, 4),
-    ("vllm", True): Shape(2, 2, 6, 640, 40, 24, 16, 2),
-    ("mocker", False): Shape(24, 4, 96, 2048, 48, 32, 64, 24),
-    ("mocker", True): Shape(6, 2, 16, 2048, 48, 32, 32, 8),
+    ("vllm", False): Shape(6, 3, 24, 640, 40, 24, 32, 0.8),
+    ("vllm", True): Shape(2, 2, 6, 640, 40, 24, 16, 0.8),
+    ("mocker", False): Shape(24, 4, 96, 2048, 48, 32, 64, 24.0),
+    ("mocker", True): Shape(6, 2, 16, 2048, 48, 32, 32, 16.0),
 }
 
 
@@ -115,7 +119,7 @@ class Request:
 def build_workload(shape: Shape, salt: int) -> list[Request]:
     """Every group's first long request, interleaved with half of the shorts, then the
     shared-prefix repeats interleaved with the other half: a repeat is sent after its
-    group's first (at `concurrency` in flight it may overlap it)."""
+    group's first (under load it may still be in flight)."""
     rng = random.Random(salt)
 
     def ids(n: int) -> list[int]:
@@ -176,19 +180,23 @@ async def run_one(
 
 
 async def run_all(
-    base: str, served: str, requests: Sequence[Request], shape: Shape
+    base: str, served: str, requests: Sequence[Request], shape: Shape, seed: int
 ) -> tuple[list[Sample], float]:
-    """The requests in order, `shape.concurrency` in flight; (samples, wall seconds)."""
-    gate = asyncio.Semaphore(shape.concurrency)
+    """The requests in order, arriving at `shape.rate` per second (exponential gaps drawn
+    from `seed`), whatever is still in flight; (samples, wall seconds)."""
+    gaps = random.Random(seed)
     timeout = aiohttp.ClientTimeout(total=900)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-
-        async def one(request: Request) -> Sample:
-            async with gate:
-                return await run_one(session, base, served, request, shape.output_tokens)
-
         start = time.perf_counter()
-        samples = await asyncio.gather(*(one(r) for r in requests))
+        due = 0.0
+        tasks = []
+        for request in requests:
+            await asyncio.sleep(max(0.0, start + due - time.perf_counter()))
+            tasks.append(asyncio.create_task(
+                run_one(session, base, served, request, shape.output_tokens)
+            ))  # fmt: skip
+            due += gaps.expovariate(shape.rate)
+        samples = await asyncio.gather(*tasks)
         return list(samples), time.perf_counter() - start
 
 
@@ -222,8 +230,10 @@ def measure_policies(
     for round_ in range(rounds):
         for name in names if round_ % 2 == 0 else list(reversed(names)):
             print(f"  round {round_ + 1}/{rounds}: {name}", flush=True)
-            requests = build_workload(shape, salt=1000 * (round_ + 1) + names.index(name))
-            got, wall = asyncio.run(run_all(frontends[name].base_url, served, requests, shape))
+            salt = 1000 * (round_ + 1) + names.index(name)
+            requests = build_workload(shape, salt)
+            base = frontends[name].base_url
+            got, wall = asyncio.run(run_all(base, served, requests, shape, seed=round_))
             samples[name] += got
             walls[name] += wall
     return {
@@ -330,14 +340,13 @@ SWEEP_LENGTHS = (32, 64, 128, 256, 512, 1024)
 
 def sweep(frontends: dict[str, FrontendProcess], served: str, repeats: int) -> dict[str, Any]:
     """TTFT at one request at a time, remote against local prefill, per prompt length."""
-    shape = Shape(0, 0, 0, 0, 0, 0, 1, 1)
     rows: dict[str, dict[int, float]] = {"remote": {}, "local": {}}
     rng = random.Random(7)
     for n in SWEEP_LENGTHS:
         for policy in rows:
             requests = [Request("sweep", [rng.randrange(*VOCAB) for _ in range(n)])
                         for _ in range(repeats)]  # fmt: skip
-            samples, _ = asyncio.run(run_all(frontends[policy].base_url, served, requests, shape))
+            samples = asyncio.run(one_at_a_time(frontends[policy].base_url, served, requests))
             rows[policy][n] = round(sorted(s.ttft_s for s in samples)[len(samples) // 2], 4)
             print(f"  sweep {policy:6} {n:5} tokens: TTFT p50 {rows[policy][n] * 1000:.0f} ms")
     fits = {policy: fit_line(rows[policy]) for policy in rows}
@@ -351,6 +360,12 @@ def sweep(frontends: dict[str, FrontendProcess], served: str, repeats: int) -> d
         },
         "break_even_tokens": round(break_even) if break_even is not None else None,
     }
+
+
+async def one_at_a_time(base: str, served: str, requests: Sequence[Request]) -> list[Sample]:
+    """Each request after the previous one ended, one output token each."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        return [await run_one(session, base, served, r, 1) for r in requests]
 
 
 def fit_line(points: dict[int, float]) -> tuple[float, float]:

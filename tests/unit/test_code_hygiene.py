@@ -3,7 +3,9 @@
 Claims: no module imports another module's underscore (private) names, nor reaches them
 through an imported project module (`module._name`); and every Markdown document a file
 names (`architecture.md`, `docs/worker.md`, ...) is in the repository, so a maintainer who
-clones it can follow every reference.
+clones it can follow every reference; and no two test modules share a file name (pytest
+imports them by basename, so `make test`, which collects every folder at once, would
+refuse the second while a run of one folder passes).
 """
 
 from __future__ import annotations
@@ -81,3 +83,10 @@ def test_every_document_a_file_names_is_in_the_repository() -> None:
         if not _exists(reference, path)
     ]
     assert missing == []
+
+
+def test_test_modules_have_unique_file_names() -> None:
+    seen: dict[str, list[str]] = {}
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
