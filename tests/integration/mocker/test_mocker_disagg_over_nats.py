@@ -203,9 +203,9 @@ async def test_conditional_disaggregation_decides_per_request(
     """Each decision of `--disagg-prefill conditional` (kv router mode), in the workers'
     counters: short prompt and cached prompt on the decode worker, long prompt on the
     prefill worker, and a long prompt arriving while the prefill worker has one queued
-    (its prefill takes ~4 s here, so the queue is seen for certain) on the decode worker."""
+    (its prefill takes ~2 s here, so the queue is seen for certain) on the decode worker."""
     policy = DisaggSettings(local_prefill_tokens=256, prefill_queue_tokens=200)
-    slow_prefill = TimingModel(prefill_ms_per_token=10.0, speed_up=1.0)
+    slow_prefill = TimingModel(prefill_ms_per_token=5.0, speed_up=1.0)
     async with fleet(
         nats_url, embedded_model, tmp_path, with_prefill=True, disagg=policy,
         router_mode=RouterMode.KV, prefill_timing=slow_prefill,
@@ -240,7 +240,7 @@ async def test_conditional_disaggregation_decides_per_request(
         assert on(prefill) == before[0] + tokens
         assert on(decode) - (before[1] + short) < 16
 
-        queued = asyncio.create_task(f.complete())  # ~4 s on the prefill worker
+        queued = asyncio.create_task(f.complete())  # ~2 s on the prefill worker
         await wait_until_async(
             lambda: prefill_booked(f), timeout=10, interval=0.02,
             what="the prefill leg to be booked",
