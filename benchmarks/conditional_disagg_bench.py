@@ -36,7 +36,7 @@ Usage:
     .venv/bin/python benchmarks/conditional_disagg_bench.py --engine mocker --quick
     .venv/bin/python benchmarks/conditional_disagg_bench.py --engine vllm --sweep
     .venv/bin/python benchmarks/conditional_disagg_bench.py --engine vllm --sweep --split-cores
-    .venv/bin/python benchmarks/conditional_disagg_bench.py --engine mocker --queue-tokens 0,1024,4096
+    .venv/bin/python benchmarks/conditional_disagg_bench.py --engine mocker --rate 60 --queue-tokens 0,1024,4096
 
 Full runs write benchmarks/results/conditional_disagg.json (`--json` elsewhere).
 """
@@ -50,7 +50,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -440,6 +440,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2,
                         help="Runs of the workload per frontend, alternating the order "
                         "(default 2; their samples are pooled).")  # fmt: skip
+    parser.add_argument("--rate", type=float, default=None,
+                        help="Requests per second (default: the engine's, below what the "
+                        "always-remote policy serves; raise it to saturate the prefill pool).")  # fmt: skip
     parser.add_argument("--queue-tokens", type=lambda t: [int(v) for v in t.split(",")],
                         default=[], metavar="N,N,...",
                         help="Mocker: also run conditional frontends with these "
@@ -460,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     with log_dir("conditional-disagg", args.keep_logs) as logs:
         for engine in engines:
             shape = SHAPES[(engine, args.quick)]
+            if args.rate is not None:
+                shape = replace(shape, rate=args.rate)
             print(f"[{engine}] starting the fleet ({asdict(shape)})", flush=True)
             result: dict[str, Any] = {
                 "shape": asdict(shape), "split_cores": args.split_cores, "rounds": args.rounds,

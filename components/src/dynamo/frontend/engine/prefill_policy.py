@@ -41,10 +41,11 @@ DISAGG_GROUP = "Disaggregated serving"
 DEFAULT_LOCAL_PREFILL_TOKENS = 64
 """Prompt tokens still to compute at or under which the decode worker prefills. Measured
 on the embedded model with the CPU connector, each engine on its own core
-(docs/disaggregation.md, "Conditional disaggregation"): a remote prefill adds ~110 ms to
+(docs/disaggregation.md, "Conditional disaggregation"): a remote prefill adds ~100 ms to
 a request's TTFT, and computing a prompt locally stalls the decode worker ~1.8 ms per
-token, so below ~50-60 tokens the hand-off costs more than the stall it spares. Faster
-engines (a GPU) move the break-even up: `conditional_disagg_bench.py --sweep` measures it."""
+token, so below 48-69 tokens (two runs) the hand-off costs more than the stall it spares.
+Faster engines (a GPU) move the break-even up: `conditional_disagg_bench.py --sweep`
+measures it."""
 
 DEFAULT_PREFILL_QUEUE_TOKENS = 2048
 """Prompt tokens queued on the chosen prefill worker at which a decode worker with fewer
