@@ -32,16 +32,15 @@ from typing import Any
 import aiohttp
 
 from dynamo.testing.chat_bodies import PEOPLE_TO_DESCRIBE
-from dynamo.testing.sse import sse_data
 from harness import (
     CPU_ENGINE_FLAGS,
-    BenchError,
     dynamo_stack,
     guarded,
     log_dir,
     resolve_model_arg,
     results_path,
     serving_parser,
+    stream_request,
 )
 
 SCHEMA = {
@@ -88,23 +87,9 @@ async def _one(
             "type": "json_schema",
             "json_schema": {"name": "person", "schema": SCHEMA},
         }
-    start = time.perf_counter()
-    first: float | None = None
-    tokens = 0
-    async with session.post(url, json=body) as resp:
-        if resp.status != 200:
-            raise BenchError(f"request failed: {resp.status} {await resp.text()}")
-        async for data in sse_data(resp.content):
-            if data == "[DONE]":
-                continue
-            chunk = json.loads(data)
-            if first is None and chunk.get("choices"):
-                first = time.perf_counter()
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    end = time.perf_counter()
-    ttft = (first or end) - start
-    return tokens, ttft, end - (first or end)
+    streamed = await stream_request(session, url, body)
+    tokens = int(streamed.usage.get("completion_tokens") or 0)
+    return tokens, streamed.ttft_s, streamed.latency_s - streamed.ttft_s
 
 
 async def _measure(base: str, model: str, schema: bool, concurrency: int, n: int) -> Result:
