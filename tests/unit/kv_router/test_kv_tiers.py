@@ -216,3 +216,12 @@ def test_the_tier_weight_flags_default_to_dynamos_and_refuse_values_above_one(
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--kv-host-tier-weight", "1.5"])
     assert "--kv-host-tier-weight" in capsys.readouterr().err
+
+
+def test_a_tier_weight_of_zero_is_accepted_on_the_command_line() -> None:
+    """0 is the documented "no better than a miss" (the benchmark's router-blind setup)."""
+    from dynamo.frontend.__main__ import build_parser, config_from_args
+
+    args = build_parser().parse_args(["--kv-host-tier-weight", "0", "--kv-disk-tier-weight", "0"])
+    settings = config_from_args(args).router
+    assert (settings.kv_host_tier_weight, settings.kv_disk_tier_weight) == (0.0, 0.0)

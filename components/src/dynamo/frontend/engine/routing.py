@@ -44,6 +44,7 @@ from dynamo.runtime.cli import (
     non_negative_int,
     positive_float,
     positive_int,
+    unit_interval,
 )
 from dynamo.runtime.settings import Flag, setting
 
@@ -94,7 +95,7 @@ class RouterSettings:
             "against one on its device (1): it counts at this weight in the blocks the "
             "worker would still prefill. Between 0 (no better than a miss) and 1 (as good "
             "as a device hit); a host copy is much cheaper than a prefill but not free.",
-            type=fraction,
+            type=unit_interval,
             group=ROUTING_GROUP,
         ),
     )
@@ -104,7 +105,7 @@ class RouterSettings:
             "--kv-disk-tier-weight",
             "kv mode: the same weight for a block held only on the worker's disk tier "
             "(medium STORAGE): slower to load back than host memory, so it saves less.",
-            type=fraction,
+            type=unit_interval,
             group=ROUTING_GROUP,
         ),
     )

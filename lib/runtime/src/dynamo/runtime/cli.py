@@ -78,6 +78,14 @@ def fraction(text: str) -> float:
     return value
 
 
+def unit_interval(text: str) -> float:
+    """A number in [0, 1] (weights where 0 means "worth nothing")."""
+    value = _number(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
 def port(text: str) -> int:
     """A TCP port, 0 to 65535 (0: the system picks a free one)."""
     value = _integer(text)
