@@ -306,6 +306,7 @@ class MockEngine:
 
     def _schedule(self) -> _Batch:
         cfg = self.config
+        onboarded_before = self.counters.onboarded_tokens  # `_admit` adds a step's loads
         budget = cfg.max_num_batched_tokens
         per_decode = 1 + self.k
         decodes: list[MockRequest] = []
@@ -330,7 +331,7 @@ class MockEngine:
             chunk = min(state.prefill_remaining, budget)
             prefills.append((state, self._cache_scheduled(state, chunk)))
             budget -= chunk
-        return _Batch(decodes, prefills, self.pool.take_onboarded() * cfg.block_size)
+        return _Batch(decodes, prefills, self.counters.onboarded_tokens - onboarded_before)
 
     def _land_transfers(self) -> None:
         """Prompt KV arrived (`transfer`): cached and announced as if computed; decode next."""

@@ -55,7 +55,6 @@ class KvBlockPool:
         self.host = HostTier(host_blocks) if host_blocks and enable_prefix_caching else None
         self._refs: dict[int, int] = {}  # content hash -> running requests using it
         self._parents: dict[int, int | None] = {}  # cached block -> its parent (for events)
-        self._onboarded = 0  # blocks loaded back from the host tier since `take_onboarded`
         # Cached blocks with no reference, least recently released first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._private = 0
@@ -135,11 +134,6 @@ class KvBlockPool:
             onboard += block_hash not in self._refs
         return num_blocks + onboard <= self.free_blocks + len(self._evictable) - pinned
 
-    def take_onboarded(self) -> int:
-        """Blocks loaded back from the host tier since the last call (a step's copies)."""
-        onboarded, self._onboarded = self._onboarded, 0
-        return onboarded
-
     # ------------------------------------------------------------------ changes
 
     def acquire(self, block_hashes: Iterable[int]) -> int:
@@ -167,7 +161,6 @@ class KvBlockPool:
             self._refs[block_hash] = 1
             self._parents[block_hash] = parent
             self._emit_stored(block_hash, parent, KvMedium.GPU)
-        self._onboarded += len(onboard)
         return len(onboard)
 
     def release(self, block_hashes: Sequence[int]) -> None:
