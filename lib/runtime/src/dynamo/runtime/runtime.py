@@ -57,7 +57,7 @@ from dynamo.runtime.runtime_connection import (
 from dynamo.runtime.served_endpoint import ServedEndpoint
 from dynamo.runtime.server import Handler, InflightRegistry
 from dynamo.runtime.tasks import cancel_and_wait
-from dynamo.runtime.watch import BucketWatcher
+from dynamo.runtime.watch import WATCH_RESYNC_S, BucketWatcher
 
 log = logging.getLogger(__name__)
 
@@ -311,9 +311,10 @@ class DistributedRuntime:
         on_put: Callable[[str, bytes], None] | None = None,
         on_delete: Callable[[str], None] | None = None,
     ) -> BucketWatcher:
-        """A watcher restarted on reconnect; call `await watcher.start()`. A key missing
-        after a reconnect is given one lease TTL to be put again before it counts as
-        deleted (its owner restores it when it reconnects too)."""
+        """A watcher restarted on reconnect and every `WATCH_RESYNC_S` (a delete the
+        live watch missed is found then); call `await watcher.start()`. A key missing
+        after a reconnect or a resync is given one lease TTL to be put again before it
+        counts as deleted (its owner restores it when it reconnects too)."""
         watcher = BucketWatcher(
             self.js,
             bucket,
@@ -321,6 +322,7 @@ class DistributedRuntime:
             on_put=on_put,
             on_delete=on_delete,
             missing_grace_s=self.lease_ttl,
+            resync_s=WATCH_RESYNC_S,
             replicas=self.replicas,
         )
         self._watchers.add(watcher)

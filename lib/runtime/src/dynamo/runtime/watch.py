@@ -14,6 +14,16 @@ moment, its clients and routers are rebuilt. So after a *re*-watch, a key missin
 the snapshot is only reported deleted if it is still missing `missing_grace_s` later
 (the lease TTL: by then a live owner has put it again); an explicit delete or expiry
 seen on the live watch is reported at once.
+
+The live watch can also miss a delete without any reconnect of ours: a key's expiry is
+reported by a marker the server keeps for a moment, and when the node holding the watch's
+consumer restarts around that moment (a NATS cluster losing a node), the consumer comes
+back after the marker is gone, or the marker is never placed while the stream elects a
+leader. The key is gone from the bucket but stays in `entries` forever: a frontend would
+keep a dead worker, and a request waiting on it would hang until its own deadline. So a
+watcher given `resync_s` places its watch again that often, and its snapshot is diffed
+like a re-watch's (same grace): a vanished key is reported within `resync_s` plus the
+grace, whatever the markers did.
 """
 
 from __future__ import annotations
@@ -40,6 +50,11 @@ OnDelete = Callable[[str], None]
 # broker restart, and not a flood while a cluster elects a stream leader.
 WATCH_RETRY = Backoff(initial_s=0.5, maximum_s=2.0)
 
+WATCH_RESYNC_S = 30.0
+"""How often the runtime's watchers place their watch again (`BucketWatcher.resync_s`):
+the bound on how long a delete the live watch missed goes unseen, before the grace. A new
+watch costs one consumer and a snapshot of the watched keys, a few dozen small entries."""
+
 
 @dataclass(eq=False)
 class BucketWatcher:
@@ -52,6 +67,7 @@ class BucketWatcher:
     on_put: OnPut | None = None
     on_delete: OnDelete | None = None
     missing_grace_s: float = 0.0
+    resync_s: float | None = None  # place the watch again this often (None: only on restart)
     replicas: int = 1  # of the bucket, should this watcher be first to create it
     entries: dict[str, bytes] = field(init=False, default_factory=dict)
     # Keys a re-watch's snapshot lacked, with the timer that reports them deleted.
@@ -111,13 +127,20 @@ class BucketWatcher:
                     await asyncio.wait_for(self._restart.wait(), delay)
 
     async def _watch_until_restart(self, kv: KeyValue) -> None:
+        """Apply the watch's updates until a restart is asked for or `resync_s` passes
+        (then `_run` places it again, and the new snapshot is diffed)."""
         watcher = await kv.watch(self.key_filter)
         snapshot: dict[str, bytes] | None = {}
         restart = asyncio.ensure_future(self._restart.wait())
+        loop = asyncio.get_running_loop()
+        resync_at = None if self.resync_s is None else loop.time() + self.resync_s
         try:
             while not restart.done():
                 update = asyncio.ensure_future(watcher.updates(timeout=None))
-                done, _ = await asyncio.wait({update, restart}, return_when=asyncio.FIRST_COMPLETED)
+                timeout = None if resync_at is None else max(0.0, resync_at - loop.time())
+                done, _ = await asyncio.wait(
+                    {update, restart}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
                 if update not in done:
                     update.cancel()
                     break
