@@ -56,10 +56,10 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from dynamo.llm.speculation_profile import k_for_batch
 from dynamo.runtime.ports import free_port
 from dynamo.testing.http import http_get, metric_total
 from dynamo.testing.processes import child_env
-from dynamo.vllm.speculative.profile import k_for_batch
 from dynamo.vllm.training.eagle3.prompts import held_out
 from harness import (
     CPU_ENGINE_FLAGS,

@@ -34,11 +34,7 @@ import pytest
 from e2e_prompts import chat_ids, greedy_request
 
 from dynamo.llm.protocols import LLMEngineOutput
-from dynamo.runtime import DistributedRuntime
-from dynamo.testing.command_lines import cpu_engine_flags
-from dynamo.testing.http import http_get, kv_router_view, metric_values
-from dynamo.testing.processes import FrontendProcess, WorkerProcess, child_env, stop_all
-from dynamo.vllm.speculative.profile import (
+from dynamo.llm.speculation_profile import (
     SpeculationProfile,
     choose_schedule,
     k_for_batch,
@@ -46,6 +42,10 @@ from dynamo.vllm.speculative.profile import (
     never_speculates,
     save_profile,
 )
+from dynamo.runtime import DistributedRuntime
+from dynamo.testing.command_lines import cpu_engine_flags
+from dynamo.testing.http import http_get, kv_router_view, metric_values
+from dynamo.testing.processes import FrontendProcess, WorkerProcess, child_env, stop_all
 
 NAMESPACE = "e2e-specprof"
 COMPONENT = "profiled"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from dynamo.llm.speculation_profile import SpeculationProfile, StepTimes
 from dynamo.vllm.speculative.adaptive_k import (
     BASELINE_STEPS,
     UPWARD_STEPS,
@@ -14,7 +15,6 @@ from dynamo.vllm.speculative.adaptive_k import (
     AdaptationSettings,
     AdaptiveK,
 )
-from dynamo.vllm.speculative.profile import SpeculationProfile, StepTimes
 from dynamo.vllm.speculative.step_cost import RATIO_BOUNDS, batch_bucket, monotone_fit
 
 # A CPU-like engine: a draft is cheap at batch 1 and costs more as the batch grows; the

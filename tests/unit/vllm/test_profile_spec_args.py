@@ -9,9 +9,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from dynamo.llm.speculation_profile import SpeculationProfile, StepTimes
 from dynamo.runtime.cli import ConfigError
 from dynamo.vllm import profile_spec
-from dynamo.vllm.speculative.profile import SpeculationProfile, StepTimes
 from dynamo.vllm.speculative.profile_plot import plot_profile
 
 NGRAM = '{"method": "ngram", "prompt_lookup_max": 3}'

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from dynamo.llm.protocols import SpeculativeInfo
+from dynamo.llm.speculation_profile import SpeculationProfile, StepTimes
 from dynamo.vllm.speculative.k_in_force import SpeculationSnapshot
 from dynamo.vllm.speculative.monitor import SpeculationMonitor
-from dynamo.vllm.speculative.profile import SpeculationProfile, StepTimes
 
 SCHEDULE = [[1, 2, 3], [3, 6, 2], [7, 8, 0]]
 ACCEPTANCE = [0.6, 0.4, 0.2]

@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from dynamo.vllm.speculative.profile import (
+from dynamo.llm.speculation_profile import (
     ProfileError,
     SpeculationProfile,
     StepTimes,

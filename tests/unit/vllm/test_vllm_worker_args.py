@@ -21,12 +21,12 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.platforms import current_platform
 from vllm_config_support import speculators_config, write_config
 
+from dynamo.llm.speculation_profile import SpeculationProfile, StepTimes, save_profile
 from dynamo.testing.environment import unset_variables_fixture
 from dynamo.vllm.config.args import ConfigError, parse_worker_args
 from dynamo.vllm.config.report import resolved_config_lines, resolved_config_yaml
 from dynamo.vllm.config.speculative_resolution import SRC_PREFIX_DEFAULT
 from dynamo.vllm.speculative.adaptive_k import SCHEDULER_CLS, adaptive_entry
-from dynamo.vllm.speculative.profile import SpeculationProfile, StepTimes, save_profile
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 

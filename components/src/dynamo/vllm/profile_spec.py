@@ -16,7 +16,7 @@ runs that many prompts twice: once for the prefill alone (one output token) and 
 off. The decode step time is the difference of the two wall times divided by the
 difference of the engine steps (vLLM's `vllm:iteration_tokens_total` count), so prefill
 and start-up costs drop out. The K = max run also yields the acceptance per draft position
-over all its prompts. The schedule that maximises goodput (`speculative.profile`) is
+over all its prompts. The schedule that maximises goodput (`dynamo.llm.speculation_profile`) is
 written into the profile, and a plot next to it (`.png`). docs/speculative_decoding.md
 explains the formula and its assumptions.
 
@@ -42,8 +42,7 @@ from typing import Any
 
 import msgspec
 
-from dynamo.runtime.cli import ConfigError
-from dynamo.vllm.speculative.profile import (
+from dynamo.llm.speculation_profile import (
     SpeculationProfile,
     StepTimes,
     best_k,
@@ -53,6 +52,7 @@ from dynamo.vllm.speculative.profile import (
     never_speculates,
     save_profile,
 )
+from dynamo.runtime.cli import ConfigError
 from dynamo.vllm.training.eagle3.prompts import Messages, as_messages, held_out, read_jsonl
 
 log = logging.getLogger("dynamo.vllm.profile_spec")

@@ -30,6 +30,7 @@ from typing import Any
 
 from vllm.engine.arg_utils import AsyncEngineArgs
 
+from dynamo.llm.speculation_profile import SpeculationProfile
 from dynamo.llm.worker import DEFAULT_DRAIN_TIMEOUT_S
 from dynamo.llm.worker.addresses import advertise_host_or_env
 from dynamo.llm.worker.inflight import max_inflight_or_env
@@ -63,7 +64,6 @@ from dynamo.vllm.config.speculative_resolution import (
     load_speculation_profile,
     resolve_speculative,
 )
-from dynamo.vllm.speculative.profile import SpeculationProfile
 
 __all__ = [
     "DEFAULT_DRAIN_TIMEOUT_S",

@@ -17,6 +17,13 @@ from pathlib import Path
 from typing import Any, get_args
 
 from dynamo.llm.models import is_known_name
+from dynamo.llm.speculation_profile import (
+    ProfileError,
+    SpeculationProfile,
+    check_schedule_fits,
+    load_profile,
+    never_speculates,
+)
 from dynamo.runtime.cli import ConfigError
 from dynamo.vllm.config.layers import (
     SRC_FILE,
@@ -34,13 +41,6 @@ from dynamo.vllm.speculative.config_keys import check_draft_length
 from dynamo.vllm.speculative.free_k0 import SKIPPED_METHODS
 from dynamo.vllm.speculative.k_in_force import new_state_path
 from dynamo.vllm.speculative.opt_out import SCHEDULER_CLS as OPT_OUT_SCHEDULER_CLS
-from dynamo.vllm.speculative.profile import (
-    ProfileError,
-    SpeculationProfile,
-    check_schedule_fits,
-    load_profile,
-    never_speculates,
-)
 from dynamo.vllm.speculative.speculators_checkpoint import SpeculatorsCheckpoint
 
 log = logging.getLogger("dynamo.vllm")

@@ -1,6 +1,6 @@
 """The number of drafts K chosen online, each step, from what this worker measures.
 
-The offline profile (`speculative.profile`) fixes K per batch size from acceptance on the
+The offline profile (`dynamo.llm.speculation_profile`) fixes K per batch size from acceptance on the
 prompts it was profiled with and step times of an engine measured alone. Served traffic
 differs from both: its prompts accept more or fewer drafts, and a step costs more when
 the frontend, NATS and other processes share the cores. This module keeps two live
@@ -66,8 +66,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dynamo.llm.speculation_profile import SpeculationProfile, load_profile
 from dynamo.vllm.speculative.acceptance import AcceptanceEstimate, VerificationStep
-from dynamo.vllm.speculative.profile import SpeculationProfile, load_profile
 from dynamo.vllm.speculative.step_cost import StepCost
 
 SCHEDULER_CLS = "dynamo.vllm.speculative.scheduler.AdaptiveSpeculationScheduler"

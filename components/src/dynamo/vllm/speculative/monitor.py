@@ -29,13 +29,13 @@ from typing import Protocol
 
 from dynamo.llm.acceptance import acceptance_length
 from dynamo.llm.protocols import SpeculativeInfo
-from dynamo.vllm.speculative.k_in_force import SpeculationSnapshot
-from dynamo.vllm.speculative.profile import (
+from dynamo.llm.speculation_profile import (
     Schedule,
     SpeculationProfile,
     k_for_batch,
     tokens_per_step,
 )
+from dynamo.vllm.speculative.k_in_force import SpeculationSnapshot
 
 log = logging.getLogger("dynamo.vllm")
 

@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dynamo.vllm.speculative.profile import (
+from dynamo.llm.speculation_profile import (
     SpeculationProfile,
     goodput,
     goodput_without_speculation,

@@ -8,8 +8,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from dynamo.llm.speculation_profile import SpeculationProfile, step_time
 from dynamo.vllm.speculative.acceptance import DecayedRate
-from dynamo.vllm.speculative.profile import SpeculationProfile, step_time
 
 RATIO_BOUNDS = (0.25, 4.0)
 """A measured step further than this from the profile's (as a ratio) counts at the bound:

@@ -4,7 +4,9 @@
 for each (batch size, K) and the acceptance per draft position; this module turns those
 numbers into vLLM's `num_speculative_tokens_per_batch_size` schedule. It is pure
 arithmetic (no vLLM import), so the worker can load a profile cheaply and the unit tests
-can check the choice on synthetic numbers.
+can check the choice on synthetic numbers. It lives in `dynamo.llm`, not with the vLLM
+worker, because the planner (`dynamo.planner.perf_model`) sizes decode pools from the
+same numbers, and components do not import each other.
 
 The model behind the choice, for a batch of `b` running sequences and K drafts each:
 
