@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from dynamo.mocker.acceptance import acceptance_at
 from dynamo.mocker.args import build_parser, float_list, parse_args
 from dynamo.mocker.main import main
 from dynamo.mocker.model_info import ModelInfo
@@ -99,6 +100,27 @@ def test_malformed_numbers_are_rejected_by_the_parser(
         parse_args(argv)
     assert exc.value.code == 2
     assert f"error: argument {argv[0]}" in capsys.readouterr().err
+
+
+def test_acceptance_changes_over_time_follow_the_flags() -> None:
+    args = parse_args(
+        [
+            "--num-speculative-tokens", "2", "--acceptance-rate", "0.9",
+            "--acceptance-rate-after", "300:0.2", "--acceptance-rate-after", "60:0.5,0.4",
+        ]
+    )  # fmt: skip
+    cfg = args.engine.engine_config(ModelInfo(Path("."), 500, (), frozenset(), None))
+    assert [c.after_s for c in cfg.acceptance_changes] == [60.0, 300.0]  # in time order
+    rates = [
+        acceptance_at(cfg.acceptance_model, cfg.acceptance_changes, t).per_position_rates()
+        for t in (0.0, 59.9, 60.0, 299.0, 301.0)
+    ]
+    assert rates == [
+        pytest.approx([0.9, 0.81]), pytest.approx([0.9, 0.81]), pytest.approx([0.5, 0.2]),
+        pytest.approx([0.5, 0.2]), pytest.approx([0.2, 0.04]),
+    ]  # fmt: skip
+    with pytest.raises(SystemExit):
+        parse_args(["--acceptance-rate-after", "0.3"])  # no time
 
 
 def test_float_list_needs_a_number() -> None:

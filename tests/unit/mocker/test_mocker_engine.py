@@ -29,6 +29,7 @@ from dynamo.llm.protocols import (
     SamplingOptions,
 )
 from dynamo.mocker import AcceptanceModel, InvalidRequest, MockEngine, TimingModel
+from dynamo.mocker.acceptance import AcceptanceChange
 from dynamo.mocker.backend import MockerBackend
 
 
@@ -103,6 +104,22 @@ async def test_speculative_steps_yield_one_to_k_plus_one_tokens_with_stats() -> 
     # Every step but the last (possibly cut by max_tokens) produced accepted + 1 tokens.
     assert sum(sizes[1:-1]) <= stats.num_accepted_tokens + stats.num_drafts
     assert engine.counters.spec_drafts == stats.num_drafts
+
+
+async def test_an_acceptance_change_in_force_replaces_the_initial_rates() -> None:
+    """`--acceptance-rate-after 0:0`: every draft accepted at first, none from 0 s on."""
+    engine, _ = await started(
+        num_speculative_tokens=3,
+        acceptance=AcceptanceModel.from_rates([1.0], 3),
+        acceptance_changes=(AcceptanceChange(0.0, AcceptanceModel.from_rates([0.0], 3)),),
+    )
+    try:
+        outputs = await collect(engine, request("a", prompt(9), max_tokens=20))
+    finally:
+        await engine.stop()
+    assert [len(o.token_ids) for o in outputs] == [1] * 20
+    stats = outputs[-1].spec_decode_stats
+    assert stats is not None and stats.num_drafts == 19 and stats.num_accepted_tokens == 0
 
 
 async def test_a_request_that_turns_speculation_off_decodes_one_token_a_step() -> None:

@@ -119,3 +119,25 @@ def _cumulative(probabilities: Sequence[float]) -> list[float]:
         total += p
         cdf.append(total)
     return cdf
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptanceChange:
+    """From `after_s` seconds after the engine started, drafts are accepted by `model`
+    (`--acceptance-rate-after`): a workload whose mix drifts, e.g. for the planner's
+    capacity model to follow."""
+
+    after_s: float
+    model: AcceptanceModel
+
+
+def acceptance_at(
+    initial: AcceptanceModel, changes: Sequence[AcceptanceChange], elapsed_s: float
+) -> AcceptanceModel:
+    """The model in force `elapsed_s` seconds after the start (`changes` by time)."""
+    current = initial
+    for change in changes:
+        if change.after_s > elapsed_s:
+            break
+        current = change.model
+    return current

@@ -25,7 +25,7 @@ from dynamo.llm.worker.roles import (
     disaggregation_mode_of,
     migration_limit_for,
 )
-from dynamo.mocker.acceptance import AcceptanceModel
+from dynamo.mocker.acceptance import AcceptanceChange, AcceptanceModel
 from dynamo.mocker.config import MockEngineConfig
 from dynamo.mocker.model_info import ModelInfo
 from dynamo.mocker.roles import add_disaggregation_arguments
@@ -184,6 +184,8 @@ class EngineFlags:
     )
     acceptance_rates: tuple[float, ...] = (0.7,)
     acceptance_distribution: tuple[float, ...] | None = None
+    # (seconds after the start, rates) of --acceptance-rate-after, in time order.
+    acceptance_after: tuple[tuple[float, tuple[float, ...]], ...] = ()
     timing: TimingModel = nested(TimingModel, group=TIMING_GROUP)
     eos_probability: float = setting(
         0.0,
@@ -213,11 +215,16 @@ class EngineFlags:
                 acceptance = AcceptanceModel.from_distribution(self.acceptance_distribution, k)
             else:
                 acceptance = AcceptanceModel.from_rates(self.acceptance_rates, k)
+            changes = tuple(
+                AcceptanceChange(after_s, AcceptanceModel.from_rates(rates, k))
+                for after_s, rates in sorted(self.acceptance_after)
+            )
             return fields_from(
                 MockEngineConfig,
                 self,
                 max_model_len=self.max_model_len or model.max_position_embeddings or 8192,
                 acceptance=acceptance,
+                acceptance_changes=changes,
                 vocab_size=model.vocab_size,
                 eos_token_ids=model.eos_token_ids,
                 special_token_ids=model.special_token_ids,
@@ -234,6 +241,18 @@ class MockerArgs:
     num_workers: int = 1
     system_port: int | None = None
     log_level: str = "INFO"
+
+
+def timed_rates(text: str) -> tuple[float, tuple[float, ...]]:
+    """`SECONDS:RATES` of --acceptance-rate-after."""
+    when, sep, rates = text.partition(":")
+    try:
+        after_s = float(when)
+    except ValueError:
+        after_s = -1.0
+    if not sep or after_s < 0:
+        raise argparse.ArgumentTypeError(f"expected SECONDS:RATES (e.g. 300:0.3), got {text!r}")
+    return after_s, float_list(rates)
 
 
 def float_list(text: str) -> tuple[float, ...]:
@@ -361,6 +380,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="Instead of rates: K+1 comma-separated weights of accepting exactly 0..K drafts "
         "(e.g. a measured acceptance histogram).",
     )
+    spec.add_argument(
+        "--acceptance-rate-after",
+        type=timed_rates,
+        action="append",
+        default=[],
+        metavar="SECONDS:RATES",
+        help="From SECONDS after the start, accept with these rates instead (one value, or K "
+        "comma-separated); repeat for several changes. A workload whose acceptance drifts, "
+        "e.g. 300:0.3 after five minutes.",
+    )
 
     return parser
 
@@ -375,6 +404,7 @@ def parse_args(argv: Sequence[str] | None = None) -> MockerArgs:
             ns,
             acceptance_rates=ns.acceptance_rate,
             acceptance_distribution=ns.acceptance_distribution,
+            acceptance_after=tuple(ns.acceptance_rate_after),
         )
     except ValueError as exc:  # the timing model refuses negative times
         raise ConfigError(str(exc)) from exc

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dynamo.llm.kv_router.hashing import num_blocks_spanned
-from dynamo.mocker.acceptance import AcceptanceModel
+from dynamo.mocker.acceptance import AcceptanceChange, AcceptanceModel
 from dynamo.mocker.timing import TimingModel
 
 
@@ -33,6 +33,8 @@ class MockEngineConfig:
     drops_last_prefix_block: bool = False
     # None: 0.7 per position (a typical Eagle-style draft) for the configured K.
     acceptance: AcceptanceModel | None = None
+    # Later acceptance models, each from its time after the start, in time order.
+    acceptance_changes: tuple[AcceptanceChange, ...] = ()
     timing: TimingModel = field(default_factory=TimingModel)
     # Probability that a generated token is the end-of-sequence token (0: never, so
     # requests run to max_tokens, the usual benchmark setting).
@@ -76,6 +78,11 @@ class MockEngineConfig:
                 f"the acceptance model is for K={self.acceptance.num_speculative_tokens}, "
                 f"the engine speculates K={k}"
             )
+        times = [change.after_s for change in self.acceptance_changes]
+        if times != sorted(times) or any(t < 0 for t in times):
+            raise ValueError(f"acceptance changes must come in time order from 0 s, got {times}")
+        if any(c.model.num_speculative_tokens != k for c in self.acceptance_changes):
+            raise ValueError(f"every acceptance change must be for the engine's K={k}")
 
     @property
     def acceptance_model(self) -> AcceptanceModel:

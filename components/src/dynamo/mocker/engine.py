@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from dynamo.llm.protocols import (
     LoadMetrics,
     PreprocessedRequest,
 )
+from dynamo.mocker.acceptance import acceptance_at
 from dynamo.mocker.config import MockEngineConfig
 from dynamo.mocker.counters import EngineCounters
 from dynamo.mocker.kv_cache import KvBlockPool
@@ -89,6 +91,7 @@ class MockEngine:
         self.config = config
         self.k = config.num_speculative_tokens
         self.acceptance = config.acceptance_model
+        self._started_at = time.monotonic()  # what --acceptance-rate-after counts from
         self.timing = config.timing
         self.pool = KvBlockPool.for_engine(config)  # with its host tier, if any (`host_tier`)
         self.sequences = ActiveSequences(config.block_size, self.k)
@@ -387,7 +390,13 @@ class MockEngine:
         transferred). The step-time model counts every decode at K: K is per engine."""
         if not state.speculative or not state.num_output:
             return None
-        return self.acceptance.sample(state.accept_rng) if self.k else 0
+        if not self.k:
+            return 0
+        model = self.acceptance
+        if self.config.acceptance_changes:
+            elapsed = time.monotonic() - self._started_at
+            model = acceptance_at(model, self.config.acceptance_changes, elapsed)
+        return model.sample(state.accept_rng)
 
     def _produce(self, state: MockRequest, accepted_drafts: int | None) -> None:
         """Generate this step's tokens for one request and account for their slots."""
