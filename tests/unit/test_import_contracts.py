@@ -59,6 +59,8 @@ VIOLATIONS = [
     ("dynamo/mocker/metrics.py", "import dynamo.frontend.openai.errors", "layers"),
     ("dynamo/frontend/openai/errors.py", "import vllm", "frontend-vllm"),
     ("dynamo/llm/acceptance.py", "import vllm", "core-vllm"),
+    ("dynamo/planner/policy.py", "import vllm", "core-vllm"),
+    ("dynamo/planner/policy.py", "import dynamo.mocker.engine", "layers"),
     ("dynamo/runtime/runtime.py", "import dynamo.nats_server", "nats-server-tool"),
     ("dynamo/frontend/openai/errors.py", "import dynamo.frontend.http.server", "frontend-stages"),
     (
@@ -73,7 +75,7 @@ VIOLATIONS = [
     ),
     ("dynamo/vllm/kv_transfer/layout.py", "import dynamo.vllm.serving.engine", "vllm-stages"),
     (
-        "dynamo/vllm/speculative/profile.py",
+        "dynamo/vllm/speculative/monitor.py",
         "import dynamo.vllm.training.eagle3.head",
         "vllm-stages",
     ),

@@ -3,9 +3,10 @@
 Claims: the PromQL metric-name extraction handles what our queries use (functions,
 matchers, ranges, grouping lists, histogram suffixes, Grafana variables); every metric the
 dashboard queries has a process that must export it (checked against live `/metrics` in
-tests/integration/deploy and tests/e2e/test_worker_speculative.py); the panels the
-deployment guide describes exist; compose mounts, provisioning and Prometheus targets
-agree with each other."""
+tests/integration/deploy and tests/e2e/test_worker_speculative.py; the planner's here,
+against its metrics registry, which declares every series it will ever export); the
+panels the deployment guide describes exist; compose mounts, provisioning and Prometheus
+targets agree with each other."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from typing import Any
 import pytest
 import yaml
 from deploy_support import DEPLOY
+from prometheus_client import generate_latest
 
+from dynamo.planner.metrics import PREFIX as PLANNER_PREFIX
+from dynamo.planner.metrics import PlannerMetrics
 from dynamo.testing.dashboard import (
     FRONTEND,
     MOCKER,
@@ -68,14 +72,31 @@ def test_exported_names_include_what_type_lines_promise() -> None:
     }
 
 
+def _planner_exports() -> set[str]:
+    """What the planner's `/metrics` can hold: its registry declares every family when
+    built (readings absent until measured still have their `# TYPE` line)."""
+    return exported_names(generate_latest(PlannerMetrics().registry).decode())
+
+
 def test_every_queried_metric_has_a_source() -> None:
     names = dashboard_metrics()
     assert len(names) >= 25
-    orphans = {name: panels for name, panels in names.items() if source_of(name) is None}
+    planner = _planner_exports()
+    orphans = {
+        name: panels
+        for name, panels in names.items()
+        if source_of(name) is None and name not in planner
+    }
     assert not orphans
     # Each source has metrics to be checked against it (else its test checks nothing).
     for source in (FRONTEND, MOCKER, VLLM_WORKER):
         assert names_from(source), source
+
+
+def test_the_planner_exports_every_planner_metric_of_the_dashboard() -> None:
+    wanted = {name for name in dashboard_metrics() if name.startswith(f"{PLANNER_PREFIX}_")}
+    assert f"{PLANNER_PREFIX}_sla_intervals_total" in wanted
+    assert sorted(wanted - _planner_exports()) == []
 
 
 # What the deployment guide promises a reader will find, and a metric each panel must use.
@@ -154,5 +175,6 @@ def test_compose_provisioning_and_prometheus_agree() -> None:
     frontend_targets = jobs["frontend"]["static_configs"][0]["targets"]
     assert frontend_targets == ["host.docker.internal:8000"]
     assert jobs["workers"]["static_configs"][0]["targets"]
+    assert jobs["planner"]["static_configs"][0]["targets"] == ["host.docker.internal:9400"]
     nats = services["nats"]
     assert "-js" in nats["command"] and "4222:4222" in nats["ports"]

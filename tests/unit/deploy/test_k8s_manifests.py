@@ -38,8 +38,24 @@ FRONTEND_PATHS = {"/health", "/live", "/metrics"}
 SYSTEM_SERVER_PATHS = {"/health", "/live", "/metrics"}
 
 
-def test_there_are_the_three_overlays() -> None:
-    assert OVERLAY_NAMES == ["aggregated", "aggregated-spec", "disaggregated"]
+def test_there_are_the_five_overlays() -> None:
+    assert OVERLAY_NAMES == [
+        "aggregated",
+        "aggregated-planner",
+        "aggregated-spec",
+        "disaggregated",
+        "disaggregated-planner",
+    ]
+
+
+def _disaggregated(overlay: str) -> bool:
+    """`disaggregated` and `disaggregated-planner`: prefill and decode Deployments."""
+    return overlay.startswith("disaggregated")
+
+
+def _with_planner(overlay: str) -> bool:
+    """The `*-planner` overlays add the planner (deploy/k8s/planner) to a topology."""
+    return overlay.endswith("-planner")
 
 
 @pytest.mark.parametrize("overlay", OVERLAY_NAMES)
@@ -48,13 +64,18 @@ def test_every_overlay_renders_the_whole_stack_into_one_namespace(overlay: str) 
     assert set(by_kind(docs, "StatefulSet")) == {"nats"}
     assert set(by_kind(docs, "Service")) == {"nats", "nats-headless", "frontend"}
     deployments = by_kind(docs, "Deployment")
-    expected = {"frontend", "worker"} | (
-        {"prefill-worker"} if overlay == "disaggregated" else set()
+    expected = (
+        {"frontend", "worker"}
+        | ({"prefill-worker"} if _disaggregated(overlay) else set())
+        | ({"planner"} if _with_planner(overlay) else set())
     )
     assert set(deployments) == expected
-    # One PodDisruptionBudget per workload, selecting exactly that workload's pods.
+    # One PodDisruptionBudget per serving workload, selecting exactly that workload's pods
+    # (the planner, one pod that serves no request, has none).
     budgets = by_kind(docs, "PodDisruptionBudget")
-    for name, workload in {**deployments, **by_kind(docs, "StatefulSet")}.items():
+    serving = {n: d for n, d in deployments.items() if n != "planner"}
+    assert set(budgets) == set(serving) | set(by_kind(docs, "StatefulSet"))
+    for name, workload in {**serving, **by_kind(docs, "StatefulSet")}.items():
         selector = budgets[name]["spec"]["selector"]["matchLabels"]
         assert selector == workload["spec"]["selector"]["matchLabels"]
         assert budgets[name]["spec"]["maxUnavailable"] == 1
@@ -114,6 +135,12 @@ def _frontend_parser() -> argparse.ArgumentParser:
     return build_parser()
 
 
+def _planner_parser() -> argparse.ArgumentParser:
+    from dynamo.planner.args import build_parser
+
+    return build_parser()
+
+
 def _workers(docs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], argparse.Namespace]]:
     """Each Deployment running `python -m dynamo.vllm`, with its parsed arguments."""
     parser = _worker_parser()
@@ -129,7 +156,7 @@ def _workers(docs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], argparse.
 @pytest.mark.parametrize("overlay", OVERLAY_NAMES)
 def test_termination_grace_outlasts_the_drain_timeout(overlay: str) -> None:
     workers = _workers(rendered(overlay))
-    assert len(workers) == (2 if overlay == "disaggregated" else 1)
+    assert len(workers) == (2 if _disaggregated(overlay) else 1)
     for deployment, args in workers:
         grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         assert grace >= args.drain_timeout + MIN_STOP_MARGIN_S, deployment["metadata"]["name"]
@@ -141,7 +168,7 @@ def test_worker_arguments_parse_and_match_the_topology(overlay: str) -> None:
     for args in workers.values():
         assert args.model.startswith("/models/"), "a model directory on the volume"
     worker = workers["worker"]
-    if overlay == "disaggregated":
+    if _disaggregated(overlay):
         assert worker.is_decode_worker and workers["prefill-worker"].is_prefill_worker
         for args in workers.values():
             assert args.kv_transfer_config.kv_connector == "NixlConnector"  # vLLM's config
@@ -192,6 +219,45 @@ def _check_pod(deployment: dict[str, Any], container: dict[str, Any], port: int,
     assert container["livenessProbe"]["httpGet"]["path"] == "/live"
 
 
+@pytest.mark.parametrize("overlay", [o for o in OVERLAY_NAMES if _with_planner(o)])
+def test_the_planner_sizes_this_topology_in_its_own_namespace(overlay: str) -> None:
+    """One planner on the kubernetes connector, for the overlay's topology, in the pod's
+    namespace (downward API), reading the frontend Service, its /metrics on a named port,
+    and allowed to scale exactly the Deployments its pools are."""
+    docs = rendered(overlay)
+    planner = by_kind(docs, "Deployment")["planner"]
+    assert planner["spec"]["replicas"] == 1
+    assert planner["spec"]["strategy"]["type"] == "Recreate"  # never two at once
+    (container,) = containers(planner)
+    args = _planner_parser().parse_args(module_args(container, "dynamo.planner"))
+    assert args.connector == "kubernetes"
+    assert args.topology == ("disaggregated" if _disaggregated(overlay) else "aggregated")
+    assert args.kubernetes_namespace == "$(POD_NAMESPACE)"
+    assert {
+        "name": "POD_NAMESPACE",
+        "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+    } in container["env"]
+    service = by_kind(docs, "Service")["frontend"]
+    assert args.frontend_url == [
+        f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    ]
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert named["metrics"] == args.metrics_port
+    annotations = planner["spec"]["template"]["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) == args.metrics_port
+    # The Role lets the planner's ServiceAccount scale the worker Deployments, no other.
+    pod = planner["spec"]["template"]["spec"]
+    binding = by_kind(docs, "RoleBinding")["planner"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": "dynamo"}
+    ]
+    rules = by_kind(docs, "Role")[binding["roleRef"]["name"]]["rules"]
+    (scale,) = [r for r in rules if r["resources"] == ["deployments/scale"]]
+    workers = {d["metadata"]["name"] for d, _ in _workers(docs)}
+    assert workers <= set(scale["resourceNames"]) <= workers | {"prefill-worker"}
+    assert sorted(scale["verbs"]) == ["get", "patch", "update"]
+
+
 # --------------------------------------------------------------------------- NATS
 
 
@@ -202,7 +268,11 @@ def test_every_component_lists_every_nats_node_and_replicates_on_all(overlay: st
     replicas = nats["spec"]["replicas"]
     headless = nats["spec"]["serviceName"]
     nodes = [f"nats://nats-{i}.{headless}:4222" for i in range(replicas)]
-    parsers = {"dynamo.vllm": _worker_parser(), "dynamo.frontend": _frontend_parser()}
+    parsers = {
+        "dynamo.vllm": _worker_parser(),
+        "dynamo.frontend": _frontend_parser(),
+        "dynamo.planner": _planner_parser(),
+    }
     seen = 0
     for deployment in by_kind(docs, "Deployment").values():
         for container in containers(deployment):
