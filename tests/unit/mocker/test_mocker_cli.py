@@ -121,6 +121,10 @@ def test_acceptance_changes_over_time_follow_the_flags() -> None:
     ]  # fmt: skip
     with pytest.raises(SystemExit):
         parse_args(["--acceptance-rate-after", "0.3"])  # no time
+    assert cfg.acceptance_epoch is None  # counted from the worker's start
+    args = parse_args(["--acceptance-rate-after", "5:0.2", "--acceptance-clock-start", "1.7e9"])
+    model = ModelInfo(Path("."), 500, (), frozenset(), None)
+    assert args.engine.engine_config(model).acceptance_epoch == 1.7e9
 
 
 def test_float_list_needs_a_number() -> None:

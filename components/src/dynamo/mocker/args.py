@@ -186,6 +186,7 @@ class EngineFlags:
     acceptance_distribution: tuple[float, ...] | None = None
     # (seconds after the start, rates) of --acceptance-rate-after, in time order.
     acceptance_after: tuple[tuple[float, tuple[float, ...]], ...] = ()
+    acceptance_epoch: float | None = None  # --acceptance-clock-start
     timing: TimingModel = nested(TimingModel, group=TIMING_GROUP)
     eos_probability: float = setting(
         0.0,
@@ -225,6 +226,7 @@ class EngineFlags:
                 max_model_len=self.max_model_len or model.max_position_embeddings or 8192,
                 acceptance=acceptance,
                 acceptance_changes=changes,
+                acceptance_epoch=self.acceptance_epoch,
                 vocab_size=model.vocab_size,
                 eos_token_ids=model.eos_token_ids,
                 special_token_ids=model.special_token_ids,
@@ -390,6 +392,14 @@ def build_parser() -> argparse.ArgumentParser:
         "comma-separated); repeat for several changes. A workload whose acceptance drifts, "
         "e.g. 300:0.3 after five minutes.",
     )
+    spec.add_argument(
+        "--acceptance-clock-start",
+        type=float,
+        default=None,
+        metavar="UNIX_TIME",
+        help="Count --acceptance-rate-after from this UNIX time instead of the worker's start, "
+        "so workers started at different times change together.",
+    )
 
     return parser
 
@@ -405,6 +415,7 @@ def parse_args(argv: Sequence[str] | None = None) -> MockerArgs:
             acceptance_rates=ns.acceptance_rate,
             acceptance_distribution=ns.acceptance_distribution,
             acceptance_after=tuple(ns.acceptance_rate_after),
+            acceptance_epoch=ns.acceptance_clock_start,
         )
     except ValueError as exc:  # the timing model refuses negative times
         raise ConfigError(str(exc)) from exc

@@ -35,6 +35,9 @@ class MockEngineConfig:
     acceptance: AcceptanceModel | None = None
     # Later acceptance models, each from its time after the start, in time order.
     acceptance_changes: tuple[AcceptanceChange, ...] = ()
+    # UNIX time the changes count from (several workers changing together); None: the
+    # engine's start.
+    acceptance_epoch: float | None = None
     timing: TimingModel = field(default_factory=TimingModel)
     # Probability that a generated token is the end-of-sequence token (0: never, so
     # requests run to max_tokens, the usual benchmark setting).

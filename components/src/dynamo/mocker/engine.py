@@ -394,7 +394,8 @@ class MockEngine:
             return 0
         model = self.acceptance
         if self.config.acceptance_changes:
-            elapsed = time.monotonic() - self._started_at
+            epoch = self.config.acceptance_epoch
+            elapsed = time.monotonic() - self._started_at if epoch is None else time.time() - epoch
             model = acceptance_at(model, self.config.acceptance_changes, elapsed)
         return model.sample(state.accept_rng)
 
