@@ -62,7 +62,8 @@ def _with_planner(overlay: str) -> bool:
 def test_every_overlay_renders_the_whole_stack_into_one_namespace(overlay: str) -> None:
     docs = rendered(overlay)
     assert set(by_kind(docs, "StatefulSet")) == {"nats"}
-    assert set(by_kind(docs, "Service")) == {"nats", "nats-headless", "frontend"}
+    planner_services = {"frontend-pods"} if _with_planner(overlay) else set()
+    assert set(by_kind(docs, "Service")) == {"nats", "nats-headless", "frontend"} | planner_services
     deployments = by_kind(docs, "Deployment")
     expected = (
         {"frontend", "worker"}
@@ -237,9 +238,15 @@ def test_the_planner_sizes_this_topology_in_its_own_namespace(overlay: str) -> N
         "name": "POD_NAMESPACE",
         "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
     } in container["env"]
-    service = by_kind(docs, "Service")["frontend"]
+    # Every frontend pod: a headless Service with the frontend's selector and port.
+    service, frontend = (
+        by_kind(docs, "Service")["frontend-pods"],
+        by_kind(docs, "Service")["frontend"],
+    )
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"] == frontend["spec"]["selector"]
     assert args.frontend_url == [
-        f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+        f"http://{service['metadata']['name']}:{frontend['spec']['ports'][0]['port']}"
     ]
     named = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert named["metrics"] == args.metrics_port

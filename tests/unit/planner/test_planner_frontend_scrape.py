@@ -24,6 +24,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from dynamo.planner.frontend_scrape import FrontendScraper, Reading, bucket_quantile
 from dynamo.planner.observation import TrafficWindow
+from dynamo.runtime.ports import free_port
 from dynamo.testing.clocks import FakeClock
 
 pytestmark = pytest.mark.unit
@@ -251,6 +252,34 @@ async def test_two_frontends_summed_and_other_models_ignored(clock: FakeClock) -
     assert window.mean_osl == pytest.approx(20)
     assert window.ttft_mean_s == pytest.approx((0.03 + 0.03 + 0.2) / 3)
     assert window.acceptance_length == pytest.approx((4 + 6) / 4)
+
+
+async def test_every_address_of_a_host_name_is_scraped(clock: FakeClock) -> None:
+    """A headless Service's name resolves to each frontend pod: all are scraped (an
+    ordinary Service would hand each scrape to one replica)."""
+    port = free_port()
+    frontends, runners = [FakeFrontend(), FakeFrontend()], []
+    try:
+        for frontend, host in zip(frontends, ("127.0.0.1", "127.0.0.2"), strict=True):
+            app = web.Application()
+            app.router.add_get("/metrics", frontend.metrics)
+            runners.append(web.AppRunner(app))
+            await runners[-1].setup()
+            await web.TCPSite(runners[-1], host, port).start()
+
+        async def resolve(host: str, _port: int) -> list[str]:
+            return ["127.0.0.1", "127.0.0.2"] if host == "frontends" else []
+
+        scraper = FrontendScraper([f"http://frontends:{port}"], MODEL, clock=clock, resolve=resolve)
+        assert await scraper.window() is None
+        frontends[0].series.served()
+        frontends[1].series.served()
+        frontends[1].series.served()
+        window = await next_window(scraper, clock)
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+    assert window.requests == 3
 
 
 async def test_a_restarted_frontend_counts_from_zero(clock: FakeClock) -> None:

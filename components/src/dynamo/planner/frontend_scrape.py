@@ -19,6 +19,10 @@ Rules that keep a window honest:
   scrape as its baseline: what it served meanwhile shows in the window where it answers
   again (that window then holds more than its `seconds` of that frontend's traffic; the
   alternative, dropping it, would hide traffic). Its outage is logged once.
+* A URL whose host name resolves to several addresses is scraped at each of them: a
+  Kubernetes headless Service names every frontend pod, where an ordinary Service would
+  hand each scrape to one replica of its choosing (half the traffic, a different half
+  each time). A name with one address is scraped as given.
 * The exposition is parsed by prometheus_client, and samples are looked up by their own
   names (`..._total`, `..._bucket`, `..._sum`, `..._count`, `..._created`): the parser
   names a counter's family without `_total` but its samples with it, and writes
@@ -31,11 +35,14 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import ipaddress
 import logging
 import math
+import socket
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -66,6 +73,17 @@ P90 = 0.9
 
 Clock = Callable[[], float]
 """Monotonic seconds; only differences between two readings matter."""
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+"""A host name and port → the IPv4 addresses to scrape."""
+
+
+async def resolve_ipv4(host: str, port: int) -> list[str]:
+    """Every IPv4 address of `host` (IPv4 only: "localhost" must not count twice)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(
+        host, port, family=socket.AF_INET, type=socket.SOCK_STREAM
+    )
+    return sorted({str(info[4][0]) for info in infos})
 
 
 class Part(enum.Enum):
@@ -275,6 +293,7 @@ class FrontendScraper:
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         clock: Clock = time.monotonic,
+        resolve: Resolver = resolve_ipv4,
     ) -> None:
         if not urls:
             raise ValueError("need at least one frontend URL")
@@ -282,6 +301,7 @@ class FrontendScraper:
         self.model = model
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._clock = clock
+        self._resolve = resolve
         self._baselines: dict[str, Scrape] = {}
         self._since: float | None = None  # when the previous answered call scraped
         self._down: set[str] = set()
@@ -290,10 +310,11 @@ class FrontendScraper:
         """The traffic since the previous call; None on the first call or when no
         frontend answered (the planner then has nothing new to go on)."""
         now = self._clock()
+        urls = [url for given in self.urls for url in await self._addresses(given)]
         async with aiohttp.ClientSession(timeout=self._timeout) as session:
-            scrapes = await asyncio.gather(*(self._scrape(session, url) for url in self.urls))
+            scrapes = await asyncio.gather(*(self._scrape(session, url) for url in urls))
         deltas: list[Scrape] = []
-        for url, scrape in zip(self.urls, scrapes, strict=True):
+        for url, scrape in zip(urls, scrapes, strict=True):
             if scrape is None:
                 continue
             before = self._baselines.get(url)
@@ -306,6 +327,26 @@ class FrontendScraper:
         if since is None:
             return None
         return traffic_window(totals(deltas), now - since)
+
+    async def _addresses(self, url: str) -> list[str]:
+        """`url` once per address of its host when it has several, else `url` itself (an
+        IP literal, a name with one address, or one that does not resolve now: its
+        scrape then fails and says so)."""
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        try:
+            ipaddress.ip_address(host)
+            return [url]
+        except ValueError:
+            pass
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            addresses = await self._resolve(host, port)
+        except OSError:
+            return [url]
+        if len(addresses) <= 1:
+            return [url]
+        return [urlunsplit(parts._replace(netloc=f"{a}:{port}")) for a in addresses]
 
     async def _scrape(self, session: aiohttp.ClientSession, url: str) -> Scrape | None:
         """One frontend's series, or None (logged once per outage) when it did not answer
