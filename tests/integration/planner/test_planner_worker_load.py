@@ -115,6 +115,7 @@ async def test_pools_fold_their_workers_latest_reports(
         mean_kv_usage=pytest.approx((0.5 + 0.3 + 0.1 + 0.2) / 4),
         total_blocks=800,
         k_in_force=3,
+        token_weighted_batch=pytest.approx((9 + 25 + 1) / 9),  # sum of b^2 over sum of b
     )
     assert watcher.load(PoolRole.PREFILL) == PoolLoad(
         workers=1,
@@ -123,6 +124,7 @@ async def test_pools_fold_their_workers_latest_reports(
         mean_kv_usage=pytest.approx(0.6),
         total_blocks=2000,
         k_in_force=None,
+        token_weighted_batch=2.0,
     )
     assert watcher.load(PoolRole.DECODE).mean_active == pytest.approx(9 / 4)
     assert watcher.stats.malformed == 0
@@ -140,11 +142,15 @@ async def test_stale_reports_are_left_out(
     clock.now += STALE_AFTER_S - 3.0  # worker 1's report is exactly stale_after_s old
     assert watcher.load(PoolRole.DECODE).workers == 2
     clock.now += 0.5
-    assert watcher.load(PoolRole.DECODE) == PoolLoad(workers=1, active_requests=5)
+    assert watcher.load(PoolRole.DECODE) == PoolLoad(
+        workers=1, active_requests=5, token_weighted_batch=5.0
+    )
 
     await report(workers_nc, namespace, DECODE, LoadMetrics(1, active_requests=2))
     await arrived(watcher, 3)
-    assert watcher.load(PoolRole.DECODE) == PoolLoad(workers=2, active_requests=7)
+    assert watcher.load(PoolRole.DECODE) == PoolLoad(
+        workers=2, active_requests=7, token_weighted_batch=pytest.approx(29 / 7)
+    )
     clock.now += STALE_AFTER_S + 1.0
     assert watcher.load(PoolRole.DECODE) == PoolLoad()
 
@@ -185,7 +191,9 @@ async def test_a_worker_that_left_ages_out(
     await arrived(watcher, watcher.stats.reports + 1)
 
     clock.now += STALE_AFTER_S - 0.5  # past the leaver's last report, not the stayer's
-    assert watcher.load(PoolRole.DECODE) == PoolLoad(workers=1, active_requests=4)
+    assert watcher.load(PoolRole.DECODE) == PoolLoad(
+        workers=1, active_requests=4, token_weighted_batch=4.0
+    )
 
 
 async def test_malformed_reports_are_counted(
@@ -198,7 +206,9 @@ async def test_malformed_reports_are_counted(
     await report(workers_nc, namespace, DECODE, LoadMetrics(1, active_requests=1))
     await arrived(watcher, 1)  # arrives after the three malformed ones
     assert watcher.stats.malformed == 3
-    assert watcher.load(PoolRole.DECODE) == PoolLoad(workers=1, active_requests=1)
+    assert watcher.load(PoolRole.DECODE) == PoolLoad(
+        workers=1, active_requests=1, token_weighted_batch=1.0
+    )
 
 
 def test_k_ties_go_to_the_larger_k() -> None:

@@ -98,6 +98,22 @@ def test_capacity_follows_the_measured_acceptance(eagle3: SpeculationProfile) ->
     assert model.capacity_tokens_per_s(0.1) > before
 
 
+def test_the_step_correction_reads_the_batch_the_tokens_saw(eagle3: SpeculationProfile) -> None:
+    """One busy worker and a new idle one: the measured ITL is the busy worker's (the idle
+    one emits no token), so the model must be compared at its batch, not the mean."""
+    plan = planner(eagle3, {PoolRole.DECODE: DISAGG[PoolRole.DECODE]})
+    busy, idle = 16, 0
+    load = PoolLoad(
+        workers=2, active_requests=busy + idle,
+        token_weighted_batch=(busy**2 + idle**2) / (busy + idle),
+    )  # fmt: skip
+    itl = plan.models.decode.itl_s(busy)  # exactly what the profile predicts at 16
+    seen = window(5, mean_isl=100.0, mean_osl=100.0, itl_mean_s=itl, itl_p90_s=itl)
+    for t in range(10):
+        plan.decide(Observation(seen, {PoolRole.DECODE: load}), {PoolRole.DECODE: 2}, t * 10.0)
+    assert plan.models.decode.correction == pytest.approx(1.0)
+
+
 def test_a_slower_served_step_lowers_capacity_within_bounds(eagle3: SpeculationProfile) -> None:
     model = DecodeModel(eagle3, False)
     before = model.capacity_tokens_per_s(0.1)
@@ -219,7 +235,11 @@ def test_demand_that_piles_up_counts_even_when_completions_cannot_grow(
 def test_falling_acceptance_adds_decode_workers(eagle3: SpeculationProfile) -> None:
     specs = {PoolRole.DECODE: DISAGG[PoolRole.DECODE]}
     plan = planner(eagle3, specs, speculative=True, fixed_k=3)
-    load = {PoolRole.DECODE: PoolLoad(workers=2, active_requests=40, k_in_force=3)}
+    load = {
+        PoolRole.DECODE: PoolLoad(
+            workers=2, active_requests=40, k_in_force=3, token_weighted_batch=20.0
+        )
+    }
     current = {PoolRole.DECODE: 2}
     good = window(9, mean_isl=100.0, mean_osl=100.0, acceptance_length=2.2)
     first = plan.decide(Observation(good, load), current, 0.0)

@@ -53,10 +53,12 @@ class PoolLoad:
     mean_kv_usage: float = 0.0  # 0..1
     total_blocks: int = 0  # KV blocks of one worker (the smallest reported), 0 unknown
     k_in_force: int | None = None  # draft tokens per step most workers run; None: no speculation
+    # Sum of squared running batches over their sum: the batch a generated token saw.
+    token_weighted_batch: float = 0.0
 
     @property
     def mean_active(self) -> float:
-        """Requests per worker: the decode batch the model is corrected at."""
+        """Requests per worker."""
         return self.active_requests / self.workers if self.workers else 0.0
 
 

@@ -122,7 +122,11 @@ class Planner:
             if self.decode_role is PoolRole.AGGREGATED:
                 share = self.models.prefill.utilisation(rate_per_prefill, isl)
                 slowdown = 1.0 / (1.0 - min(share, 0.9))
-            self.models.decode.observe_itl(traffic.itl_mean_s, decode_load.mean_active, slowdown)
+            # The frontends' mean ITL is per token: compare it at the batch a token saw,
+            # not the plain mean (an idle worker just started would pull that down and
+            # make every step look slower than modelled).
+            batch = decode_load.token_weighted_batch
+            self.models.decode.observe_itl(traffic.itl_mean_s, batch, slowdown)
             if traffic.itl_p90_s is not None and traffic.itl_mean_s > 0:
                 ratio = max(1.0, traffic.itl_p90_s / traffic.itl_mean_s)
                 self.itl_tail_ratio = (

@@ -134,8 +134,11 @@ async def _one_interval(
     metrics: PlannerMetrics,
 ) -> None:
     window = await scraper.window()
-    if window is None:  # no frontend answered: nothing to decide from
-        window = TrafficWindow(seconds=config.loop.interval_s)
+    if window is None:
+        # No frontend answered: no traffic measured is not no traffic, so every pool is
+        # held as it is (the scraper has logged which frontends are down).
+        log.warning("no frontend answered its /metrics: replicas held this interval")
+        return
     seen = Observation(window, {role: loads.load(role) for role in config.pools})
     current = {role: await connector.replicas(role) for role in config.pools}
     decision = planner.decide(seen, current, time.monotonic())

@@ -74,13 +74,18 @@ def pool_load(reports: list[LoadMetrics]) -> PoolLoad:
 
     `total_blocks` is the smallest positive one (the worker that fills up first bounds
     what a request may need); `k_in_force` the K most workers run, ties going to the
-    larger K so the answer does not depend on the order reports arrived in."""
+    larger K so the answer does not depend on the order reports arrived in;
+    `token_weighted_batch` the batch a generated token saw on average (a worker running
+    `b` requests emits `b` times the tokens of one running one, so the frontends' mean
+    ITL is a mean over workers weighted by `b`: `sum(b^2) / sum(b)`)."""
     if not reports:
         return PoolLoad()
     blocks = [m.total_blocks for m in reports if m.total_blocks > 0]
     ks = collections.Counter(
         m.num_speculative_tokens for m in reports if m.num_speculative_tokens is not None
     )
+    running = sum(m.active_requests for m in reports)
+    squares = sum(m.active_requests**2 for m in reports)
     return PoolLoad(
         workers=len(reports),
         active_requests=sum(m.active_requests for m in reports),
@@ -88,6 +93,7 @@ def pool_load(reports: list[LoadMetrics]) -> PoolLoad:
         mean_kv_usage=statistics.fmean(m.kv_usage for m in reports),
         total_blocks=min(blocks, default=0),
         k_in_force=max(ks, key=lambda k: (ks[k], k)) if ks else None,
+        token_weighted_batch=squares / running if running else 0.0,
     )
 
 
