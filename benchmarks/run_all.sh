@@ -106,6 +106,9 @@ serving disagg_split '^disaggregated vs aggregated' disagg_bench.py --json --spl
 # Always-remote vs conditional prefill on a mocker fleet and on 1 prefill + 1 decode vLLM,
 # and TTFT against prompt length (the default --disagg-local-prefill-tokens).
 serving disagg_conditional '^== mocker: always-remote' conditional_disagg_bench.py --json --sweep
+# The SLA planner against fleets sized for the trace's mean and peak (mocker workers fitted
+# to the embedded model's profile); 4-minute traces here, docs/benchmarks.md's are longer.
+serving planner '^topology  *setup' planner_bench.py --json --minutes 4 --speculation-minutes 3
 serving structured_output '^structured output vs' structured_output_bench.py --json
 serving beam_search '^beam search: this stack' beam_search_bench.py --json
 serving spec_decode '^speculative decoding vs none' spec_decode_bench.py --json

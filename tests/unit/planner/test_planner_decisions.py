@@ -135,6 +135,16 @@ def test_prefill_ttft_grows_with_load_and_saturates() -> None:
     assert model.ttft_s(1 / service, 200) == math.inf
 
 
+def test_a_steady_ttft_measurement_settles_the_prefill_correction() -> None:
+    """The correction moves toward measured over the profile's TTFT, not over the already
+    corrected one (which would compound it interval after interval)."""
+    model = PrefillModel(ms_per_token=2.0)
+    measured = 1.6 * model.ttft_s(0.5, 200, p90=False)
+    for _ in range(40):
+        model.observe_ttft(measured, 0.5, 200)
+    assert model.correction == pytest.approx(1.6, rel=0.01)
+
+
 def test_the_mocker_fit_reproduces_the_profile(eagle3: SpeculationProfile) -> None:
     plain = fit_mocker_timing(eagle3, speculative=False)
     assert plain.worst_relative_error < 0.1

@@ -178,8 +178,10 @@ class PrefillModel:
         return service + (P90_WAIT_FACTOR if p90 else 1.0) * wait
 
     def observe_ttft(self, ttft_mean_s: float, rate_per_worker: float, isl: float) -> None:
-        """Fold in a measured mean TTFT at a measured rate per worker and prompt length."""
-        modelled = self.ttft_s(rate_per_worker, isl, p90=False)
+        """Fold in a measured mean TTFT at a measured rate per worker and prompt length:
+        the correction moves toward measured over the profile's (uncorrected) TTFT."""
+        profiled = PrefillModel(self.ms_per_token, self.fixed_ms)
+        modelled = profiled.ttft_s(rate_per_worker, isl, p90=False)
         if not 0 < modelled < float("inf") or ttft_mean_s <= 0:
             return
         self.correction = _smooth(self.correction, ttft_mean_s / modelled)

@@ -164,6 +164,15 @@ def _correction(planner: Planner, role: PoolRole) -> float:
     return planner.models.decode.correction
 
 
+def _corrections(planner: Planner, role: PoolRole) -> str:
+    """The model corrections that size `role` (an aggregated pool has both)."""
+    decode = f"step x{planner.models.decode.correction:.2f}"
+    prefill = f"prefill x{planner.models.prefill.correction:.2f}"
+    if role is PoolRole.AGGREGATED:
+        return f"{decode}, {prefill}, ITL p90/mean {planner.itl_tail_ratio:.2f}"
+    return prefill if role is PoolRole.PREFILL else decode
+
+
 def describe(
     window: TrafficWindow, decision: Decision, current: dict[PoolRole, int], planner: Planner
 ) -> str:
@@ -180,7 +189,7 @@ def describe(
     pools = "; ".join(
         f"{role}: {current[role]} -> {decision.targets[role]}"
         f" (needs {need.replicas}{', unmet at max' if need.unmet else ''},"
-        f" {need.capacity_rps:.2f} req/s per worker, correction {_correction(planner, role):.2f})"
+        f" {need.capacity_rps:.2f} req/s per worker, {_corrections(planner, role)})"
         for role, need in decision.needs.items()
     )
     return f"{seen} | forecast {decision.forecast.request_rate:.2f} req/s | {pools}"
