@@ -114,6 +114,12 @@ PANELS = {
     "Acceptance per draft position": "vllm:spec_decode_num_accepted_tokens_per_pos_total",
     "Migrations and retries": "dynamo_frontend_migrations_total",
     "Rejections and disconnects": "dynamo_frontend_rejected_requests_total",
+    "Replicas per pool (planner)": "dynamo_planner_replicas_target",
+    "Request rate, observed and forecast (planner)": "dynamo_planner_request_rate_forecast",
+    "SLA attainment (planner)": "dynamo_planner_sla_intervals_total",
+    "TTFT p90 vs target (planner)": "dynamo_planner_ttft_p90_seconds",
+    "ITL p90 vs target (planner)": "dynamo_planner_itl_p90_seconds",
+    "Worker capacity and acceptance (planner)": "dynamo_planner_worker_capacity_rps",
 }
 
 
