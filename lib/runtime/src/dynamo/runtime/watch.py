@@ -50,6 +50,9 @@ OnDelete = Callable[[str], None]
 # broker restart, and not a flood while a cluster elects a stream leader.
 WATCH_RETRY = Backoff(initial_s=0.5, maximum_s=2.0)
 
+STOP_TIMEOUT_S = 5.0
+"""Longest the old watch may take to stop before its replacement is placed anyway."""
+
 WATCH_RESYNC_S = 30.0
 """How often the runtime's watchers place their watch again (`BucketWatcher.resync_s`):
 the bound on how long a delete the live watch missed goes unseen, before the grace. A new
@@ -162,12 +165,22 @@ class BucketWatcher:
                     self._put(entry.key, entry.value or b"")
         finally:
             restart.cancel()
+            # Bounded: a stop that never returns would stall this loop for good, and with
+            # it every later watch (and resync) of the bucket.
             with contextlib.suppress(Exception):
-                await watcher.stop()
+                await asyncio.wait_for(watcher.stop(), STOP_TIMEOUT_S)
 
     def _apply_snapshot(self, snapshot: dict[str, bytes]) -> None:
         self._snapshots += 1
         rewatch = self._synced.is_set() and self.missing_grace_s > 0
+        if self._synced.is_set():
+            missed = [k for k, v in snapshot.items() if self.entries.get(k) != v]
+            gone = [k for k in self.entries if k not in snapshot]
+            if missed or gone:  # what the live watch did not say (or a reconnect hid)
+                log.info(
+                    "watch of %s/%s placed again: %d key(s) new or changed, %d missing",
+                    self.bucket, self.key_filter, len(missed), len(gone),
+                )  # fmt: skip
         for key in [k for k in self.entries if k not in snapshot]:
             if rewatch:
                 self._expect_back(key)
