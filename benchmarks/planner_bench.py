@@ -471,11 +471,13 @@ def run(args: argparse.Namespace) -> int:
     named = {"both": ("aggregated", "disaggregated"), "none": ()}
     topologies = [Topology(t) for t in named.get(args.topology, (args.topology,))]
     results: list[SetupResult] = []
+    errors: dict[str, dict[str, float]] = {}
     with log_dir("planner-bench", keep=args.keep_logs) as logs, nats_server(logs) as nats:
         for topology in topologies:
             peak = args.peak_rps or peak_for(topology, args, profile)
             mean = peak * mean_fraction()
             times = arrivals(args.minutes * 60, peak, args.seed)
+            errors[topology.value] = forecast_errors(times, args.minutes * 60)
             sized = {"static-mean": fleet_for(topology, mean, args, profile),
                      "static-peak": fleet_for(topology, peak, args, profile)}  # fmt: skip
             print(
@@ -494,13 +496,6 @@ def run(args: argparse.Namespace) -> int:
                 report(results[-1])
         spec = run_speculation(args, profile, nats.url, logs) if args.speculation_minutes else None
     print_table(results)
-    errors = {
-        topology.value: forecast_errors(
-            arrivals(args.minutes * 60, args.peak_rps or peak_for(topology, args, profile), args.seed),
-            args.minutes * 60,
-        )
-        for topology in topologies
-    }  # fmt: skip
     print(
         f"forecast of the next {INTERVAL_S:g} s's arrival rate, mean absolute error (req/s): {errors}"
     )
