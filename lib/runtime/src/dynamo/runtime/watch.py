@@ -173,15 +173,15 @@ class BucketWatcher:
     def _apply_snapshot(self, snapshot: dict[str, bytes]) -> None:
         self._snapshots += 1
         rewatch = self._synced.is_set() and self.missing_grace_s > 0
+        gone = [k for k in self.entries if k not in snapshot]
         if self._synced.is_set():
             missed = [k for k, v in snapshot.items() if self.entries.get(k) != v]
-            gone = [k for k in self.entries if k not in snapshot]
             if missed or gone:  # what the live watch did not say (or a reconnect hid)
                 log.info(
                     "watch of %s/%s placed again: %d key(s) new or changed, %d missing",
                     self.bucket, self.key_filter, len(missed), len(gone),
                 )  # fmt: skip
-        for key in [k for k in self.entries if k not in snapshot]:
+        for key in gone:
             if rewatch:
                 self._expect_back(key)
             else:
